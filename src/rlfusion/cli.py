@@ -1,0 +1,129 @@
+"""The `rlfusion` command: parse, build, run, close. User mistakes end in one error line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def default_base_path(model: str = "tiny") -> Path:
+    """Where the pretrained base model is cached (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
+    root = Path(os.environ.get("RLFUSION_CACHE", Path.home() / ".cache" / "rlfusion"))
+    return root / f"base-{model}"
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from rlfusion.model.config import get_preset
+
+    cfg = get_preset(args.model)
+    print(f"model {args.model}")
+    for key, value in dataclasses.asdict(cfg).items():
+        print(f"  {key:<22} {value}")
+    counts = cfg.param_counts()
+    print("parameters")
+    for key, value in counts.items():
+        print(f"  {key:<22} {value:>18,}  ({_human(value)})")
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    from rlfusion.config import load_config
+    from rlfusion.pretrain import PretrainConfig, pretrain
+
+    cfg = load_config(PretrainConfig, args.config, args.overrides)
+    out = Path(cfg.out) if cfg.out else default_base_path(cfg.model)
+    result = pretrain(cfg, out)
+    print(f"pretrained {cfg.model}: {result.steps} steps, {result.tokens:,} tokens in "
+          f"{result.seconds:.0f}s ({result.tokens / result.seconds:,.0f} tokens/s); "
+          f"held-out greedy accuracy {result.eval.accuracy:.1%} on {result.eval.num_problems} "
+          f"problems; checkpoint {result.path}")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from rlfusion.evaluate import evaluate
+    from rlfusion.model.checkpoint import load_checkpoint
+    from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+
+    path = Path(args.ckpt) if args.ckpt else default_base_path()
+    model, tokenizer, _ = load_checkpoint(path)
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {path} has no tokenizer; it was not saved by rlfusion pretrain")
+    task = ArithmeticTask(ArithmeticConfig(seed=args.task_seed))
+    if not 1 <= args.n <= task.config.num_heldout:
+        raise ValueError(f"--n={args.n} must be in [1, {task.config.num_heldout}]")
+    result = evaluate(model, tokenizer, task.heldout()[:args.n], task.reward, k=args.k)
+    line = (f"held-out greedy accuracy {result.accuracy:.1%} on {result.num_problems} problems "
+            f"(mean response {result.mean_response_tokens:.1f} tokens)")
+    if result.pass_at_k is not None:
+        line += f"; pass@{args.k} {result.pass_at_k:.1%}"
+    print(line)
+    if args.json:
+        print(json.dumps(result.__dict__))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfusion", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="print a model preset and its parameter counts")
+    p.add_argument("--model", default="tiny")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("pretrain", help="train the tiny base model on the built-in task")
+    p.add_argument("config", nargs="?", help="TOML file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seed=1 time_budget_s=120")
+    p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("eval", help="held-out greedy accuracy of a checkpoint")
+    p.add_argument("--ckpt", help="checkpoint folder (default: the cached base model)")
+    p.add_argument("--n", type=int, default=500, help="number of held-out problems")
+    p.add_argument("--k", type=int, default=0, help="also report pass@k with k samples")
+    p.add_argument("--task-seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    _register_optional(sub)
+    return parser
+
+
+def _register_optional(sub) -> None:
+    """Commands of packages that may be absent in a trimmed install (the planner/simulator)."""
+    try:
+        from rlfusion.sim import cli as sim_cli
+    except ImportError:
+        return
+    for name in ("register_plan_command", "register_simulate_command"):
+        if hasattr(sim_cli, name):
+            getattr(sim_cli, name)(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "pretrain" and args.config and "=" in args.config:
+        args.overrides.insert(0, args.config)  # first override taken for the optional TOML path
+        args.config = None
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"rlfusion {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rlfusion {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

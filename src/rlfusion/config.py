@@ -1,0 +1,101 @@
+"""Typed configs from TOML files plus `key=value` overrides.
+
+Every component owns a frozen dataclass that validates itself in `__post_init__`. This module only
+turns text into those dataclasses: nested tables map to nested dataclasses, dotted keys
+(`engine.max_num_seqs=32`) reach into them, and a wrong key, type or value is one `ValueError`
+line that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
+    """Build `cls` from an optional TOML file, then apply `key=value` overrides in order."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        _set_dotted(data, key.strip(), _parse_scalar(raw.strip()))
+    return from_dict(cls, data)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config key {prefix + unknown[0]!r}; allowed: "
+                         f"{', '.join(prefix + k for k in fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, prefix + name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"config {prefix or cls.__name__}: {e}") from None
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The resolved config as plain data (for run folders and summaries)."""
+    return dataclasses.asdict(obj)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(hint)):
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key!r} must be a table, got {value!r}")
+        return from_dict(hint, value, prefix=key + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key {key!r} must be a list, got {value!r}")
+        (item,) = typing.get_args(hint)[:1]
+        return tuple(_coerce(item, v, key) for v in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not (type(value) is hint):
+        raise ValueError(f"config key {key!r} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _parse_scalar(raw: str) -> Any:
+    """Parse an override value as TOML (`3`, `1e-3`, `true`, `"x"`, `[1, 2]`); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+        if not isinstance(data, dict):
+            raise ValueError(f"override {key!r}: {part!r} is not a table")
+    data[leaf] = value

@@ -1,0 +1,91 @@
+"""The rollout engine: continuous batching over a scheduler (decides) and a runner (computes).
+
+Each `step()` asks the scheduler for a plan, runs it, appends one token to every scheduled
+sequence and retires the ones that hit a stop token or their length limit. `abort()` returns
+partial outputs that `Request.resume()` continues later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfusion.engine.runner import ModelRunner
+from rlfusion.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from rlfusion.engine.types import Completion, Request
+from rlfusion.model.transformer import MoETransformer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_seq_len: int | None = None  # default: the model's context length
+    seed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: MoETransformer, config: EngineConfig = EngineConfig()):
+        max_len = config.max_seq_len or model.config.max_seq_len
+        if max_len > model.config.max_seq_len:
+            raise ValueError(f"engine.max_seq_len={max_len} exceeds the model's context length "
+                             f"{model.config.max_seq_len}")
+        self.config = config
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
+                                                   config.max_num_batched_tokens, max_len))
+        self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed)
+        self.policy_version = 0  # stamped on every generated token
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Completion]:
+        """Run one scheduling step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        tokens, logprobs = self.runner.execute(plan)
+        self.num_steps += 1
+        finished = []
+        for seq, token, logprob in zip(plan.decode + plan.prefill, tokens, logprobs):
+            req = seq.request
+            req.output_ids.append(token)
+            req.logprobs.append(logprob)
+            req.versions.append(self.policy_version)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq)
+                finished.append(_completion(seq, reason))
+        return finished
+
+    def abort(self, request_ids) -> list[Completion]:
+        """Stop the given requests now; their partial outputs come back with reason `aborted`."""
+        return [_completion(s, "aborted") for s in self.scheduler.abort(set(request_ids))]
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run the given requests to completion; results in the order of `requests`."""
+        for req in requests:
+            self.add_request(req)
+        done: dict[str, Completion] = {}
+        while self.has_unfinished():
+            for c in self.step():
+                done[c.request_id] = c
+        return [done[r.request_id] for r in requests]
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.params
+        if token in params.stop_ids:
+            return "stop"
+        if (len(seq.request.output_ids) >= params.max_new_tokens
+                or seq.num_tokens >= self.runner.max_seq_len):
+            return "length"
+        return None
+
+
+def _completion(seq: Sequence, reason: str) -> Completion:
+    r = seq.request
+    return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), list(r.logprobs),
+                      list(r.versions), reason, r.params)

@@ -1,0 +1,72 @@
+"""Model runner: owns the KV cache and executes a `StepPlan` — moves, prefill, decode, sampling.
+
+The runner never decides what runs; it turns the scheduler's plan into tensors.
+
+Legend: B rows, T tokens per row, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlfusion.engine.sampling import sample
+from rlfusion.engine.scheduler import Sequence, StepPlan
+from rlfusion.model.kv_cache import CacheBatch
+from rlfusion.model.transformer import MoETransformer
+
+
+class ModelRunner:
+    def __init__(self, model: MoETransformer, num_slots: int, max_seq_len: int, seed: int = 0):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.cache = model.new_kv_cache(num_slots, max_seq_len)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def release_cache(self) -> None:
+        """Free the KV cache memory (e.g. before a training phase); `allocate_cache` restores it."""
+        self.cache = None
+
+    def allocate_cache(self) -> None:
+        if self.cache is None:
+            self.cache = self.model.new_kv_cache(self.num_slots, self.max_seq_len)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+        """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`."""
+        for src, dst in plan.moves:
+            self.cache.move_slot(src, dst)
+        logits = []
+        if plan.decode:
+            logits.append(self._decode(plan.decode))
+        if plan.prefill:
+            logits.append(self._prefill(plan.prefill, slot_start=len(plan.decode)))
+        seqs = plan.decode + plan.prefill
+        tokens_B, logprobs_B = sample(torch.cat(logits), [s.request.params for s in seqs],
+                                      self.generator)
+        return tokens_B.tolist(), logprobs_B.tolist()
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        tokens_B1 = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
+        start_B = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        logits_B1V = self.model(tokens_B1, CacheBatch(self.cache, 0, start_B))
+        for s in seqs:
+            s.num_cached += 1
+        return logits_B1V[:, -1]
+
+    def _prefill(self, seqs: list[Sequence], slot_start: int) -> torch.Tensor:
+        # Right-padded batch; causal masking keeps real tokens from seeing the padding, and the
+        # padding's cache entries are overwritten before any real token can attend to them.
+        lengths = [s.num_tokens for s in seqs]
+        tokens_BT = torch.zeros(len(seqs), max(lengths), dtype=torch.long, device=self.device)
+        for b, s in enumerate(seqs):
+            tokens_BT[b, :lengths[b]] = torch.tensor(s.token_ids)
+        start_B = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        logits_BTV = self.model(tokens_BT, CacheBatch(self.cache, slot_start, start_B))
+        for s, n in zip(seqs, lengths):
+            s.num_cached = n
+        last_B = torch.tensor(lengths, device=self.device) - 1
+        return logits_BTV[torch.arange(len(seqs), device=self.device), last_B]

@@ -1,0 +1,125 @@
+"""Continuous-batching scheduler: decides which sequences run each step. Pure Python, no tensors.
+
+Running sequences occupy KV-cache slots `[0, num_running)` with no holes. When one leaves, the
+sequence in the last slot moves into the hole; the moves are part of the next `StepPlan`, so the
+runner always decodes a contiguous block of rows (a view of the cache, no gather). New requests
+are admitted into the slots after the running block, up to `max_num_seqs` sequences and a
+per-step token budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlfusion.engine.types import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096  # prefill + decode tokens in one step
+    max_seq_len: int = 256  # KV-cache positions per slot
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class Sequence:
+    """Mutable per-request state while a request is in the engine."""
+
+    request: Request
+    slot: int = -1
+    num_cached: int = 0  # tokens whose keys/values are in the cache
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.request.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.request.output_ids)
+
+
+@dataclass
+class StepPlan:
+    """One engine step: cache-row moves, then a prefill pass over new rows, then a decode pass.
+
+    `decode` sequences occupy slots `[0, len(decode))`; `prefill` sequences occupy the slots
+    right after them, in order.
+    """
+
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # index == slot
+        self._pending_moves: list[tuple[int, int]] = []
+
+    def add(self, request: Request) -> None:
+        seq = Sequence(request)
+        if seq.num_tokens >= self.config.max_seq_len:
+            raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens; the "
+                             f"KV cache holds {self.config.max_seq_len} per sequence")
+        if seq.num_tokens + 1 > self.config.max_num_batched_tokens:
+            raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens, more "
+                             f"than max_num_batched_tokens={self.config.max_num_batched_tokens}")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(moves=self._pending_moves, decode=list(self.running))
+        self._pending_moves = []
+        budget = self.config.max_num_batched_tokens - len(plan.decode)
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_tokens > budget:
+                break
+            self.waiting.popleft()
+            budget -= seq.num_tokens
+            seq.slot = len(self.running)
+            self.running.append(seq)
+            plan.prefill.append(seq)
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Release `seq`'s slot; the last running sequence moves into it."""
+        slot = seq.slot
+        assert self.running[slot] is seq, "slot bookkeeping out of sync"
+        last = self.running.pop()
+        if last is not seq:
+            self.running[slot] = last
+            last.slot = slot
+            self._pending_moves.append((len(self.running), slot))
+        seq.slot = -1
+
+    def abort(self, request_ids: set[str]) -> list[Sequence]:
+        """Remove the given requests wherever they are; returns the removed sequences."""
+        removed = [s for s in self.waiting if s.request_id in request_ids]
+        self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
+        for seq in [s for s in self.running if s.request_id in request_ids]:
+            self.finish(seq)
+            removed.append(seq)
+        return removed

@@ -1,0 +1,71 @@
+"""Typed contracts of the rollout engine: sampling parameters, requests and completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "aborted")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. `temperature == 0` means greedy; `top_k == 0` and `top_p == 1` disable
+    those filters. Log-probabilities are reported under the temperature-scaled distribution
+    (before top-k/top-p truncation), which is the policy an RL loss differentiates."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass
+class Request:
+    """A prompt to complete. `output_ids` (with `logprobs` and `versions`) are tokens already
+    generated before an abort: resubmitting them continues the sequence where it stopped, and
+    `max_new_tokens` counts them too."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(f"request {self.request_id!r}: output_ids, logprobs and versions "
+                             "must have the same length")
+
+    @classmethod
+    def resume(cls, completion: "Completion") -> "Request":
+        """Continue an aborted completion."""
+        return cls(completion.request_id, list(completion.prompt_ids), completion.params,
+                   list(completion.output_ids), list(completion.logprobs), list(completion.versions))
+
+
+@dataclass
+class Completion:
+    """What the engine returns: every generated token with its log-probability under the sampling
+    distribution and the policy version that produced it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # one of FINISH_REASONS
+    params: SamplingParams = field(default_factory=SamplingParams)

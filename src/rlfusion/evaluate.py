@@ -1,0 +1,59 @@
+"""Held-out evaluation: greedy accuracy (and optional pass@k) of a model on a task's problems.
+
+Generation goes through the rollout engine, so evaluation exercises the same path as RL rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rlfusion.engine.engine import EngineConfig, LLMEngine
+from rlfusion.engine.types import Request, SamplingParams
+from rlfusion.model.tokenizer import Tokenizer
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.rl.problem import Problem
+
+RewardFn = Callable[[str, Problem], float]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float  # greedy, fraction of problems with reward 1
+    num_problems: int
+    mean_response_tokens: float
+    pass_at_k: float | None = None  # fraction solved by at least one of k samples
+    k: int = 0
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    return [tokenizer.bos_id] + tokenizer.encode(prompt)
+
+
+def evaluate(model: MoETransformer, tokenizer: Tokenizer, problems: list[Problem],
+             reward_fn: RewardFn, max_new_tokens: int = 200, k: int = 0,
+             max_num_seqs: int = 128, seed: int = 0) -> EvalResult:
+    was_training = model.training
+    model.eval()
+    max_new = min(max_new_tokens, model.config.max_seq_len - 1
+                  - max(len(encode_prompt(tokenizer, p.prompt)) for p in problems))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_ids=(tokenizer.eos_id,))
+    rewards, lengths = _score(model, tokenizer, problems, reward_fn, greedy, 1, max_num_seqs, seed)
+    pass_k = None
+    if k > 0:
+        sampled = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_ids=(tokenizer.eos_id,))
+        rewards_k, _ = _score(model, tokenizer, problems, reward_fn, sampled, k, max_num_seqs, seed)
+        pass_k = sum(max(rewards_k[i * k:(i + 1) * k]) > 0 for i in range(len(problems))) / len(problems)
+    model.train(was_training)
+    return EvalResult(sum(r > 0 for r in rewards) / len(problems), len(problems),
+                      sum(lengths) / len(lengths), pass_k, k)
+
+
+def _score(model, tokenizer, problems, reward_fn, params, k, max_num_seqs, seed):
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, seed=seed))
+    requests = [Request(f"{i}/{j}", encode_prompt(tokenizer, p.prompt), params)
+                for i, p in enumerate(problems) for j in range(k)]
+    completions = engine.generate(requests)
+    rewards = [reward_fn(tokenizer.decode(c.output_ids), problems[i // k])
+               for i, c in enumerate(completions)]
+    return rewards, [len(c.output_ids) for c in completions]

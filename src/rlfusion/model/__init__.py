@@ -1,0 +1,1 @@
+"""The MoE decoder, its presets, tokenizers and checkpoints. Knows nothing about parallelism or RL."""

@@ -1,0 +1,73 @@
+"""The preallocated KV cache and the description of which rows a forward pass uses.
+
+The cache is a set of per-layer buffers with one row (slot) per running sequence; what a layer
+stores per token is the attention module's choice (GQA: keys and values; MLA: the compressed
+latent and the shared RoPE key). The rollout engine decides which slots a pass reads and writes;
+the model only follows a `CacheBatch`.
+
+Legend: S slots, L max cached positions, B rows in this pass, T new tokens per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    """Per-layer buffers shaped `[S, L, ...]`, allocated once."""
+
+    def __init__(self, layer_buffers: list[tuple[torch.Tensor, ...]], num_slots: int, max_len: int):
+        self.layers = layer_buffers
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy every layer's row `src` into row `dst` (used to keep running rows contiguous)."""
+        for buffers in self.layers:
+            for buf in buffers:
+                buf[dst].copy_(buf[src])
+
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in self.layers for b in bufs)
+
+
+@dataclass
+class CacheBatch:
+    """A forward pass over cache rows `[slot_start, slot_start + B)`.
+
+    Row b's new tokens sit at absolute positions `start_pos_B[b] + t`. Their keys/values are
+    written into the cache, and each token attends to every cached position up to its own.
+    """
+
+    cache: KVCache
+    slot_start: int
+    start_pos_B: torch.Tensor  # int64 [B]
+
+
+@dataclass
+class AttnContext:
+    """Per-pass values shared by every layer (computed once in the model's forward)."""
+
+    pos_BT: torch.Tensor  # absolute position of each new token
+    cache: KVCache | None = None
+    slot_start: int = 0
+    kv_len: int = 0  # number of cached positions to attend over
+    mask_B1TL: torch.Tensor | None = None  # True where a query may attend to a cached key
+
+    @classmethod
+    def build(cls, num_rows: int, num_tokens: int, batch: CacheBatch | None,
+              device: torch.device) -> "AttnContext":
+        steps_T = torch.arange(num_tokens, device=device)
+        if batch is None:
+            return cls(pos_BT=steps_T.unsqueeze(0).expand(num_rows, -1))
+        pos_BT = batch.start_pos_B.to(device).unsqueeze(1) + steps_T
+        kv_len = int(pos_BT.max()) + 1
+        if kv_len > batch.cache.max_len:
+            raise ValueError(f"sequence position {kv_len - 1} exceeds the KV cache length "
+                             f"{batch.cache.max_len}")
+        keys_L = torch.arange(kv_len, device=device)
+        mask = keys_L.view(1, 1, 1, -1) <= pos_BT.unsqueeze(1).unsqueeze(-1)
+        return cls(pos_BT=pos_BT, cache=batch.cache, slot_start=batch.slot_start,
+                   kv_len=kv_len, mask_B1TL=mask)

@@ -1,0 +1,108 @@
+"""Mixture-of-Experts layer: top-k router, routed experts computed grouped by expert, shared experts.
+
+Load balancing is configurable: an auxiliary switch-style loss (`aux_loss_coef`) and/or the
+auxiliary-loss-free expert bias (`bias_update_rate`), which shifts only *which* experts are
+selected, never the combine weights, and is nudged after each optimizer step toward equal load.
+
+Legend: N tokens, D model dim, E experts, K experts per token, F expert FFN width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlfusion.model.config import ModelConfig
+from rlfusion.model.layers import SwiGLU
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.score_func, self.norm_topk_prob = cfg.score_func, cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        # Tokens routed to each expert since the last bias update (training only).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns `(topk_ids_NK, topk_weights_NK, aux_loss)`."""
+        logits_NE = F.linear(x_ND.float(), self.weight.float())
+        scores_NE = logits_NE.softmax(-1) if self.score_func == "softmax" else logits_NE.sigmoid()
+        topk_ids_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1).indices
+        weights_NK = scores_NE.gather(-1, topk_ids_NK)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True).clamp_min(1e-20)
+        weights_NK = weights_NK * self.scaling
+        aux = x_ND.new_zeros((), dtype=torch.float32)
+        if self.training:
+            counts_E = torch.bincount(topk_ids_NK.flatten(), minlength=self.num_experts)
+            self.tokens_per_expert += counts_E.float()
+            if self.aux_loss_coef > 0:
+                aux = self._aux_loss(scores_NE, counts_E)
+        return topk_ids_NK, weights_NK.to(x_ND.dtype), aux
+
+    def _aux_loss(self, scores_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        # Switch-Transformer loss E * sum_i f_i * P_i: f = routed fraction, P = mean router prob.
+        probs_NE = scores_NE / scores_NE.sum(-1, keepdim=True)
+        frac_E = counts_E.float() / counts_E.sum()
+        return self.aux_loss_coef * self.num_experts * (frac_E * probs_NE.mean(0)).sum()
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
+        load = self.tokens_per_expert
+        if rate > 0 and load.sum() > 0:
+            self.expert_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+
+class GroupedExperts(nn.Module):
+    """`E` SwiGLU experts stored as stacked weights; tokens are sorted and computed per expert."""
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.w_up_EDF = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x_ND @ self.w_gate_EDF[e]) * (x_ND @ self.w_up_EDF[e])) @ self.w_down_EFD[e]
+
+    def forward(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor,
+                weights_NK: torch.Tensor) -> torch.Tensor:
+        N, K = topk_ids_NK.shape
+        flat_ids = topk_ids_NK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_idx = order // K
+        counts = torch.bincount(flat_ids, minlength=self.w_gate_EDF.shape[0]).tolist()
+        x_sorted = x_ND[token_idx]
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                outs.append(self.expert_forward(e, x_sorted[start:start + count]))
+                start += count
+        y_sorted = torch.cat(outs) * weights_NK.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x_ND).index_add_(0, token_idx, y_sorted)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.d_model, cfg.expert_ffn_dim)
+        self.shared = (SwiGLU(cfg.d_model, cfg.num_shared_experts * cfg.expert_ffn_dim)
+                       if cfg.num_shared_experts else None)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        topk_ids, weights, self.aux_loss = self.router(x_ND)
+        y_ND = self.experts(x_ND, topk_ids, weights)
+        if self.shared is not None:
+            y_ND = y_ND + self.shared(x_ND)
+        return y_ND.view_as(x_BTD)

@@ -1,0 +1,185 @@
+"""Supervised pretraining of the tiny base model on the built-in task, on CPU, in minutes.
+
+Learning on this task has a phase change whose timing depends on the seed (CALIBRATION.md), so
+the stage stops on a *measured* held-out accuracy (`target_accuracy`) rather than a fixed step
+count, with a wall-clock budget as the backstop. A curriculum over the number of terms starts
+on short problems, where the carry rules are learned fastest. The checkpoint is written at the
+end (and whenever held-out accuracy improves), so an interrupted run keeps its best model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rlfusion.evaluate import EvalResult, encode_prompt, evaluate
+from rlfusion.model.checkpoint import save_checkpoint
+from rlfusion.model.config import get_preset
+from rlfusion.model.tokenizer import CharTokenizer
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.rl.problem import Problem
+from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    model: str = "tiny"
+    out: str = ""  # checkpoint folder; empty = the default base-model cache
+    seed: int = 0
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    tokens_per_step: int = 4096
+    microbatch_tokens: int = 2048
+    time_budget_s: float = 300.0
+    target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this
+    eval_every_steps: int = 40
+    eval_problems: int = 200
+    curriculum_start_terms: int = 3  # max terms at step 0; +1 every `curriculum_steps`
+    curriculum_steps: int = 25
+    threads: int = 0  # torch threads; 0 = leave as is
+    task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": (self.lr > 0, "must be > 0"),
+            "tokens_per_step": (self.tokens_per_step >= 64, "must be >= 64"),
+            "microbatch_tokens": (self.microbatch_tokens >= 64, "must be >= 64"),
+            "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
+            "target_accuracy": (0 < self.target_accuracy <= 1, "must be in (0, 1]"),
+            "eval_every_steps": (self.eval_every_steps >= 1, "must be >= 1"),
+            "eval_problems": (1 <= self.eval_problems <= self.task.num_heldout,
+                              f"must be in [1, task.num_heldout={self.task.num_heldout}]"),
+            "curriculum_start_terms": (self.task.min_terms <= self.curriculum_start_terms,
+                                       f"must be >= task.min_terms={self.task.min_terms}"),
+        }
+        for key, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"pretrain.{key}={getattr(self, key)!r} is invalid: {allowed}")
+        get_preset(self.model)
+
+
+@dataclass
+class PretrainResult:
+    path: Path
+    steps: int
+    seconds: float
+    tokens: int
+    eval: EvalResult
+    history: list[dict]
+
+
+def make_batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `(inputs_BT, targets_BT, loss_mask_BT)`; only response tokens are learned."""
+    seqs, prompt_lens = [], []
+    for p in problems:
+        prompt = encode_prompt(tokenizer, p.prompt)
+        seqs.append(prompt + tokenizer.encode(p.solution) + [tokenizer.eos_id])
+        prompt_lens.append(len(prompt))
+    T = max(len(s) for s in seqs) - 1
+    inputs = torch.full((len(seqs), T), tokenizer.pad_id)
+    targets = torch.full((len(seqs), T), tokenizer.pad_id)
+    mask = torch.zeros(len(seqs), T)
+    for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
+        inputs[b, :len(s) - 1] = torch.tensor(s[:-1])
+        targets[b, :len(s) - 1] = torch.tensor(s[1:])
+        mask[b, n - 1:len(s) - 1] = 1.0
+    return inputs, targets, mask
+
+
+def _step_problems(task: ArithmeticTask, rng: random.Random, cfg: PretrainConfig, step: int,
+                   tokenizer: CharTokenizer) -> list[list[Problem]]:
+    """Problems for one optimizer step, length-sorted into micro-batches of ~`microbatch_tokens`."""
+    cap = min(task.config.max_terms, cfg.curriculum_start_terms + step // cfg.curriculum_steps)
+    problems, tokens = [], 0
+    while tokens < cfg.tokens_per_step:
+        p = task.sample(rng, max_terms=cap)
+        problems.append(p)
+        tokens += len(p.prompt) + len(p.solution) + 2
+    problems.sort(key=lambda p: len(p.prompt) + len(p.solution))
+    micro, current, longest = [], [], 0
+    for p in problems:
+        longest_next = max(longest, len(p.prompt) + len(p.solution) + 2)
+        if current and longest_next * (len(current) + 1) > cfg.microbatch_tokens:
+            micro.append(current)
+            current, longest_next = [], len(p.prompt) + len(p.solution) + 2
+        current.append(p)
+        longest = longest_next
+    return micro + [current]
+
+
+def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainResult:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = CharTokenizer.arithmetic()
+    model = MoETransformer(get_preset(cfg.model))
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"model {cfg.model!r} has vocab_size {model.config.vocab_size} < the "
+                         f"tokenizer's {tokenizer.vocab_size}")
+    task = ArithmeticTask(cfg.task)
+    heldout = task.heldout()[:cfg.eval_problems]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)
+    start, step, tokens, history = time.monotonic(), 0, 0, []
+    best = EvalResult(0.0, 0, 0.0)
+    bar = tqdm(total=round(cfg.time_budget_s), unit="s", disable=not progress,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}] {postfix}")
+    loss_avg = math.nan
+    while time.monotonic() - start < cfg.time_budget_s:
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss, n = _train_step(model, opt, _step_problems(task, rng, cfg, step, tokenizer), tokenizer, cfg)
+        model.update_router_bias()
+        step, tokens = step + 1, tokens + n
+        loss_avg = loss if math.isnan(loss_avg) else 0.9 * loss_avg + 0.1 * loss
+        if not math.isfinite(loss):
+            raise RuntimeError(f"pretraining loss became {loss} at step {step}; lower pretrain.lr "
+                               f"(now {cfg.lr})")
+        if step % cfg.eval_every_steps == 0:
+            result = evaluate(model, tokenizer, heldout, task.reward, seed=cfg.seed)
+            history.append({"step": step, "seconds": time.monotonic() - start,
+                            "loss": loss_avg, "accuracy": result.accuracy})
+            if result.accuracy > best.accuracy:
+                best = result
+                save_checkpoint(out, model, tokenizer, {"pretrain_step": step,
+                                                        "heldout_accuracy": result.accuracy})
+            if result.accuracy >= cfg.target_accuracy:
+                break
+        bar.set_postfix_str(f"step {step} loss {loss_avg:.3f} acc {best.accuracy:.1%}")
+        bar.update(min(round(time.monotonic() - start), bar.total) - bar.n)
+    bar.close()
+    seconds = time.monotonic() - start
+    final = evaluate(model, tokenizer, heldout, task.reward, seed=cfg.seed)
+    if final.accuracy >= best.accuracy:
+        best = final
+        save_checkpoint(out, model, tokenizer, {"pretrain_step": step,
+                                                "heldout_accuracy": final.accuracy})
+    return PretrainResult(out, step, seconds, tokens, best, history)
+
+
+def _train_step(model, opt, micro_batches, tokenizer, cfg) -> tuple[float, int]:
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    batches = [make_batch(mb, tokenizer) for mb in micro_batches]
+    num_targets = sum(float(m.sum()) for _, _, m in batches)
+    total = 0.0
+    for inputs, targets, mask in batches:
+        logits = model(inputs)
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                reduction="none")
+        loss = (nll * mask.flatten()).sum() / num_targets + model.aux_loss() * (mask.sum() / num_targets)
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return total, int(sum(m.numel() for _, _, m in batches))

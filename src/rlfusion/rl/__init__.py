@@ -1,0 +1,1 @@
+"""RL algorithms, rewards, verifiers, tasks and datasets. Knows nothing about placement or transport."""

@@ -1,0 +1,62 @@
+"""Final-answer verification for math prompt sets (GSM8K, MATH-style `\\boxed{}` answers).
+
+Owns answer extraction, number normalization and the 0/1 reward. Grades only the final
+answer, never the reasoning, and knows nothing about tokenizers or where problems come from.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+# Thousands-grouped numbers first so `1,234` is one number, not `1` and `234`. The lookbehind
+# keeps `3-5` from reading as `-5` and `1.5` from yielding a bare `5`.
+_NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+_NUMERIC = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
+_BOXED = "\\boxed{"
+
+
+def extract_answer(text: str) -> str | None:
+    """The last `\\boxed{...}`, else the text after the last `####`, else the last number."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        after = text.rsplit("####", 1)[1].strip()
+        if after:
+            return after
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_number(s: str) -> str:
+    """`$1,234.50` -> `1234.5`, `18.00` -> `18`; strings that are not numbers come back stripped."""
+    cleaned = s.strip().replace("\\$", "").replace("$", "").replace(",", "").strip().rstrip(".")
+    if not _NUMERIC.fullmatch(cleaned):
+        return s.strip()
+    if "." in cleaned:
+        cleaned = cleaned.rstrip("0").rstrip(".")
+    return cleaned if cleaned not in ("", "-") else "0"  # `.0` and `-.0` strip to nothing
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 iff the response's final answer equals `answer` (numerically when both are numbers)."""
+    extracted = extract_answer(response)
+    if extracted is None:
+        return 0.0
+    got, want = normalize_number(extracted), normalize_number(answer)
+    if _NUMERIC.fullmatch(got) and _NUMERIC.fullmatch(want):
+        return 1.0 if Decimal(got) == Decimal(want) else 0.0
+    return 1.0 if got == want else 0.0
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, i = 1, start + len(_BOXED)
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None  # unbalanced braces: no usable boxed answer

@@ -1,0 +1,155 @@
+"""Rollout engine: scheduler plans (no model), sampling, determinism, abort/resume, batching."""
+
+import pytest
+import torch
+
+from rlfusion.engine.engine import EngineConfig, LLMEngine
+from rlfusion.engine.sampling import sample
+from rlfusion.engine.scheduler import Scheduler, SchedulerConfig
+from rlfusion.engine.static import generate_static
+from rlfusion.engine.types import Request, SamplingParams
+from rlfusion.model.config import get_preset
+from rlfusion.model.transformer import MoETransformer
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, stop_ids=(2,))
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=8, max_new_tokens=30, stop_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = MoETransformer(get_preset("tiny")).eval()
+    with torch.no_grad():  # make EOS likely-ish so lengths vary
+        m.lm_head.weight[2] += 0.05 * torch.randn_like(m.lm_head.weight[2])
+    return m
+
+
+def _requests(n: int, params: SamplingParams, seed: int = 0) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    return [Request(f"r{i}", [1] + torch.randint(3, 17, (3 + (i * 7) % 11,), generator=g).tolist(), params)
+            for i in range(n)]
+
+
+# ---- scheduler: pure Python -----------------------------------------------------------------
+
+def test_scheduler_admits_up_to_limits_and_keeps_slots_contiguous():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=100, max_seq_len=50))
+    for i in range(5):
+        sched.add(Request(f"r{i}", [1] * 10))
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.prefill] == ["r0", "r1", "r2"] and not plan.decode
+    assert [s.slot for s in plan.prefill] == [0, 1, 2]
+    sched.finish(plan.prefill[0])  # r0 leaves slot 0; r2 moves from slot 2 into it
+    plan = sched.schedule()
+    assert plan.moves == [(2, 0)]
+    assert [(s.request_id, s.slot) for s in plan.decode] == [("r2", 0), ("r1", 1)]
+    assert [(s.request_id, s.slot) for s in plan.prefill] == [("r3", 2)]
+
+
+def test_scheduler_respects_token_budget():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=25, max_seq_len=50))
+    for i in range(4):
+        sched.add(Request(f"r{i}", [1] * 10))
+    assert len(sched.schedule().prefill) == 2  # 20 of 25 tokens; a third would need 30
+    plan = sched.schedule()  # two decode tokens + 10 + 10 prefill = 22
+    assert len(plan.decode) == 2 and len(plan.prefill) == 2 and plan.num_tokens <= 25
+
+
+def test_scheduler_abort_from_waiting_and_running():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_seq_len=50))
+    for i in range(4):
+        sched.add(Request(f"r{i}", [1] * 5))
+    sched.schedule()
+    removed = sched.abort({"r0", "r3"})
+    assert sorted(s.request_id for s in removed) == ["r0", "r3"]
+    assert [s.request_id for s in sched.running] == ["r1"] and sched.running[0].slot == 0
+    assert [s.request_id for s in sched.waiting] == ["r2"]
+
+
+def test_scheduler_rejects_requests_that_cannot_fit():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_seq_len=16))
+    with pytest.raises(ValueError, match="KV cache holds 16"):
+        sched.add(Request("long", [1] * 16))
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+def test_sampling_filters_and_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 2000)
+    g = torch.Generator().manual_seed(0)
+    top_k = sample(logits, [SamplingParams(top_k=2)] * 2000, g)[0]
+    assert set(top_k.tolist()) == {2, 3}
+    top_p = sample(logits, [SamplingParams(top_p=0.5)] * 2000, g)[0]  # p(3)=0.64 alone reaches 0.5
+    assert set(top_p.tolist()) == {3}
+    tokens, logprobs = sample(logits[:1], [SamplingParams(temperature=0.5)], g)
+    expected = (logits[0] / 0.5).log_softmax(-1)[tokens[0]]
+    torch.testing.assert_close(logprobs[0], expected)
+    greedy, _ = sample(logits[:1], [SamplingParams(temperature=0.0)])
+    assert greedy.item() == 3
+
+
+# ---- engine with a model ------------------------------------------------------------------
+
+def test_engine_is_deterministic_under_a_seed(model):
+    run = lambda seed: [c.output_ids for c in LLMEngine(model, EngineConfig(max_num_seqs=4, seed=seed))
+                        .generate(_requests(10, SAMPLED))]
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_continuous_batching_matches_generating_each_request_alone(model):
+    batched = LLMEngine(model, EngineConfig(max_num_seqs=4)).generate(_requests(12, GREEDY))
+    lengths = {len(c.output_ids) for c in batched}
+    assert len(lengths) > 1, "test needs requests of different lengths to exercise slot moves"
+    for req, got in zip(_requests(12, GREEDY), batched):
+        alone = LLMEngine(model, EngineConfig(max_num_seqs=1)).generate([req])[0]
+        assert got.output_ids == alone.output_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs),
+                                   atol=1e-4, rtol=0)
+        assert got.finish_reason == alone.finish_reason
+
+
+def test_static_batching_gives_the_same_greedy_outputs(model):
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4)).generate(_requests(9, GREEDY))
+    static = generate_static(model, _requests(9, GREEDY), batch_size=4)
+    assert [c.output_ids for c in engine] == [c.output_ids for c in static]
+    assert [c.finish_reason for c in engine] == [c.finish_reason for c in static]
+
+
+def test_abort_then_resume_equals_uninterrupted_greedy(model):
+    reference = LLMEngine(model, EngineConfig(max_num_seqs=4)).generate(_requests(6, GREEDY))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4))
+    for req in _requests(6, GREEDY):
+        engine.add_request(req)
+    done = {}
+    for _ in range(5):
+        done.update({c.request_id: c for c in engine.step()})
+    engine.policy_version = 1
+    partial = engine.abort([f"r{i}" for i in range(6) if f"r{i}" not in done])
+    assert partial and all(c.finish_reason == "aborted" for c in partial)
+    assert not engine.has_unfinished()
+    resumed = LLMEngine(model, EngineConfig(max_num_seqs=2)).generate([Request.resume(c) for c in partial])
+    done.update({c.request_id: c for c in resumed})
+    for ref in reference:
+        got = done[ref.request_id]
+        assert got.output_ids == ref.output_ids and got.finish_reason == ref.finish_reason
+    assert any(len(c.output_ids) > 0 for c in partial), "abort should return partial tokens"
+
+
+def test_policy_versions_are_stamped_per_token(model):
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2))
+    engine.add_request(_requests(1, SamplingParams(temperature=0.0, max_new_tokens=6))[0])
+    engine.step()
+    engine.step()
+    engine.policy_version = 3
+    while engine.has_unfinished():
+        out = engine.step()
+    assert out[0].versions == [0, 0, 3, 3, 3, 3]
+    assert out[0].finish_reason == "length"
+
+
+def test_engine_rejects_bad_config(model):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        LLMEngine(model, EngineConfig(max_seq_len=10_000))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
