@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from rlfusion.errors import RunError
+
 
 def default_base_path(model: str = "tiny") -> Path:
     """Where the pretrained base model is cached (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
@@ -50,6 +52,40 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
           f"problems; checkpoint {result.path}")
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    import dataclasses
+    import time
+
+    from rlfusion.config import load_config
+    from rlfusion.pretrain import pretrain
+    from rlfusion.runtime.report import finish_run
+    from rlfusion.runtime.train_config import TrainConfig
+    from rlfusion.runtime.trainer import RLTrainer, resume
+
+    if args.resume:
+        overrides = {k: v for k, v in (o.split("=", 1) for o in args.overrides)}
+        for key in overrides:
+            if key not in ("max_steps", "time_budget_s"):
+                raise ValueError(f"--resume accepts only max_steps=/time_budget_s= overrides, got {key!r}")
+        trainer = resume(Path(args.resume), {k: float(v) if k == "time_budget_s" else int(v)
+                                             for k, v in overrides.items()})
+    else:
+        cfg = load_config(TrainConfig, args.config, args.overrides)
+        base = Path(cfg.base) if cfg.base else default_base_path(cfg.pretrain.model)
+        if not (base / "model.safetensors").is_file():
+            print(f"no base model at {base}: pretraining one first (one-time, cached)")
+            pretrain(cfg.pretrain, base)
+        cfg = dataclasses.replace(cfg, base=str(base.resolve()))
+        run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("grpo-%Y%m%d-%H%M%S"))
+        if (run_dir / "config.json").exists():
+            raise ValueError(f"run folder {run_dir} already exists; pick another run_name= or "
+                             f"continue it with --resume {run_dir}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trainer = RLTrainer(cfg, run_dir, base)
+    result = trainer.run()
+    print(finish_run(trainer, result))
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from rlfusion.evaluate import evaluate
     from rlfusion.model.checkpoint import load_checkpoint
@@ -85,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seed=1 time_budget_s=120")
     p.set_defaults(func=cmd_pretrain)
 
+    p = sub.add_parser("train", help="RL-train the base model (GRPO on the built-in task by default)")
+    p.add_argument("config", nargs="?", help="TOML file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algo.kl_coef=0 max_steps=50")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("eval", help="held-out greedy accuracy of a checkpoint")
     p.add_argument("--ckpt", help="checkpoint folder (default: the cached base model)")
     p.add_argument("--n", type=int, default=500, help="number of held-out problems")
@@ -111,18 +153,18 @@ def _register_optional(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "pretrain" and args.config and "=" in args.config:
+    if args.command in ("pretrain", "train") and args.config and "=" in args.config:
         args.overrides.insert(0, args.config)  # first override taken for the optional TOML path
         args.config = None
     try:
-        args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+        rc = args.func(args)
+    except (ValueError, FileNotFoundError, RunError) as e:
         print(f"rlfusion {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rlfusion {args.command}: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

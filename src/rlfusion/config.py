@@ -32,7 +32,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not of the form key=value")
-        _set_dotted(data, key.strip(), _parse_scalar(raw.strip()))
+        _set_dotted(data, key.strip(), _Override(raw.strip(), _parse_scalar(raw.strip())))
     return from_dict(cls, data)
 
 
@@ -55,7 +55,17 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Override:
+    """A command-line value: parsed as TOML, but kept verbatim for string keys (`run_name=nan`)."""
+
+    raw: str
+    parsed: Any
+
+
 def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if isinstance(value, _Override) and typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        value = value.raw if hint is str and not isinstance(value.parsed, str) else value.parsed
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]

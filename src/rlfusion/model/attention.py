@@ -30,11 +30,26 @@ def _write_rows(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) ->
 
 def _attend(q_BHTD, k_BGLD, v_BGLD, ctx: AttnContext, scale: float) -> torch.Tensor:
     gqa = q_BHTD.shape[1] != k_BGLD.shape[1]
+    if ctx.unpad_SL is not None:
+        return _attend_packed(q_BHTD, k_BGLD, v_BGLD, ctx, scale, gqa)
     if ctx.cache is None:
         return F.scaled_dot_product_attention(q_BHTD, k_BGLD, v_BGLD, is_causal=True,
                                               scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q_BHTD, k_BGLD, v_BGLD, attn_mask=ctx.mask_B1TL,
                                           scale=scale, enable_gqa=gqa)
+
+
+def _attend_packed(q_1HND, k_1GND, v_1GND, ctx: AttnContext, scale: float, gqa: bool) -> torch.Tensor:
+    """Varlen attention: gather each sequence into a right-padded row, attend causally, repack.
+
+    Right padding plus causal masking means no real query ever sees a padded key.
+    """
+    unpad = lambda x_1HND: x_1HND[0][:, ctx.unpad_SL].transpose(0, 1)  # S H L D
+    out_SHLD = F.scaled_dot_product_attention(unpad(q_1HND), unpad(k_1GND), unpad(v_1GND),
+                                              is_causal=True, scale=scale, enable_gqa=gqa)
+    S, H, L, D = out_SHLD.shape
+    out_NHD = out_SHLD.transpose(1, 2).reshape(S * L, H, D)[ctx.repack_N]
+    return out_NHD.transpose(0, 1).unsqueeze(0)  # 1 H N D
 
 
 class GroupedQueryAttention(nn.Module):

@@ -161,9 +161,10 @@ class ModelConfig:
 
 
 def _tiny() -> ModelConfig:
-    # Sized after CALIBRATION.md: ~1.8M parameters, trains on 2 CPU cores in minutes.
+    # Sized after CALIBRATION.md: ~1.7M parameters, trains on 2 CPU cores in minutes. The vocab
+    # is exactly the arithmetic CharTokenizer's (3 specials + 14 characters).
     return ModelConfig(
-        vocab_size=32, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        vocab_size=17, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
         num_dense_layers=1, dense_ffn_dim=512, num_experts=8, top_k=2, expert_ffn_dim=128,
         num_shared_experts=1, max_seq_len=256, routed_scaling_factor=1.0,
         aux_loss_coef=0.0, bias_update_rate=1e-3,

@@ -1,11 +1,13 @@
-"""The preallocated KV cache and the description of which rows a forward pass uses.
+"""What attention needs to know about a forward pass: the KV cache rows it uses, or the layout
+of packed (padding-free) sequences.
 
 The cache is a set of per-layer buffers with one row (slot) per running sequence; what a layer
 stores per token is the attention module's choice (GQA: keys and values; MLA: the compressed
 latent and the shared RoPE key). The rollout engine decides which slots a pass reads and writes;
 the model only follows a `CacheBatch`.
 
-Legend: S slots, L max cached positions, B rows in this pass, T new tokens per row.
+Legend: S slots (or packed sequences), L max cached positions (or longest packed sequence),
+B rows in this pass, T new tokens per row, N packed tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ class CacheBatch:
 
 
 @dataclass
+class PackedSeqs:
+    """Sequences concatenated along the token axis with no padding (`tokens_1N`).
+
+    `cu_seqlens` holds the offsets `[0, len_0, len_0 + len_1, ..., N]`; attention is restricted
+    to each sequence and positions restart at 0 for each one.
+    """
+
+    cu_seqlens: torch.Tensor  # int64 [S + 1]
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int]) -> "PackedSeqs":
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"packed sequence lengths must be >= 1, got {lengths[:8]}")
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        return cls(cu)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+
+@dataclass
 class AttnContext:
     """Per-pass values shared by every layer (computed once in the model's forward)."""
 
@@ -55,11 +80,18 @@ class AttnContext:
     slot_start: int = 0
     kv_len: int = 0  # number of cached positions to attend over
     mask_B1TL: torch.Tensor | None = None  # True where a query may attend to a cached key
+    # Packed sequences: attention runs on a right-padded [S, L] view gathered with `unpad_SL`
+    # (indices into the N packed tokens) and returns through `repack_N` (valid positions of the
+    # flattened S*L view, in packed order). Token-wise layers never see padding.
+    unpad_SL: torch.Tensor | None = None
+    repack_N: torch.Tensor | None = None
 
     @classmethod
     def build(cls, num_rows: int, num_tokens: int, batch: CacheBatch | None,
-              device: torch.device) -> "AttnContext":
+              device: torch.device, packed: PackedSeqs | None = None) -> "AttnContext":
         steps_T = torch.arange(num_tokens, device=device)
+        if packed is not None:
+            return cls._packed(packed, num_rows, num_tokens, device)
         if batch is None:
             return cls(pos_BT=steps_T.unsqueeze(0).expand(num_rows, -1))
         pos_BT = batch.start_pos_B.to(device).unsqueeze(1) + steps_T
@@ -71,3 +103,17 @@ class AttnContext:
         mask = keys_L.view(1, 1, 1, -1) <= pos_BT.unsqueeze(1).unsqueeze(-1)
         return cls(pos_BT=pos_BT, cache=batch.cache, slot_start=batch.slot_start,
                    kv_len=kv_len, mask_B1TL=mask)
+
+    @classmethod
+    def _packed(cls, packed: PackedSeqs, num_rows: int, num_tokens: int,
+                device: torch.device) -> "AttnContext":
+        cu = packed.cu_seqlens.to(device)
+        if num_rows != 1 or int(cu[-1]) != num_tokens:
+            raise ValueError(f"packed input must be [1, {int(cu[-1])}] to match cu_seqlens, got "
+                             f"[{num_rows}, {num_tokens}]")
+        lengths_S = cu[1:] - cu[:-1]
+        steps_L = torch.arange(int(lengths_S.max()), device=device)
+        valid_SL = steps_L < lengths_S.unsqueeze(1)
+        unpad_SL = torch.where(valid_SL, cu[:-1].unsqueeze(1) + steps_L, 0)
+        pos_1N = steps_L.expand_as(valid_SL)[valid_SL].unsqueeze(0)
+        return cls(pos_BT=pos_1N, unpad_SL=unpad_SL, repack_N=valid_SL.flatten().nonzero().squeeze(1))

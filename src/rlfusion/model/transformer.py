@@ -16,7 +16,7 @@ from torch import nn
 
 from rlfusion.model.attention import build_attention
 from rlfusion.model.config import ModelConfig
-from rlfusion.model.kv_cache import AttnContext, CacheBatch, KVCache
+from rlfusion.model.kv_cache import AttnContext, CacheBatch, KVCache, PackedSeqs
 from rlfusion.model.layers import RMSNorm, SwiGLU
 from rlfusion.model.moe import MoE, Router
 
@@ -45,9 +45,16 @@ class MoETransformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
-    def forward(self, tokens_BT: torch.Tensor, batch: CacheBatch | None = None) -> torch.Tensor:
-        """Logits `[B, T, V]`. Without `batch`: causal attention over `tokens_BT` alone."""
-        ctx = AttnContext.build(tokens_BT.shape[0], tokens_BT.shape[1], batch, tokens_BT.device)
+    def forward(self, tokens_BT: torch.Tensor, batch: CacheBatch | None = None,
+                packed: PackedSeqs | None = None) -> torch.Tensor:
+        """Logits `[B, T, V]`.
+
+        Default: causal attention over each row of `tokens_BT`. With `batch`: rows continue
+        sequences in the KV cache. With `packed`: `tokens_BT` is `[1, N]`, several sequences
+        concatenated without padding, each attending only to itself.
+        """
+        ctx = AttnContext.build(tokens_BT.shape[0], tokens_BT.shape[1], batch, tokens_BT.device,
+                                packed)
         x_BTD = self.embed(tokens_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, ctx)

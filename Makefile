@@ -1,0 +1,26 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
+# Both create .venv on first use; torch is pinned to the CPU build (see pyproject.toml).
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlfusion pretrain
+	$(BIN)/rlfusion eval --k 8
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

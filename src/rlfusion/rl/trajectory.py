@@ -1,0 +1,111 @@
+"""`Trajectory` (one sampled response and everything the RL stages add to it) and `PackedBatch`
+(trajectories concatenated with no padding: the unit of training).
+
+Legend: N packed tokens, S sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlfusion.model.kv_cache import PackedSeqs
+from rlfusion.rl.problem import Problem
+
+
+@dataclass
+class Trajectory:
+    """One sample. Rollout fills the response fields; reward, reference and advantage stages
+    fill theirs. `versions[i]` is the policy version that generated `response_ids[i]`."""
+
+    group_id: int
+    problem: Problem
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    reward: float = 0.0
+    advantage: float = 0.0
+    ref_logprobs: list[float] | None = None
+    proximal_logprobs: list[float] | None = None  # pre-update policy, for multi-step updates
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class PackedBatch:
+    """Prompt + response of each trajectory concatenated along one token axis.
+
+    Position t predicts token t + 1, so every per-token field is aligned with `targets_N`;
+    `loss_mask_N` is 1 exactly where the target is a response token.
+    """
+
+    tokens_N: torch.Tensor  # int64
+    targets_N: torch.Tensor  # int64, the next token (0 at each sequence's last position)
+    loss_mask_N: torch.Tensor  # float32
+    seq_idx_N: torch.Tensor  # int64, which trajectory each position belongs to
+    advantages_N: torch.Tensor  # float32, the trajectory's advantage on its response targets
+    behaviour_logprobs_N: torch.Tensor  # float32, 0 off the response
+    ref_logprobs_N: torch.Tensor | None  # float32, 0 off the response; None without a reference
+    packed: PackedSeqs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.packed.cu_seqlens) - 1
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask_N.sum())
+
+
+def pack(trajs: list[Trajectory]) -> PackedBatch:
+    tokens, targets, mask, seq_idx, adv, behaviour, ref = [], [], [], [], [], [], []
+    for s, t in enumerate(trajs):
+        ids = t.prompt_ids + t.response_ids
+        P, R = len(t.prompt_ids), len(t.response_ids)
+        tokens += ids
+        targets += ids[1:] + [0]
+        mask += [0.0] * (P - 1) + [1.0] * R + [0.0]
+        seq_idx += [s] * len(ids)
+        adv += [0.0] * (P - 1) + [t.advantage] * R + [0.0]
+        behaviour += [0.0] * (P - 1) + list(t.behaviour_logprobs) + [0.0]
+        if t.ref_logprobs is not None:
+            ref += [0.0] * (P - 1) + list(t.ref_logprobs) + [0.0]
+    has_ref = bool(trajs) and all(t.ref_logprobs is not None for t in trajs)
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)
+    return PackedBatch(
+        tokens_N=torch.tensor(tokens), targets_N=torch.tensor(targets), loss_mask_N=f32(mask),
+        seq_idx_N=torch.tensor(seq_idx), advantages_N=f32(adv), behaviour_logprobs_N=f32(behaviour),
+        ref_logprobs_N=f32(ref) if has_ref else None,
+        packed=PackedSeqs.from_lengths([t.num_tokens for t in trajs]))
+
+
+def split_by_token_budget(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
+    """Length-sorted micro-batches of at most `max_tokens` tokens each (one trajectory longer
+    than the budget gets a micro-batch of its own). Sorting keeps sequences of similar length
+    together, which keeps the padded attention view of each micro-batch small."""
+    if max_tokens < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {max_tokens}")
+    micro, current, used = [], [], 0
+    for t in sorted(trajs, key=lambda t: t.num_tokens):
+        if current and used + t.num_tokens > max_tokens:
+            micro.append(current)
+            current, used = [], 0
+        current.append(t)
+        used += t.num_tokens
+    return micro + ([current] if current else [])
+
+
+def token_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of `targets_N` under `model` (temperature-scaled like the sampler),
+    and the logits they came from: `(logprobs_N, logits_NV)`."""
+    logits_NV = model(batch.tokens_N.unsqueeze(0), packed=batch.packed)[0].float()
+    if temperature != 1.0:
+        logits_NV = logits_NV / temperature
+    logprobs_N = logits_NV.log_softmax(-1).gather(-1, batch.targets_N.unsqueeze(-1)).squeeze(-1)
+    return logprobs_N, logits_NV

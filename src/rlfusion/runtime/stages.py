@@ -1,0 +1,208 @@
+"""The RL roles as separate stages with typed inputs and outputs.
+
+    problems ─► RolloutStage ─► trajectories ─► RewardStage ─► ReferenceStage ─► advantages ─► ActorStage
+                (engine, policy vN)             (.reward)      (.ref_logprobs)   (.advantage)   (update → vN+1)
+
+Each stage reads and writes `Trajectory` fields only, so later issues can run them in other
+processes (and in parallel) without changing what they compute. The stages do not know how
+they are placed or scheduled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlfusion.errors import RunError
+from rlfusion.engine.engine import EngineConfig, LLMEngine
+from rlfusion.engine.types import Request, SamplingParams
+from rlfusion.evaluate import encode_prompt
+from rlfusion.model.tokenizer import Tokenizer
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.rl import advantages as adv
+from rlfusion.rl.dapo import dynamic_sampling_mask, overlong_penalty
+from rlfusion.rl.kl import kl_loss, kl_reward_penalty
+from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
+from rlfusion.rl.problem import Problem
+from rlfusion.rl.rewards import RewardFn
+from rlfusion.rl.trajectory import Trajectory, pack, split_by_token_budget, token_logprobs
+from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
+
+
+class NonFiniteLossError(RunError):
+    """The loss or gradient became NaN/inf; the run stops and keeps its last good checkpoint."""
+
+
+class RolloutStage:
+    """`group_size` sampled responses per prompt from the policy the engine currently holds."""
+
+    def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed))
+        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
+
+    def generate(self, problems: list[Problem], first_group_id: int) -> list[Trajectory]:
+        model = self.engine.runner.model
+        was_training = model.training
+        model.eval()
+        requests = [Request(f"{first_group_id + g}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params)
+                    for g, p in enumerate(problems) for i in range(self.cfg.group_size)]
+        completions = self.engine.generate(requests)
+        model.train(was_training)
+        G = self.cfg.group_size
+        return [Trajectory(first_group_id + k // G, problems[k // G], c.prompt_ids, c.output_ids,
+                           c.logprobs, c.versions, c.finish_reason)
+                for k, c in enumerate(completions)]
+
+
+class RewardStage:
+    def __init__(self, reward_fn: RewardFn, tokenizer: Tokenizer, algo: AlgoConfig, max_new_tokens: int):
+        self.reward_fn, self.tokenizer, self.algo = reward_fn, tokenizer, algo
+        self.max_new_tokens = max_new_tokens
+
+    def score(self, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            text = self.tokenizer.decode(t.response_ids)
+            t.metrics["correct"] = float(self.reward_fn(text, t.problem))
+            t.reward = t.metrics["correct"]
+        if self.algo.overlong_buffer:
+            lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
+            penalty = overlong_penalty(lengths, self.max_new_tokens, self.algo.overlong_buffer,
+                                       self.algo.overlong_factor)
+            for t, p in zip(trajs, penalty.tolist()):
+                t.reward += p
+
+
+class ReferenceStage:
+    """Log-probabilities of each response under the frozen reference (base) model."""
+
+    def __init__(self, model: MoETransformer, temperature: float, microbatch_tokens: int):
+        self.model = model.eval().requires_grad_(False)
+        self.temperature, self.microbatch_tokens = temperature, microbatch_tokens
+
+    @torch.no_grad()
+    def logprobs(self, trajs: list[Trajectory]) -> None:
+        for micro in split_by_token_budget(trajs, self.microbatch_tokens):
+            batch = pack(micro)
+            logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
+            mask = batch.loss_mask_N.bool()
+            per_seq = logprobs_N[mask].split([len(t.response_ids) for t in micro])
+            for t, lp in zip(micro, per_seq):
+                t.ref_logprobs = lp.tolist()
+
+
+def apply_kl_reward_penalty(trajs: list[Trajectory], algo: AlgoConfig) -> dict[str, float]:
+    batch = pack(trajs)
+    rewards_S = torch.tensor([t.reward for t in trajs])
+    mask = batch.loss_mask_N.bool()
+    penalized, metrics = kl_reward_penalty(rewards_S, batch.behaviour_logprobs_N[mask],
+                                           batch.ref_logprobs_N[mask], batch.seq_idx_N[mask],
+                                           algo.kl_coef, algo.kl_kind)
+    for t, r in zip(trajs, penalized.tolist()):
+        t.reward = r
+    return metrics
+
+
+def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: int) -> list[Trajectory]:
+    """Set `advantage` on every trajectory; returns the ones to train on (dynamic sampling may
+    drop groups whose rewards are all equal: they carry no group-relative signal)."""
+    rewards_GS = torch.tensor([t.reward for t in trajs]).view(-1, group_size)
+    if algo.advantage == "grpo":
+        adv_GS = adv.grpo_advantages(rewards_GS, scale_by_std=algo.scale_by_std)
+    elif algo.advantage == "rloo":
+        adv_GS = adv.rloo_advantages(rewards_GS)
+    else:
+        adv_GS = adv.reinforce_pp_advantages(rewards_GS.flatten()).view_as(rewards_GS)
+    for t, a in zip(trajs, adv_GS.flatten().tolist()):
+        t.advantage = a
+    if not algo.dynamic_sampling:
+        return trajs
+    keep_G = dynamic_sampling_mask(rewards_GS).tolist()
+    return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
+
+
+class ActorStage:
+    """The trained policy: PPO-style updates on packed, token-budgeted micro-batches."""
+
+    def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig, temperature: float):
+        self.model, self.algo, self.optim_cfg, self.temperature = model, algo, optim, temperature
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
+                                           betas=(optim.beta1, optim.beta2),
+                                           weight_decay=optim.weight_decay)
+        self.version = 0
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One or more optimizer steps on `trajs`; returns averaged metrics."""
+        self.model.train()
+        on_policy = self.algo.ppo_epochs == 1 and self.algo.minibatches == 1
+        if not on_policy:
+            self._set_proximal(trajs)
+        totals: dict[str, float] = {}
+        num_updates = 0
+        for _ in range(self.algo.ppo_epochs):
+            for minibatch in _chunks(trajs, self.algo.minibatches):
+                for k, v in self._step(minibatch, on_policy).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                num_updates += 1
+        self.version += 1
+        return {k: v / num_updates for k, v in totals.items()}
+
+    @torch.no_grad()
+    def _set_proximal(self, trajs: list[Trajectory]) -> None:
+        for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens):
+            batch = pack(micro)
+            logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
+            per_seq = logprobs_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in micro])
+            for t, lp in zip(micro, per_seq):
+                t.proximal_logprobs = lp.tolist()
+
+    def _step(self, trajs: list[Trajectory], on_policy: bool) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = sum(len(t.response_ids) for t in trajs)
+        metrics: dict[str, float] = {}
+        for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens):
+            loss, m = self._micro_loss(micro, on_policy, num_tokens, len(trajs))
+            if not math.isfinite(loss.item()):
+                raise NonFiniteLossError(f"loss became {loss.item()} at policy version {self.version}")
+            loss.backward()
+            for k, v in m.items():  # token-weighted average over micro-batches
+                metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
+        self.optimizer.step()
+        self.model.update_router_bias()
+        metrics["grad_norm"] = float(grad_norm)
+        return metrics
+
+    def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
+        batch = pack(micro)
+        logprobs_N, logits_NV = token_logprobs(self.model, batch, self.temperature)
+        mask = batch.loss_mask_N
+        if on_policy:
+            proximal = logprobs_N.detach()
+        else:
+            proximal = torch.zeros_like(logprobs_N)
+            proximal[mask.bool()] = torch.tensor([x for t in micro for x in t.proximal_logprobs])
+        loss, metrics = ppo_policy_loss(
+            logprobs_N, proximal, batch.behaviour_logprobs_N, batch.advantages_N, mask,
+            batch.seq_idx_N, clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
+            agg=self.algo.loss_agg, behaviour_weight_cap=self.algo.behaviour_weight_cap,
+            num_tokens=num_tokens, num_seqs=num_seqs)
+        if self.algo.kl_coef and self.algo.kl_mode == "loss" and batch.ref_logprobs_N is not None:
+            kl, m = kl_loss(logprobs_N, batch.ref_logprobs_N, mask, self.algo.kl_coef,
+                            self.algo.kl_kind, num_tokens=num_tokens)
+            loss, metrics = loss + kl, {**metrics, **m}
+        if self.algo.entropy_coef:
+            ent, m = entropy_bonus(entropy_from_logits(logits_NV), mask, self.algo.entropy_coef,
+                                   num_tokens=num_tokens)
+            loss, metrics = loss + ent, {**metrics, **m}
+        loss = loss + self.model.aux_loss() * (float(mask.sum()) / num_tokens)
+        return loss, metrics
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    size = math.ceil(len(items) / n)
+    return [items[i:i + size] for i in range(0, len(items), size)]

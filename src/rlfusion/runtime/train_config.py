@@ -1,0 +1,135 @@
+"""Typed configuration of an RL run (`rlfusion train`): one dataclass per component.
+
+Defaults are the embedded default run: GRPO on the built-in arithmetic task, from the cached
+tiny base model, sized to finish in under 10 minutes on 2 CPU cores. The learning rate and clip
+follow CALIBRATION.md (3e-4 worked; 5e-4 was unstable; 1e-3 collapsed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlfusion.pretrain import PretrainConfig
+from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
+
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+LOSS_AGGS = ("token", "seq")
+KL_KINDS = ("k1", "k2", "k3")
+KL_MODES = ("loss", "reward")
+
+
+def _check(section: str, checks: dict[str, tuple[bool, str]], obj) -> None:
+    for key, (ok, allowed) in checks.items():
+        if not ok:
+            raise ValueError(f"{section}.{key}={getattr(obj, key)!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 160
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        _check("rollout", {
+            "prompts_per_step": (self.prompts_per_step >= 1, "must be >= 1"),
+            "group_size": (self.group_size >= 2, "must be >= 2 (group baselines need two samples)"),
+            "temperature": (self.temperature > 0, "must be > 0 for RL sampling"),
+            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
+            "top_k": (self.top_k >= 0, "must be >= 0 (0 = off)"),
+            "max_new_tokens": (self.max_new_tokens >= 1, "must be >= 1"),
+            "max_num_seqs": (self.max_num_seqs >= 1, "must be >= 1"),
+        }, self)
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = "grpo"
+    scale_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low = DAPO clip-higher
+    loss_agg: str = "token"
+    behaviour_weight_cap: float = 2.0  # truncated importance weight for stale samples
+    kl_coef: float = 0.001
+    kl_kind: str = "k3"
+    kl_mode: str = "loss"  # "loss": KL term in the loss; "reward": penalty on the reward
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
+    overlong_factor: float = 1.0
+    ppo_epochs: int = 1
+    minibatches: int = 1  # optimizer steps per epoch
+
+    def __post_init__(self) -> None:
+        _check("algo", {
+            "advantage": (self.advantage in ADVANTAGES, f"allowed: {', '.join(ADVANTAGES)}"),
+            "clip_low": (0 < self.clip_low < 1, "must be in (0, 1)"),
+            "clip_high": (self.clip_high > 0, "must be > 0"),
+            "loss_agg": (self.loss_agg in LOSS_AGGS, f"allowed: {', '.join(LOSS_AGGS)}"),
+            "behaviour_weight_cap": (self.behaviour_weight_cap >= 1, "must be >= 1"),
+            "kl_coef": (self.kl_coef >= 0, "must be >= 0"),
+            "kl_kind": (self.kl_kind in KL_KINDS, f"allowed: {', '.join(KL_KINDS)}"),
+            "kl_mode": (self.kl_mode in KL_MODES, f"allowed: {', '.join(KL_MODES)}"),
+            "entropy_coef": (self.entropy_coef >= 0, "must be >= 0"),
+            "overlong_buffer": (self.overlong_buffer >= 0, "must be >= 0"),
+            "ppo_epochs": (self.ppo_epochs >= 1, "must be >= 1"),
+            "minibatches": (self.minibatches >= 1, "must be >= 1"),
+        }, self)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    microbatch_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        _check("optim", {
+            "lr": (0 < self.lr <= 1e-2, "must be in (0, 0.01]; 3e-4 is the tested default"),
+            "beta1": (0 <= self.beta1 < 1, "must be in [0, 1)"),
+            "beta2": (0 <= self.beta2 < 1, "must be in [0, 1)"),
+            "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
+            "grad_clip": (self.grad_clip > 0, "must be > 0"),
+            "microbatch_tokens": (self.microbatch_tokens >= 64, "must be >= 64"),
+        }, self)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    base: str = ""  # base checkpoint folder; "" = the cached base model (pretrained if missing)
+    out_dir: str = "runs"
+    run_name: str = ""  # "" = a timestamped name
+    seed: int = 0
+    max_steps: int = 0  # 0 = until time_budget_s
+    time_budget_s: float = 420.0  # RL steps stop starting after this; evals come on top
+    eval_every: int = 25
+    eval_problems: int = 500
+    checkpoint_every: int = 25
+    reward: str = "task"  # "task" (the task's verifier) or "module:function"
+    threads: int = 2
+    deterministic: bool = False  # torch deterministic algorithms (for resume tests)
+    task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+
+    def __post_init__(self) -> None:
+        _check("train", {
+            "max_steps": (self.max_steps >= 0, "must be >= 0 (0 = until time_budget_s)"),
+            "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
+            "eval_every": (self.eval_every >= 1, "must be >= 1"),
+            "eval_problems": (1 <= self.eval_problems <= self.task.num_heldout,
+                              f"must be in [1, task.num_heldout={self.task.num_heldout}]"),
+            "checkpoint_every": (self.checkpoint_every >= 1, "must be >= 1"),
+            "reward": (self.reward == "task" or ":" in self.reward,
+                       "allowed: 'task' or 'module:function'"),
+            "threads": (self.threads >= 1, "must be >= 1"),
+        }, self)

@@ -1,0 +1,105 @@
+"""Measured inputs of the RL simulator: what one rollout engine and one trainer cost.
+
+Owns `Calibration` (a typed record of microbenchmark numbers) and its JSON load/save. The
+honesty rule of the simulator lives here: every field is a *measured microbenchmark* input
+(decode step time vs batch size, train tokens/s, switch time, transfer bandwidth) — never a
+value fitted to the RL throughput the simulator is asked to predict.
+
+Until the engine and fusion benchmarks write a measured file, `cpu_default()` starts from the
+figures in CALIBRATION.md (decode 1 -> 3.0 ms, 8 -> 5.5, 32 -> 7.7, 128 -> 13.4,
+256 -> 19.1 ms per step; RL update 7-9K tokens/s). Fields CALIBRATION.md does not give are
+marked `placeholder` in `source_notes`; `from_cost_model` in `rl_cluster.py` derives the same
+record for accelerator clusters from hardware specs instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Costs of one rollout engine instance and of the trainer, per device where stated."""
+
+    decode_batch_sizes: tuple[int, ...]  # active sequences in one decode step (ascending)
+    decode_step_ms: tuple[float, ...]  # wall time of one decode step at that batch size, ms
+    prefill_ms_per_token: float  # prompt (or resumed-context) prefill cost per token, ms
+    train_tokens_per_s_per_device: float  # actor update throughput (fwd+bwd+optim) per device
+    train_step_overhead_s: float  # fixed cost per update (optimizer step, sync), s
+    switch_s: float  # one train<->inference switch of the actor on one device group, s
+    transfer_GBps: float  # DistQueue / weight-sync bandwidth per reader, 1e9 B/s
+    weight_GB: float  # actor weights moved by one weight sync (separated mode), 1e9 B
+    devices_per_engine: int = 1  # devices one rollout engine instance spans
+    forward_fraction: float = 1.0 / 3.0  # forward-only (ref/reward) cost / train cost per token
+    source: str = "unspecified"  # where the numbers come from
+    source_notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        sizes, times = self.decode_batch_sizes, self.decode_step_ms
+        if not sizes or len(sizes) != len(times):
+            raise ValueError("calibration.decode_batch_sizes and decode_step_ms must be "
+                             "non-empty and the same length")
+        if list(sizes) != sorted(set(sizes)) or sizes[0] <= 0:
+            raise ValueError(f"calibration.decode_batch_sizes={sizes} must be ascending, > 0")
+        for key in ("train_tokens_per_s_per_device", "transfer_GBps", "devices_per_engine"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"calibration.{key}={getattr(self, key)} must be > 0")
+
+    def decode_step_s(self, batch: int) -> float:
+        """Step time at `batch` active sequences: piecewise linear between measured points,
+        flat below the first, extrapolated with the last slope above the last."""
+        if batch <= 0:
+            return 0.0
+        sizes, times = self.decode_batch_sizes, self.decode_step_ms
+        if batch <= sizes[0] or len(sizes) == 1:
+            return times[0] / 1e3 if batch <= sizes[0] else times[-1] / 1e3
+        i = min(bisect_left(sizes, batch), len(sizes) - 1)
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+        return (y0 + (y1 - y0) * (batch - x0) / (x1 - x0)) / 1e3
+
+    @property
+    def max_batch(self) -> int:
+        return self.decode_batch_sizes[-1]
+
+    def replace(self, **changes) -> "Calibration":
+        return dataclasses.replace(self, **changes)
+
+
+def cpu_default() -> Calibration:
+    """This machine, from CALIBRATION.md, until measured files exist."""
+    return Calibration(
+        decode_batch_sizes=(1, 8, 32, 128, 256),
+        decode_step_ms=(3.0, 5.5, 7.7, 13.4, 19.1),
+        prefill_ms_per_token=0.05,
+        train_tokens_per_s_per_device=8000.0,
+        train_step_overhead_s=0.02,
+        switch_s=0.05,
+        transfer_GBps=1.0,
+        weight_GB=0.0072,  # 1.79M params * 4 bytes
+        source="CALIBRATION.md (2-core CPU, tiny MoE)",
+        source_notes=(
+            "decode_step_ms: measured (CALIBRATION.md 'The long tail, measured')",
+            "train_tokens_per_s_per_device: measured 7-9K tokens/s, midpoint",
+            "prefill_ms_per_token, train_step_overhead_s, switch_s, transfer_GBps: "
+            "placeholder until bench/ microbenchmarks write a measured file",
+        ),
+    )
+
+
+def save_calibration(cal: Calibration, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(dataclasses.asdict(cal), indent=2) + "\n")
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    data = json.loads(Path(path).read_text())
+    for key in ("decode_batch_sizes", "decode_step_ms", "source_notes"):
+        if key in data:
+            data[key] = tuple(data[key])
+    try:
+        return Calibration(**data)
+    except TypeError as exc:
+        raise ValueError(f"invalid calibration file {path}: {exc}") from exc

@@ -1,0 +1,105 @@
+"""`rlfusion plan` and `rlfusion simulate`: argparse subcommands over the planner/simulator.
+
+`register_plan_command(subparsers)` / `register_simulate_command(subparsers)` add the
+subcommands and set `func` to a handler `(args) -> int` that prints tables. User mistakes
+surface as `ValueError` naming the flag and what is allowed (the top-level CLI prints them as
+one line), or as argparse errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rlfusion.model.config import PRESETS, get_preset
+from rlfusion.sim.hardware import parse_cluster
+from rlfusion.sim.plan import TrainJob
+from rlfusion.sim.search import SearchResult, search_plans
+from rlfusion.sim.step import StepEstimate
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def register_plan_command(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan", help="rank parallel layouts (TP/PP/VPP/EP/DP, micro-batch, recompute) by "
+                     "simulated step time")
+    parser.add_argument("--model", default="pangu-ultra-moe-718b", choices=sorted(PRESETS),
+                        help="model preset")
+    parser.add_argument("--cluster", default="910b:6144",
+                        help="KIND:NUM_CHIPS, KIND in 910b, cm384, h100, h200, cpu, or a "
+                             "spec .json written by measure_cpu")
+    parser.add_argument("--seq", type=_positive_int, default=8192, help="sequence length")
+    parser.add_argument("--global-batch", type=_positive_int, default=1536,
+                        help="sequences per optimizer step")
+    parser.add_argument("--top", type=_positive_int, default=10, help="plans to print")
+    parser.set_defaults(func=run_plan)
+    return parser
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    cluster = parse_cluster(args.cluster, flag="--cluster")
+    job = TrainJob(get_preset(args.model), seq_len=args.seq, global_batch=args.global_batch)
+    result = search_plans(job, cluster)
+    print(format_plan_report(job, cluster.kind, cluster.num_chips, result, args.top))
+    return 0 if result.ranked else 1
+
+
+_HEADER = (f"{'#':>3}  {'layout':<40} {'step s':>7} {'MFU':>6} {'mem GB':>7} {'comm':>6} "
+           f"{'bubble':>7} {'EP a2a hid':>10}")
+
+
+def _row(rank: int, est: StepEstimate) -> str:
+    hidden = (1.0 - est.ep_comm_exposed_s / est.ep_comm_total_s) if est.ep_comm_total_s else 1.0
+    return (f"{rank:>3}  {est.plan.label():<40} {est.step_s:>7.2f} {est.mfu:>6.1%} "
+            f"{est.memory.total_GB:>7.1f} {est.comm_share:>6.1%} "
+            f"{est.bubble_s / est.step_s:>7.1%} {hidden:>10.0%}")
+
+
+def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResult,
+                       top: int) -> str:
+    lines = [f"plan: {kind}:{chips}, seq {job.seq_len}, global batch {job.global_batch} "
+             f"sequences; {result.num_candidates} candidates, {result.num_invalid} invalid, "
+             f"{result.num_oom} over memory, {len(result.ranked)} fit "
+             f"({result.seconds:.1f}s)"]
+    if not result.ranked:
+        lines.append("no plan fits memory: add chips, shorten --seq or lower --global-batch")
+        return "\n".join(lines)
+    lines += ["", _HEADER]
+    lines += [_row(i + 1, est) for i, est in enumerate(result.ranked[:top])]
+    best = result.best
+    lines += ["", "why the best plan wins:"] + [f"  {r}" for r in result.reasons]
+    lines += ["", "best plan breakdown (s): " + ", ".join(
+        f"{name} {getattr(best, name + '_s'):.2f}" for name in
+        ("compute", "recompute", "bubble", "tp_comm", "ep_comm_exposed", "pp_comm",
+         "dp_comm_exposed", "swap_exposed", "optimizer"))]
+    mem = best.memory
+    lines.append(f"best plan memory (GB): weights {mem.weights_GB:.1f}, grads {mem.grads_GB:.1f}, "
+                 f"optimizer {mem.optimizer_GB:.1f}, activations {mem.activations_GB:.1f}, "
+                 f"buffers {mem.buffers_GB:.1f}, reserved {mem.reserved_GB:.1f}")
+    return "\n".join(lines)
+
+
+def register_simulate_command(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "simulate", help="discrete-event simulation of RL post-training throughput")
+    parser.add_argument("config", type=Path, help="simulation TOML file")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for trace.json and PNG plots (default: no files)")
+    parser.set_defaults(func=run_simulate)
+    return parser
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from rlfusion.sim.report import simulate_and_report  # keeps `plan` imports small
+
+    print(simulate_and_report(args.config, args.out))
+    return 0

@@ -1,0 +1,85 @@
+"""Typed configuration of one RL simulation, loaded from TOML.
+
+Owns `RLSimConfig` and `load_rl_config()`. A TOML file has flat keys matching the fields
+(optionally under a `[simulate]` table); `calibration = "cpu-default"` or a path to a JSON
+file written by a microbenchmark (`calibration.save_calibration`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+MODES = ("separated", "colocated", "shared")
+
+
+@dataclass(frozen=True)
+class RLSimConfig:
+    mode: str = "colocated"  # separated | colocated | shared (actor, ref, reward on one pool)
+    devices_per_supernode: int = 2  # devices (workers/chips) in one supernode
+    num_supernodes: int = 1
+    rollout_fraction: float = 0.5  # separated mode: share of devices that generate
+    prompts_per_step: int = 32  # per supernode (weak scaling keeps this per supernode)
+    samples_per_prompt: int = 8
+    num_steps: int = 6  # RL updates to simulate
+    prompt_len: int = 12  # tokens
+    response_median: float = 24.0  # tokens, median of the log-normal length distribution
+    response_p99_over_median: float = 3.75  # long tail (CALIBRATION.md: 3.5-4)
+    max_response_len: int = 128
+    max_batch_per_engine: int = 256  # continuous-batching slots per engine instance
+    staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
+    partial_rollout: bool = False  # co-located: end rollout at N finished, resume the rest
+    reward_model: bool = False  # shared mode: a reward-model forward (else a free verifier)
+    queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version
+    padding_free: bool = True  # DistQueue packs samples without padding
+    inter_supernode_GBps: float = 0.0  # per-device bandwidth between supernodes; 0 = ideal
+    calibration: str = "cpu-default"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"simulate.mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        for key in ("devices_per_supernode", "num_supernodes", "prompts_per_step",
+                    "samples_per_prompt", "num_steps", "max_response_len",
+                    "max_batch_per_engine"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"simulate.{key}={getattr(self, key)} must be >= 1")
+        if self.staleness < 0:
+            raise ValueError(f"simulate.staleness={self.staleness} must be >= 0")
+        if not 0.0 < self.rollout_fraction < 1.0:
+            raise ValueError(f"simulate.rollout_fraction={self.rollout_fraction} must be "
+                             "in (0, 1)")
+        if self.response_p99_over_median < 1.0 or self.response_median <= 0:
+            raise ValueError("simulate.response_p99_over_median must be >= 1 and "
+                             "response_median > 0")
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_supernode * self.num_supernodes
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt * self.num_supernodes
+
+    @property
+    def length_sigma(self) -> float:
+        """Log-normal sigma giving the configured p99/median (z_0.99 = 2.326)."""
+        return math.log(self.response_p99_over_median) / 2.326
+
+    def replace(self, **changes) -> "RLSimConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def load_rl_config(path: str | Path) -> RLSimConfig:
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    data = data.get("simulate", data)
+    allowed = {f.name for f in fields(RLSimConfig)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: "
+                         f"{', '.join(sorted(allowed))}")
+    return RLSimConfig(**data)

@@ -1,0 +1,317 @@
+"""Discrete-event simulation of the RL dataflow: rollout engines, trainer, switches, staleness.
+
+    new samples ──► engines (continuous batching, step cost = f(active batch)) ──► ready
+                       ▲  admit sample of batch b only if engine version w >= b - s      │
+                       │                                                                  ▼
+      weights v+1 ◄── update u (consumes N ready samples started at version >= u - s) ◄──┘
+
+Owns `simulate()` and its `SimResult`/`TimelineEvent` outputs. Modes:
+- separated: `rollout_fraction` of devices generate, the rest train; both run at once. New
+  weights reach the engines after a weight transfer and a load (`switch_s`); in-flight samples
+  continue under the new weights (their *oldest* token version is what staleness checks).
+- colocated: all devices generate, then switch to training, then switch back. With
+  `partial_rollout` (and s >= 1) a rollout phase ends once N samples are ready and every
+  in-flight sample that would exceed the bound has finished; the rest is aborted and resumed
+  (re-prefilling prompt + generated tokens) in the next phase.
+- shared: colocated plus reference and reward models on the same devices (two more switches
+  and their forward passes per step).
+Staleness s = 0 therefore reproduces synchronous RL in every mode. Costs come only from a
+`Calibration` (measured inputs); nothing is fitted to throughput.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from rlfusion.sim.calibration import Calibration
+from rlfusion.sim.rl_config import RLSimConfig
+
+
+@dataclass
+class Sample:
+    idx: int
+    batch: int  # the update it was generated for (idx // samples_per_step)
+    prompt_len: int
+    length: int  # response tokens it will generate
+    generated: int = 0
+    min_version: int = -1  # policy version of its first token; -1 until admitted
+    needs_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    device: str  # lane name: an engine ("engine3") or the trainer ("train")
+    role: str  # rollout | prefill | switch | train | ref | reward | weight_sync
+    start: float  # seconds
+    end: float
+    version: int  # policy version the work used
+
+
+@dataclass(frozen=True)
+class SimResult:
+    tokens_per_s: float  # response tokens consumed by updates / makespan
+    samples_per_s: float
+    makespan_s: float
+    utilization: dict[str, float]  # lane -> (rollout + train + ref/reward time) / makespan
+    lane_devices: dict[str, int]  # lane -> devices it stands for
+    timeline: list[TimelineEvent]
+    dropped_samples: int  # finished but too stale to train on
+    max_staleness: int  # largest (update version - sample min_version) trained on
+    updates: int
+
+
+@dataclass
+class _Engine:
+    name: str
+    version: int = 0
+    clock: float = 0.0
+    active: list[Sample] = field(default_factory=list)
+
+
+class _Sim:
+    def __init__(self, cfg: RLSimConfig, cal: Calibration) -> None:
+        self.cfg, self.cal = cfg, cal
+        self.rng = random.Random(cfg.seed)
+        self.n = cfg.samples_per_step
+        self.next_idx = 0
+        self.resume: list[Sample] = []
+        self.ready: list[Sample] = []
+        self.timeline: list[TimelineEvent] = []
+        self.version = 0
+        self.dropped = 0
+        self.max_staleness = 0
+        self.trained_tokens = 0
+        engines = self._num_engines()
+        self.engines = [_Engine(f"engine{i}") for i in range(engines)]
+
+    # ---- setup ------------------------------------------------------------------------
+    def _num_engines(self) -> int:
+        per = self.cal.devices_per_engine
+        devices = self.cfg.num_devices
+        if self.cfg.mode == "separated":
+            devices = max(per, round(devices * self.cfg.rollout_fraction))
+        return max(1, devices // per)
+
+    def train_devices(self) -> int:
+        if self.cfg.mode == "separated":
+            return max(1, self.cfg.num_devices - len(self.engines) * self.cal.devices_per_engine)
+        return self.cfg.num_devices
+
+    def _new_sample(self) -> Sample:
+        cfg = self.cfg
+        length = round(cfg.response_median * math.exp(self.rng.gauss(0.0, cfg.length_sigma)))
+        sample = Sample(self.next_idx, self.next_idx // self.n, cfg.prompt_len,
+                        min(max(length, 1), cfg.max_response_len))
+        self.next_idx += 1
+        return sample
+
+    # ---- engines ----------------------------------------------------------------------
+    def admit(self, eng: _Engine, max_batch_index: int, now: float) -> None:
+        """Fill free slots: resumed samples first, then new ones the staleness bound allows
+        (a new sample of batch b needs b <= max_batch_index)."""
+        if not eng.active:
+            eng.clock = max(eng.clock, now)
+        added: list[Sample] = []
+        while len(eng.active) + len(added) < self.cfg.max_batch_per_engine:
+            if self.resume:
+                added.append(self.resume.pop(0))
+            elif self.next_idx // self.n <= max_batch_index:
+                added.append(self._new_sample())
+            else:
+                break
+        if not added:
+            return
+        prefill_tokens = 0
+        for s in added:
+            if s.min_version < 0:
+                s.min_version = eng.version
+            if s.needs_prefill:
+                prefill_tokens += s.prompt_len + s.generated
+                s.needs_prefill = False
+        cost = prefill_tokens * self.cal.prefill_ms_per_token / 1e3
+        self.record(eng.name, "prefill", eng.clock, eng.clock + cost, eng.version)
+        eng.clock += cost
+        eng.active.extend(added)
+
+    def next_finish(self, eng: _Engine) -> float:
+        if not eng.active:
+            return math.inf
+        left = min(s.length - s.generated for s in eng.active)
+        return eng.clock + left * self.cal.decode_step_s(len(eng.active))
+
+    def advance(self, eng: _Engine, until: float) -> list[Sample]:
+        """Run decode steps up to `until` (finishing the step in progress); return finished."""
+        if not eng.active:
+            eng.clock = max(eng.clock, until)
+            return []
+        if eng.clock >= until:  # already past `until` (finishing a step or a prefill)
+            return []
+        step = self.cal.decode_step_s(len(eng.active))
+        left = min(s.length - s.generated for s in eng.active)
+        steps = min(left, math.ceil((until - eng.clock) / step - 1e-9))
+        self.record(eng.name, "rollout", eng.clock, eng.clock + steps * step, eng.version)
+        eng.clock += steps * step
+        for s in eng.active:
+            s.generated += steps
+        done = [s for s in eng.active if s.generated >= s.length]
+        eng.active = [s for s in eng.active if s.generated < s.length]
+        return done
+
+    # ---- training ---------------------------------------------------------------------
+    def take_batch(self, update: int) -> list[Sample] | None:
+        """The N oldest ready samples within the staleness bound of `update`, or None."""
+        bound = update - self.cfg.staleness
+        stale = [s for s in self.ready if s.min_version < bound]
+        self.dropped += len(stale)
+        self.ready = sorted((s for s in self.ready if s.min_version >= bound),
+                            key=lambda s: (s.min_version, s.idx))
+        if len(self.ready) < self.n:
+            return None
+        batch, self.ready = self.ready[:self.n], self.ready[self.n:]
+        self.max_staleness = max(self.max_staleness, max(update - s.min_version for s in batch))
+        self.trained_tokens += sum(s.length for s in batch)
+        return batch
+
+    def train_phases(self, batch: list[Sample]) -> list[tuple[str, float]]:
+        """(role, seconds) of everything between 'batch ready' and 'new weights exist'."""
+        cfg, cal = self.cfg, self.cal
+        tokens = sum(s.prompt_len + s.length for s in batch)
+        queued = tokens if cfg.padding_free else len(batch) * (cfg.prompt_len
+                                                               + cfg.max_response_len)
+        rate = cal.train_tokens_per_s_per_device * self.train_devices()
+        forward = tokens / rate * cal.forward_fraction
+        phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9))]
+        if cfg.mode == "shared":
+            phases.append(("switch", cal.switch_s))
+        phases.append(("ref", forward))
+        if cfg.mode == "shared" and cfg.reward_model:
+            phases += [("switch", cal.switch_s), ("reward", forward)]
+        phases.append(("train", tokens / rate + cal.train_step_overhead_s + self.grad_sync_s()))
+        return phases
+
+    def grad_sync_s(self) -> float:
+        n, bw = self.cfg.num_supernodes, self.cfg.inter_supernode_GBps
+        if n <= 1 or bw <= 0:
+            return 0.0  # ideal network (or one supernode: inside the measured train rate)
+        per_device = 2.0 * self.cal.weight_GB * 1e9 / self.cfg.devices_per_supernode
+        return 2.0 * (n - 1) / n * per_device / (bw * 1e9)
+
+    def record(self, lane: str, role: str, start: float, end: float, version: int) -> None:
+        if end > start:
+            self.timeline.append(TimelineEvent(lane, role, start, end, version))
+
+
+# ---- drivers ------------------------------------------------------------------------------
+
+def _colocated_phase_done(sim: _Sim, update: int, partial: bool) -> bool:
+    active = [s for e in sim.engines for s in e.active] + sim.resume
+    if not partial:
+        return not active and sim.next_idx >= (update + 1) * sim.n
+    bound = update - sim.cfg.staleness
+    usable = sum(1 for s in sim.ready if s.min_version >= bound)
+    must_finish = any(s.min_version <= bound for s in active)
+    return usable >= sim.n and not must_finish
+
+
+def _run_colocated(sim: _Sim) -> float:
+    cfg, cal, now = sim.cfg, sim.cal, 0.0
+    partial = cfg.partial_rollout and cfg.staleness > 0
+    for update in range(cfg.num_steps):
+        limit = update + cfg.staleness if partial else update
+        for eng in sim.engines:
+            eng.version, eng.clock = update, now
+            sim.admit(eng, limit, now)
+        t = now
+        while not _colocated_phase_done(sim, update, partial):
+            eng = min(sim.engines, key=sim.next_finish)
+            t = sim.next_finish(eng)
+            assert t < math.inf, "rollout phase cannot finish"
+            sim.ready += sim.advance(eng, t)
+            sim.admit(eng, limit, t)
+        for eng in sim.engines:  # pause: finish the step in progress, abort the rest
+            sim.ready += sim.advance(eng, t)
+            for s in eng.active:
+                s.needs_prefill = True
+            sim.resume = sorted(sim.resume + eng.active, key=lambda s: s.idx)
+            eng.active = []
+        now = max([t] + [e.clock for e in sim.engines])
+        batch = sim.take_batch(update)
+        assert batch is not None
+        phases = [("switch", cal.switch_s)] + sim.train_phases(batch) + [("switch", cal.switch_s)]
+        for role, seconds in phases:
+            for eng in sim.engines:
+                sim.record(eng.name, role, now, now + seconds, update)
+            now += seconds
+        sim.version = update + 1
+    return now
+
+
+def _run_separated(sim: _Sim) -> float:
+    cfg, cal, now = sim.cfg, sim.cal, 0.0
+    training_until = math.inf
+    arrivals: list[tuple[float, int]] = []
+    for eng in sim.engines:
+        sim.admit(eng, cfg.staleness, now)
+    while sim.version < cfg.num_steps:
+        if training_until == math.inf:
+            batch = sim.take_batch(sim.version)
+            if batch is not None:
+                t = now
+                for role, seconds in sim.train_phases(batch):
+                    sim.record("train", role, t, t + seconds, sim.version)
+                    t += seconds
+                training_until = t
+        eng = min(sim.engines, key=sim.next_finish)
+        t_engine = sim.next_finish(eng)
+        t_weights = arrivals[0][0] if arrivals else math.inf
+        now = min(t_engine, training_until, t_weights)
+        assert now < math.inf, "separated pipeline deadlocked"
+        if now == training_until:
+            sim.version, training_until = sim.version + 1, math.inf
+            sync = cal.weight_GB / cal.transfer_GBps
+            sim.record("train", "weight_sync", now, now + sync, sim.version)
+            arrivals.append((now + sync, sim.version))
+        elif now == t_weights:
+            _, version = arrivals.pop(0)
+            for e in sim.engines:
+                sim.ready += sim.advance(e, now)
+                e.clock = max(e.clock, now)
+                sim.record(e.name, "switch", e.clock, e.clock + cal.switch_s, version)
+                e.clock += cal.switch_s
+                e.version = version
+                sim.admit(e, version + cfg.staleness, e.clock)
+        else:
+            sim.ready += sim.advance(eng, now)
+            sim.admit(eng, eng.version + cfg.staleness, now)
+    return now
+
+
+_BUSY = ("rollout", "prefill", "train", "ref", "reward")
+
+
+def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
+    sim = _Sim(cfg, cal)
+    makespan = _run_separated(sim) if cfg.mode == "separated" else _run_colocated(sim)
+    lanes = {e.name: cal.devices_per_engine for e in sim.engines}
+    if cfg.mode == "separated":
+        lanes["train"] = sim.train_devices()
+    busy = dict.fromkeys(lanes, 0.0)
+    for ev in sim.timeline:
+        if ev.role in _BUSY:
+            busy[ev.device] += max(0.0, min(ev.end, makespan) - ev.start)
+    return SimResult(
+        tokens_per_s=sim.trained_tokens / makespan,
+        samples_per_s=cfg.num_steps * sim.n / makespan,
+        makespan_s=makespan,
+        utilization={lane: min(1.0, b / makespan) for lane, b in busy.items()},
+        lane_devices=lanes, timeline=sim.timeline, dropped_samples=sim.dropped,
+        max_staleness=sim.max_staleness, updates=sim.version,
+    )
+
+
+def device_utilization(result: SimResult) -> float:
+    """Device-weighted mean utilization."""
+    total = sum(result.lane_devices.values())
+    return sum(result.utilization[k] * n for k, n in result.lane_devices.items()) / total

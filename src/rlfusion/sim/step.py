@@ -1,0 +1,226 @@
+"""Training step time, MFU and peak memory of one parallel plan (the cost model proper).
+
+Owns `StepEstimate` and `estimate_step()`; the layout conventions are in `plan.py`, the
+memory formulas in `memory.py`, collective formulas in `comm.py`. Step time:
+
+    step = (m + (PP - 1) / VPP) * t_stage  +  exposed DP communication  +  optimizer step
+
+with `m` micro-batches and `t_stage` the slowest stage's fwd+bwd time per micro-batch
+(compute, recompute, TP collectives, exposed EP all-to-all, PP send/recv, exposed swap).
+This is the 1F1B bubble `(PP-1) t_stage`, divided by VPP for the interleaved schedule.
+Overlap rules: EP all-to-all hides behind the compute of the same layer of another
+micro-batch (exposed = max(0, a2a - compute)) when `ep_overlap`; the DP gradient
+reduce-scatter hides behind the last micro-batch's backward and the parameter all-gather
+behind the first micro-batch's forward; TP collectives and PP sends are fully exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfusion.sim import comm
+from rlfusion.sim.costs import BF16, LayerCost, model_flops_per_token, model_layers
+from rlfusion.sim.hardware import ClusterSpec
+from rlfusion.sim.memory import GRAD_BYTES, MemoryEstimate, stage_memory
+from rlfusion.sim.plan import ParallelPlan, TrainJob, partition
+
+OPTIMIZER_STEP_BYTES = 32  # bytes touched per locally-updated parameter by fused Adam
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Per micro-batch (fwd + bwd) seconds on one pipeline stage."""
+
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    ep_comm_s: float  # total all-to-all time
+    ep_exposed_s: float  # part not hidden behind compute
+    pp_comm_s: float
+    swap_exposed_s: float
+    fwd_s: float  # forward share (windows for DP overlap)
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.recompute_s + self.tp_comm_s + self.ep_exposed_s
+                + self.pp_comm_s + self.swap_exposed_s)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    plan: ParallelPlan
+    num_microbatches: int
+    step_s: float
+    compute_s: float  # useful compute on the slowest stage, whole step
+    recompute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    ep_comm_exposed_s: float
+    ep_comm_total_s: float
+    pp_comm_s: float
+    dp_comm_exposed_s: float
+    swap_exposed_s: float
+    optimizer_s: float
+    mfu: float
+    memory: MemoryEstimate
+    fits: bool
+
+    @property
+    def comm_share(self) -> float:
+        """Exposed communication as a fraction of the step."""
+        exposed = (self.tp_comm_s + self.ep_comm_exposed_s + self.pp_comm_s
+                   + self.dp_comm_exposed_s)
+        return exposed / self.step_s
+
+
+def _efficiency(cluster: ClusterSpec, rows: float) -> float:
+    chip = cluster.chip
+    return chip.matmul_efficiency * rows / (rows + chip.half_efficiency_rows)
+
+
+def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
+                ) -> tuple[float, float, float, float]:
+    """(fwd+bwd compute, recompute, tp comm, ep comm) seconds of one layer, one micro-batch."""
+    model, peak = job.model, cluster.chip.peak_tflops * 1e12
+    tokens = plan.micro_batch * job.seq_len
+    local = tokens / plan.tp  # tokens per rank (sequence parallel)
+    dense_rate = peak * _efficiency(cluster, tokens)
+    expert_rows = local * model.top_k * plan.ep / max(model.num_experts, 1)
+    fwd = (layer.matmul_flops * local / dense_rate
+           + layer.attn_core_flops * local / (peak * cluster.chip.attention_efficiency))
+    attn_bwd = 1.5 * layer.attn_core_flops * local / (peak * cluster.chip.attention_efficiency)
+    imbalance = job.expert_imbalance(plan.ep)
+    if layer.expert_flops:
+        fwd += layer.expert_flops * local * imbalance / (peak * _efficiency(cluster, expert_rows))
+    compute = 3.0 * fwd + attn_bwd
+    recompute = {"none": 0.0, "full": fwd,
+                 "selective": layer.recompute_flops * local / dense_rate}[plan.recompute]
+    tp_comm = 0.0
+    if plan.tp > 1 and layer.kind != "head":
+        link = cluster.link_for(plan.tp)
+        collectives = 2 if layer.kind == "dense" else 1  # AG + RS pairs per block on TP
+        buf = tokens * model.d_model * BF16
+        tp_comm = 2 * collectives * (comm.ring_time("all_gather", buf, plan.tp, link)
+                                     + comm.ring_time("reduce_scatter", buf, plan.tp, link))
+    ep_comm = 0.0
+    if layer.kind == "moe" and plan.ep > 1:
+        local_ranks = min(plan.ep, cluster.chips_per_domain)
+        vol = comm.all_to_all_volume(local, model.d_model, model.top_k, plan.ep, local_ranks,
+                                     plan.hierarchical_a2a)
+        ep_comm = 4 * imbalance * comm.all_to_all_time(vol, cluster, plan.ep, local_ranks,
+                                           plan.hierarchical_a2a)
+    return compute, recompute, tp_comm, ep_comm
+
+
+def _stage_time(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan,
+                cluster: ClusterSpec, chunks_on_stage: int) -> StageTime:
+    compute = recompute = tp_comm = ep_comm = ep_exposed = swap_exposed = fwd = 0.0
+    host_rate = cluster.host.bandwidth_GBps * 1e9
+    local = plan.micro_batch * job.seq_len / plan.tp
+    for layer in layers:
+        c, r, t, e = _layer_time(layer, job, plan, cluster)
+        compute, recompute, tp_comm, ep_comm = compute + c, recompute + r, tp_comm + t, ep_comm + e
+        fwd += c / 3.0
+        ep_exposed += max(0.0, e - c) if plan.ep_overlap else e
+        if plan.swap and plan.recompute != "full" and layer.activation.swappable:
+            moved = layer.activation.swappable * local / host_rate  # each way
+            swap_exposed += 2 * max(0.0, moved - c / 3.0)
+    pp_comm = 0.0
+    if plan.pp > 1:
+        link = cluster.link_for(2, stride=plan.tp * plan.dp)
+        act = plan.micro_batch * job.seq_len * job.model.d_model * BF16 / plan.tp
+        pp_comm = 2 * chunks_on_stage * comm.p2p_time(act, link)
+    return StageTime(compute, recompute, tp_comm, ep_comm, ep_exposed, pp_comm, swap_exposed,
+                     fwd)
+
+
+
+
+def plan_problem(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> str | None:
+    """Why `plan` cannot run `job` on `cluster` (None when it can)."""
+    model = job.model
+    if plan.num_devices != cluster.num_chips:
+        return f"TP*PP*DP={plan.num_devices} != {cluster.num_chips} chips"
+    if (plan.tp * plan.dp) % plan.ep or (model.num_experts and model.num_experts % plan.ep):
+        return f"EP{plan.ep} must divide TP*DP={plan.tp * plan.dp} and num_experts"
+    if model.num_heads % plan.tp:
+        return f"TP{plan.tp} must divide num_heads={model.num_heads}"
+    if plan.pp * plan.vpp > model.num_layers + 1:
+        return f"PP*VPP={plan.pp * plan.vpp} exceeds the {model.num_layers + 1} layers+head"
+    if job.global_batch % (plan.micro_batch * plan.dp):
+        return f"global batch {job.global_batch} not divisible by mb*DP"
+    num_micro = job.global_batch // (plan.micro_batch * plan.dp)
+    if plan.vpp > 1 and num_micro % plan.pp:
+        return f"interleaving needs micro-batches ({num_micro}) divisible by PP{plan.pp}"
+    return None
+
+
+def _stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> list[list[LayerCost]]:
+    layers = model_layers(job.model, job.seq_len)
+    times: dict[int, float] = {}
+    for layer in layers:  # only three distinct layer kinds: time each once
+        if id(layer) not in times:
+            c, r, t, e = _layer_time(layer, job, plan, cluster)
+            times[id(layer)] = c + r + t + (max(0.0, e - c) if plan.ep_overlap else e)
+    owner = partition([times[id(x)] for x in layers], plan.pp * plan.vpp)
+    stages: list[list[LayerCost]] = [[] for _ in range(plan.pp)]
+    for layer, chunk in zip(layers, owner):
+        stages[chunk % plan.pp].append(layer)
+    return stages
+
+
+def _dp_exposed(layers: list[LayerCost], plan: ParallelPlan, cluster: ClusterSpec,
+                stage: StageTime) -> float:
+    dense = sum(x.dense_params for x in layers) / plan.tp
+    expert = sum(x.expert_params for x in layers) / plan.ep
+    dense_link = cluster.link_for(plan.dp, stride=plan.tp)
+    expert_link = cluster.link_for(plan.edp, stride=plan.ep)
+    if plan.distributed_optimizer:
+        grads = (comm.ring_time("reduce_scatter", dense * GRAD_BYTES, plan.dp, dense_link)
+                 + comm.ring_time("reduce_scatter", expert * GRAD_BYTES, plan.edp, expert_link))
+        params = (comm.ring_time("all_gather", dense * BF16, plan.dp, dense_link)
+                  + comm.ring_time("all_gather", expert * BF16, plan.edp, expert_link))
+    else:
+        grads = (comm.ring_time("all_reduce", dense * GRAD_BYTES, plan.dp, dense_link)
+                 + comm.ring_time("all_reduce", expert * GRAD_BYTES, plan.edp, expert_link))
+        params = 0.0
+    backward = stage.total_s - stage.fwd_s
+    return max(0.0, grads - backward) + max(0.0, params - stage.fwd_s)
+
+
+def _optimizer_s(layers: list[LayerCost], plan: ParallelPlan, cluster: ClusterSpec) -> float:
+    dense = sum(x.dense_params for x in layers) / plan.tp
+    expert = sum(x.expert_params for x in layers) / plan.ep
+    if plan.distributed_optimizer:
+        dense, expert = dense / plan.dp, expert / plan.edp
+    return (dense + expert) * OPTIMIZER_STEP_BYTES / (cluster.chip.memory_bandwidth_GBps * 1e9)
+
+
+def estimate_step(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> StepEstimate:
+    problem = plan_problem(job, plan, cluster)
+    if problem:
+        raise ValueError(f"plan {plan.label()} is invalid: {problem}")
+    num_micro = job.global_batch // (plan.micro_batch * plan.dp)
+    stages = _stages(job, plan, cluster)
+    times = [_stage_time(layers, job, plan, cluster, plan.vpp) for layers in stages]
+    slow = max(range(plan.pp), key=lambda s: times[s].total_s)
+    st = times[slow]
+    bubble = (plan.pp - 1) / plan.vpp * st.total_s
+    dp_exposed = max(_dp_exposed(stages[s], plan, cluster, times[s]) for s in range(plan.pp))
+    optimizer = max(_optimizer_s(layers, plan, cluster) for layers in stages)
+    step = num_micro * st.total_s + bubble + dp_exposed + optimizer
+    memories = [stage_memory(stages[s], job, plan, s, num_micro) for s in range(plan.pp)]
+    memory, swapped = max(memories, key=lambda m: m[0].total_GB)
+    fits = (memory.total_GB <= cluster.chip.memory_GB
+            and swapped <= cluster.host_memory_GB_per_chip)
+    model_flops = model_flops_per_token(job.model, job.seq_len) * job.seq_len * job.global_batch
+    mfu = model_flops / (step * cluster.num_chips * cluster.chip.peak_tflops * 1e12)
+    return StepEstimate(
+        plan=plan, num_microbatches=num_micro, step_s=step,
+        compute_s=num_micro * st.compute_s, recompute_s=num_micro * st.recompute_s,
+        bubble_s=bubble, tp_comm_s=num_micro * st.tp_comm_s,
+        ep_comm_exposed_s=num_micro * st.ep_exposed_s, ep_comm_total_s=num_micro * st.ep_comm_s,
+        pp_comm_s=num_micro * st.pp_comm_s, dp_comm_exposed_s=dp_exposed,
+        swap_exposed_s=num_micro * st.swap_exposed_s, optimizer_s=optimizer, mfu=mfu,
+        memory=memory, fits=fits,
+    )

@@ -1,0 +1,103 @@
+"""Hand-computed checks of the training cost model (FLOPs, memory, collectives, bubbles)."""
+
+import pytest
+
+from rlfusion.model.config import get_preset
+from rlfusion.sim import comm
+from rlfusion.sim.costs import attn_core_flops, check_param_total, model_layers
+from rlfusion.sim.hardware import get_cluster
+from rlfusion.sim.memory import stage_memory
+from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
+from rlfusion.sim.step import estimate_step
+
+
+def test_tiny_flops_by_hand():
+    m = get_preset("tiny")  # d 128, 4 heads x 32, 2 kv heads, dense ffn 512, 8x128 experts top-2
+    seq = 256
+    dense, moe, head = model_layers(m, seq)[0], model_layers(m, seq)[1], model_layers(m, seq)[-1]
+    attn_proj = 128 * 128 + 2 * 128 * 64 + 128 * 128  # q, k+v (2 kv heads), out
+    assert dense.matmul_flops == 2 * attn_proj + 2 * 3 * 128 * 512
+    # causal: each token sees seq/2 keys on average; QK^T and PV over 4 heads of 32
+    assert attn_core_flops(m, seq) == 2 * (seq / 2) * 4 * (32 + 32)
+    assert moe.expert_flops == 2 * 2 * 3 * 128 * 128
+    assert moe.matmul_flops == 2 * attn_proj + 2 * 3 * 128 * 128 + 2 * 128 * 8
+    assert head.matmul_flops == 2 * 128 * m.vocab_size
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mla", "pangu-ultra-moe-718b"])
+def test_layer_params_match_model_config(name):
+    m = get_preset(name)
+    assert check_param_total(m, 128) == m.param_counts()["total"]
+
+
+def test_ring_volumes():
+    assert comm.ring_volume("all_gather", 800, 8) == 700
+    assert comm.ring_volume("reduce_scatter", 800, 8) == 700
+    assert comm.ring_volume("all_reduce", 800, 8) == 1400
+    assert comm.ring_volume("all_reduce", 800, 1) == 0
+    link = get_cluster("910b", 8).intra
+    expected = 2 * 7 * 5e-6 + 1400 / 196e9
+    assert comm.ring_time("all_reduce", 800, 8, link) == pytest.approx(expected)
+
+
+def test_hierarchical_all_to_all_sends_each_token_once_per_remote_domain():
+    flat = comm.all_to_all_volume(1000, 10, top_k=8, ep=32, local=8, hierarchical=False)
+    hier = comm.all_to_all_volume(1000, 10, top_k=8, ep=32, local=8, hierarchical=True)
+    token_bytes = 1000 * 10 * 2
+    assert flat.inter_bytes == pytest.approx(token_bytes * 8 * 24 / 32)
+    assert hier.inter_bytes == pytest.approx(token_bytes * 3 * (1 - 0.75 ** 8))
+    assert hier.inter_bytes < flat.inter_bytes
+
+
+def test_pipeline_bubble_and_in_flight():
+    job = TrainJob(get_preset("tiny"), seq_len=256, global_batch=32)
+    cluster = get_cluster("cpu", 4)
+    one = estimate_step(job, ParallelPlan(1, 4, 1, 1, 1, 1), cluster)
+    assert one.num_microbatches == 32
+    stage = (one.step_s - one.dp_comm_exposed_s - one.optimizer_s) / (32 + 3)
+    assert one.bubble_s == pytest.approx(3 * stage)  # 1F1B: (p - 1) stage times
+    plan = ParallelPlan(1, 4, 2, 1, 1, 1)
+    assert in_flight(ParallelPlan(1, 4, 1, 1, 1, 1), 0, 32) == 4
+    assert in_flight(plan, 0, 32) == pytest.approx(4 + 3 / 2)  # p + (p-1)/v
+    assert in_flight(ParallelPlan(1, 4, 1, 1, 1, 1), 0, 2) == 2
+
+
+def test_partition_balances_contiguously():
+    owner = partition([1, 1, 1, 1, 4], 2)
+    assert owner == [0, 0, 0, 0, 1]
+    assert partition([1.0] * 5, 5) == [0, 1, 2, 3, 4]
+
+
+def test_memory_formulas():
+    m = get_preset("tiny")
+    job = TrainJob(m, seq_len=256, global_batch=8)
+    layers = model_layers(m, 256)
+    plain = ParallelPlan(1, 1, 1, 1, 1, 1, distributed_optimizer=False)
+    mem, _ = stage_memory(layers, job, plain, 0, 8)
+    total = m.param_counts()["total"]
+    assert mem.weights_GB == pytest.approx(total * 2 / 1e9)
+    assert mem.grads_GB == pytest.approx(total * 4 / 1e9)
+    assert mem.optimizer_GB == pytest.approx(total * 12 / 1e9)
+    sharded, _ = stage_memory(layers, job, ParallelPlan(1, 1, 1, 1, 1, 1), 0, 8)
+    assert sharded.optimizer_GB == mem.optimizer_GB  # DP 1: nothing to shard over
+    sel, _ = stage_memory(layers, job, ParallelPlan(1, 1, 1, 1, 1, 1, "selective"), 0, 8)
+    full, _ = stage_memory(layers, job, ParallelPlan(1, 1, 1, 1, 1, 1, "full"), 0, 8)
+    assert full.activations_GB < sel.activations_GB < mem.activations_GB
+    assert full.activations_GB == pytest.approx(4 * 128 * 2 * 256 / 1e9)  # layer inputs only
+
+
+def test_distributed_optimizer_shards_over_dp():
+    m = get_preset("pangu-ultra-moe-718b")
+    job = TrainJob(m, seq_len=4096, global_batch=512)
+    cluster = get_cluster("910b", 1024)
+    on = estimate_step(job, ParallelPlan(8, 16, 1, 8, 8, 1, "full"), cluster)
+    off = estimate_step(job, ParallelPlan(8, 16, 1, 8, 8, 1, "full",
+                                          distributed_optimizer=False), cluster)
+    assert off.memory.optimizer_GB == pytest.approx(8 * on.memory.optimizer_GB, rel=0.3)
+    assert 0 < on.mfu < 1
+
+
+def test_invalid_plan_raises():
+    job = TrainJob(get_preset("tiny"), seq_len=256, global_batch=8)
+    with pytest.raises(ValueError, match="chips"):
+        estimate_step(job, ParallelPlan(1, 1, 1, 1, 2, 1), get_cluster("cpu", 4))

@@ -1,0 +1,67 @@
+"""Invariants of the discrete-event RL simulator."""
+
+import pytest
+
+from rlfusion.sim.calibration import cpu_default, load_calibration, save_calibration
+from rlfusion.sim.rl_config import RLSimConfig
+from rlfusion.sim.rl_sim import simulate
+
+CAL = cpu_default()
+SMALL = RLSimConfig(prompts_per_step=8, samples_per_prompt=4, num_steps=4)
+
+
+@pytest.mark.parametrize("mode", ["separated", "colocated", "shared"])
+@pytest.mark.parametrize("staleness,partial", [(0, False), (1, True), (2, True)])
+def test_utilization_bounded_and_staleness_respected(mode, staleness, partial):
+    cfg = SMALL.replace(mode=mode, staleness=staleness, partial_rollout=partial)
+    result = simulate(cfg, CAL)
+    assert result.updates == cfg.num_steps
+    assert all(0.0 <= u <= 1.0 for u in result.utilization.values())
+    assert result.max_staleness <= staleness
+    assert result.tokens_per_s > 0
+
+
+@pytest.mark.parametrize("mode", ["separated", "colocated", "shared"])
+def test_sync_never_overlaps_update_and_rollout_of_same_version(mode):
+    result = simulate(SMALL.replace(mode=mode, staleness=0), CAL)
+    updates = [e for e in result.timeline if e.role == "train"]
+    rollouts = [e for e in result.timeline if e.role == "rollout"]
+    assert updates and rollouts
+    for u in updates:
+        for r in rollouts:
+            if r.version == u.version:
+                assert r.end <= u.start + 1e-12 or r.start >= u.end - 1e-12
+
+
+def test_stalesync_overlaps_rollout_with_update_when_separated():
+    result = simulate(SMALL.replace(mode="separated", staleness=1, partial_rollout=True), CAL)
+    updates = [e for e in result.timeline if e.role == "train"]
+    rollouts = [e for e in result.timeline if e.role == "rollout"]
+    assert any(r.start < u.end and u.start < r.end for u in updates for r in rollouts)
+
+
+@pytest.mark.parametrize("mode", ["separated", "colocated"])
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_more_devices_never_reduce_throughput_ideal_network(mode, staleness):
+    base = SMALL.replace(mode=mode, staleness=staleness, partial_rollout=staleness > 0)
+    tputs = [simulate(base.replace(devices_per_supernode=d), CAL).tokens_per_s
+             for d in (2, 4, 8)]
+    assert tputs == sorted(tputs)
+
+
+def test_decode_cost_interpolates_measured_points():
+    assert CAL.decode_step_s(1) == pytest.approx(3.0e-3)
+    assert CAL.decode_step_s(20) == pytest.approx((5.5 + (7.7 - 5.5) * 12 / 24) / 1e3)
+    assert CAL.decode_step_s(256) == pytest.approx(19.1e-3)
+    assert CAL.decode_step_s(0) == 0.0
+
+
+def test_calibration_round_trip(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(CAL, path)
+    assert load_calibration(path) == CAL
+
+
+def test_bad_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="mode.*allowed"):
+        RLSimConfig(mode="hybrid")

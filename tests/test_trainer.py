@@ -1,0 +1,103 @@
+"""The RL loop: runs end to end, resumes deterministically, stops cleanly on bad input."""
+
+import json
+
+import pytest
+import torch
+
+from rlfusion.cli import main
+from rlfusion.config import load_config
+from rlfusion.model.checkpoint import save_checkpoint
+from rlfusion.model.config import get_preset
+from rlfusion.model.tokenizer import CharTokenizer
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.obs.metrics import read_metrics
+from rlfusion.runtime.stages import ActorStage, NonFiniteLossError
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.trainer import RLTrainer, resume
+
+TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
+               "time_update_s", "time_step_s"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("base")
+    save_checkpoint(path, MoETransformer(get_preset("tiny")), CharTokenizer.arithmetic())
+    return path
+
+
+def _cfg(base, tmp_path, name, **over) -> TrainConfig:
+    items = [f"base={str(base)!r}".replace("'", '"'), f"out_dir=\"{tmp_path}\"", f"run_name={name}",
+             "max_steps=4", "checkpoint_every=2", "eval_every=2", "eval_problems=8",
+             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
+             "reward=\"reward_fns:length_reward\"", "deterministic=true", "threads=1"]
+    items += [f"{k}={v}" for k, v in over.items()]
+    return load_config(TrainConfig, None, items)
+
+
+def _step_rows(run_dir):
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS}
+            for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r}
+
+
+def test_resume_after_kill_reproduces_the_uninterrupted_run(base, tmp_path):
+    full = RLTrainer(_cfg(base, tmp_path, "full"), tmp_path / "full", base)
+    full.run(progress=False)
+    part = RLTrainer(_cfg(base, tmp_path, "part", max_steps=2), tmp_path / "part", base)
+    part.run(progress=False)
+    resumed = resume(tmp_path / "part", {"max_steps": 4})
+    assert resumed.step == 2
+    resumed.run(progress=False)
+    a, b = _step_rows(tmp_path / "full"), _step_rows(tmp_path / "part")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert any(a[s]["kept_fraction"] > 0 for s in a), "the test needs real updates"
+    for s in (3, 4):
+        assert a[s] == pytest.approx(b[s], rel=1e-6, abs=1e-9), s
+
+
+def test_run_folder_contents(base, tmp_path):
+    trainer = RLTrainer(_cfg(base, tmp_path, "r", max_steps=2), tmp_path / "r", base)
+    result = trainer.run(progress=False)
+    assert result.steps == 2
+    for name in ("metrics.jsonl", "config.json", "checkpoint/model.safetensors",
+                 "checkpoint/trainer_state.pt", "final/model.safetensors"):
+        assert (tmp_path / "r" / name).exists(), name
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["max_steps"] == 2
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(base, tmp_path, monkeypatch):
+    trainer = RLTrainer(_cfg(base, tmp_path, "nan", max_steps=6), tmp_path / "nan", base)
+    original = ActorStage._micro_loss
+
+    def poisoned(self, *args):
+        loss, m = original(self, *args)
+        return (loss * float("nan"), m) if self.version >= 2 else (loss, m)
+
+    monkeypatch.setattr(ActorStage, "_micro_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match="last good checkpoint"):
+        trainer.run(progress=False)
+    state = torch.load(tmp_path / "nan" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("nope=1", "unknown config key 'nope'"),
+    ("algo.clip_low=2", "algo.clip_low=2"),
+    ("rollout.group_size=x", "rollout.group_size"),
+    ("algo.advantage=ppo2", "allowed: grpo, rloo, reinforce_pp"),
+    ("optim.lr=0.5", "optim.lr=0.5"),
+])
+def test_bad_config_is_one_clear_line(override, message, capsys, tmp_path):
+    assert main(["train", override, f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_existing_run_folder_is_not_overwritten(base, tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    assert main(["train", f"base={base}", f"out_dir={tmp_path}", "run_name=taken"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (tmp_path / "taken" / "config.json").read_text() == "{}"
