@@ -39,6 +39,7 @@ class PretrainConfig:
     tokens_per_step: int = 4096
     microbatch_tokens: int = 2048
     time_budget_s: float = 300.0
+    max_steps: int = 0  # 0 = no step limit (time budget and target accuracy decide)
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this
     eval_every_steps: int = 40
     eval_problems: int = 200
@@ -53,6 +54,7 @@ class PretrainConfig:
             "tokens_per_step": (self.tokens_per_step >= 64, "must be >= 64"),
             "microbatch_tokens": (self.microbatch_tokens >= 64, "must be >= 64"),
             "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
+            "max_steps": (self.max_steps >= 0, "must be >= 0 (0 = no limit)"),
             "target_accuracy": (0 < self.target_accuracy <= 1, "must be in (0, 1]"),
             "eval_every_steps": (self.eval_every_steps >= 1, "must be >= 1"),
             "eval_problems": (1 <= self.eval_problems <= self.task.num_heldout,
@@ -134,7 +136,7 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
     bar = tqdm(total=round(cfg.time_budget_s), unit="s", disable=not progress,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}] {postfix}")
     loss_avg = math.nan
-    while time.monotonic() - start < cfg.time_budget_s:
+    while time.monotonic() - start < cfg.time_budget_s and not (cfg.max_steps and step >= cfg.max_steps):
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
         for group in opt.param_groups:
             group["lr"] = lr

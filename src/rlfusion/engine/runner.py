@@ -23,17 +23,6 @@ class ModelRunner:
         self.cache = model.new_kv_cache(num_slots, max_seq_len)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def reseed(self, seed: int) -> None:
-        self.generator.manual_seed(seed)
-
-    def release_cache(self) -> None:
-        """Free the KV cache memory (e.g. before a training phase); `allocate_cache` restores it."""
-        self.cache = None
-
-    def allocate_cache(self) -> None:
-        if self.cache is None:
-            self.cache = self.model.new_kv_cache(self.num_slots, self.max_seq_len)
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`."""

@@ -1,0 +1,274 @@
+"""rlfusion's single-process RL loop vs TRL's `GRPOTrainer`: generated tokens/s and s per RL step.
+
+Compared, identical on both sides:
+  - the model: our tiny MoE, and on the TRL side its exact `Qwen2MoeForCausalLM` export
+    (`rlfusion.model.hf_export`; logits agree to float rounding). The router's expert bias has no
+    HF form, so the bench zeroes it in both copies and turns off its update
+    (`bias_update_rate=0`): both sides then train the very same function;
+  - the prompts: the built-in arithmetic task drawn from one seeded stream, 16 prompts per step
+    in the same order on both sides (checked), each prompt `<bos>` + text;
+  - sampling: group size 8, temperature 1.0, no top-p/top-k, at most 160 new tokens, stop at EOS
+    (the EOS token counts as generated on both sides);
+  - the reward: exact answer after '#' (`verify_arithmetic`);
+  - the update: GRPO advantages (group mean / std), PPO clip 0.2, token-level loss, no KL
+    (beta 0, no reference model), one AdamW step per RL step at constant lr 3e-4, grad clip 1.0,
+    float32 on CPU with 2 torch threads.
+
+TRL is run with its documented CPU settings and nothing that only costs time: `use_cpu=True`,
+bf16/fp16 off, no vLLM (HF `generate`, dynamic KV cache, HF's default experts kernel),
+`generation_batch_size` = 16 x 8 = 128 in one batch, one micro-batch of 128 per optimizer step,
+gradient checkpointing off (TRL turns it on by default; memory is no concern here), no logging,
+reporting, saving, evaluation or progress bar.
+
+What differs (each side's own design, which is what is measured):
+  - generation: rlfusion's continuous-batching engine over a preallocated KV cache vs HF
+    `generate` on a left-padded static batch that runs until its longest row ends;
+  - training: rlfusion packs responses without padding into token-budgeted micro-batches; TRL
+    computes the padded [128, prompt + longest completion] batch;
+  - rlfusion keeps every group (dynamic sampling off); TRL never drops groups.
+
+Timing: both trainers are built once, then a warm-up step of each (not counted), then rounds of
+K TRL steps followed by K rlfusion steps (the rlfusion segment runs from a TRL callback, so the
+two alternate inside one process and see the same machine load). TRL's time is the wall clock
+of its whole segment, from the end of the previous rlfusion segment to the end of its K-th
+optimizer step; rlfusion's is the wall clock of `RLTrainer.train_step` calls.
+
+The base model: `--base DIR`, else the cached pretrained base (`rlfusion pretrain`), else a
+random tiny model (its rewards are all zero and its responses end at random; both sides still
+generate, which is what is measured).
+
+    python bench/vs_trl.py                   # 1 warm-up + 3 rounds x 2 steps per side
+    python bench/vs_trl.py --quick           # 1 warm-up + 2 rounds x 1 step per side
+    python bench/vs_trl.py --base DIR        # an rlfusion checkpoint folder
+
+Needs the bench extra: pip install -e '.[bench]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlfusion.cli import default_base_path
+from rlfusion.config import load_config
+from rlfusion.model.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from rlfusion.model.config import get_preset
+from rlfusion.model.hf_export import EXTRA, hf_tokenizer, max_expert_bias, to_hf
+from rlfusion.model.tokenizer import CharTokenizer
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, verify_arithmetic
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.trainer import RLTrainer
+
+PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS = 16, 8, 160
+TEMPERATURE, LR, SEED, THREADS = 1.0, 3e-4, 0, 2
+
+
+@dataclass
+class SideStats:
+    """Measured (not warm-up) steps of one side."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    rollout_s: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+
+    def add(self, tokens: int, seconds: float, steps: int, rollout_s: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps += steps
+        self.rollout_s += rollout_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def s_per_step(self) -> float:
+        return self.seconds / self.steps
+
+
+# ---- the shared base model -------------------------------------------------------------------
+
+def load_base(base: str | None) -> tuple[MoETransformer, CharTokenizer, str]:
+    path = Path(base) if base else default_base_path()
+    if base or (path / WEIGHTS).is_file():
+        model, tok, _ = load_checkpoint(path)
+        if tok is None:
+            raise ValueError(f"--base {path} has no tokenizer; use a checkpoint from rlfusion pretrain")
+        return model, tok, f"checkpoint {path}"
+    torch.manual_seed(SEED)
+    return (MoETransformer(get_preset("tiny")), CharTokenizer.arithmetic(),
+            f"RANDOM tiny model (no cached base at {path}, no --base): rewards will be zero")
+
+
+def freeze_routing_bias(model: MoETransformer) -> float:
+    """Zero the expert bias (HF has none) and stop its updates; returns the max |bias| dropped."""
+    dropped = max_expert_bias(model)
+    for router in model.routers():
+        router.expert_bias.zero_()
+    model.config = model.config.replace(bias_update_rate=0.0)
+    return dropped
+
+
+def problem_stream(num: int) -> list:
+    # The same stream RLTrainer draws from: ArithmeticTask(cfg.task).sample(Random(cfg.seed)).
+    task, rng = ArithmeticTask(ArithmeticConfig()), random.Random(SEED)
+    return [task.sample(rng) for _ in range(num)]
+
+
+# ---- rlfusion side ---------------------------------------------------------------------------
+
+def build_rlfusion(checkpoint: Path, out_dir: Path) -> RLTrainer:
+    cfg = load_config(TrainConfig, None, [
+        f"base='{checkpoint}'", f"out_dir='{out_dir}'", f"seed={SEED}", f"threads={THREADS}",
+        f"rollout.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.group_size={GROUP_SIZE}",
+        f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.temperature={TEMPERATURE}",
+        "algo.kl_coef=0", "algo.dynamic_sampling=false", "algo.advantage='grpo'",
+        "algo.loss_agg='token'", "algo.ppo_epochs=1", "algo.minibatches=1", f"optim.lr={LR}",
+    ])
+    return RLTrainer(cfg, out_dir, checkpoint)
+
+
+def rlfusion_steps(trainer: RLTrainer, num_steps: int, stats: SideStats | None) -> None:
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        m = trainer.train_step()
+        if stats is not None:
+            stats.add(int(m["generated_tokens"]), time.perf_counter() - t0, 1, m["time_rollout_s"])
+            stats.rewards.append(m["reward_mean"])
+
+
+# ---- TRL side --------------------------------------------------------------------------------
+
+def build_trl(hf_model, tok: CharTokenizer, total_steps: int, out_dir: Path, callback):
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Counts generated tokens and generation time; the computation is TRL's own."""
+
+        gen_tokens, gen_seconds, prompts_seen = 0, 0.0, []
+
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            t0 = time.perf_counter()
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            self.gen_seconds += time.perf_counter() - t0
+            self.gen_tokens += sum(len(c) for c in completion_ids)
+            return completion_ids, logprobs
+
+    def reward(prompts, completions, answer, **_):
+        TimedGRPOTrainer.prompts_seen.extend(prompts[::GROUP_SIZE])
+        return [verify_arithmetic(c, a) for c, a in zip(completions, answer)]
+
+    problems = problem_stream(PROMPTS_PER_STEP * total_steps)
+    dataset = datasets.Dataset.from_dict({"prompt": [p.prompt for p in problems],
+                                          "answer": [p.answer for p in problems]})
+    batch = PROMPTS_PER_STEP * GROUP_SIZE
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, seed=SEED,
+        max_steps=total_steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        generation_batch_size=batch, num_generations=GROUP_SIZE,
+        max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0,
+        beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, router_aux_loss_coef=0.0,
+        gradient_checkpointing=False, shuffle_dataset=False, remove_unused_columns=False,
+        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+    )
+    return TimedGRPOTrainer(model=hf_model, reward_funcs=reward, args=args, train_dataset=dataset,
+                            processing_class=hf_tokenizer(tok), callbacks=[callback])
+
+
+def make_interleaver(rlf: RLTrainer, steps_per_segment: int, trl_stats: SideStats,
+                     rlf_stats: SideStats):
+    """A TRL callback: after TRL's warm-up step and after every K measured TRL steps, it runs as
+    many rlfusion steps, and it times TRL's segments around them."""
+    from transformers import TrainerCallback
+
+    class Interleaver(TrainerCallback):
+        trainer = None  # set once the TRL trainer exists
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.mark, self.tokens0, self.gen0 = time.perf_counter(), 0, 0.0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            assert torch.get_num_threads() == THREADS, torch.get_num_threads()
+            t = self.trainer
+            if state.global_step == 1:  # warm-up: neither side counts it
+                rlfusion_steps(rlf, 1, None)
+            elif (state.global_step - 1) % steps_per_segment == 0:
+                trl_stats.add(t.gen_tokens - self.tokens0, time.perf_counter() - self.mark,
+                              steps_per_segment, t.gen_seconds - self.gen0)
+                print(f"  TRL      {steps_per_segment} steps: {trl_stats.tokens_per_s:7.0f} tok/s so far",
+                      flush=True)
+                rlfusion_steps(rlf, steps_per_segment, rlf_stats)
+                print(f"  rlfusion {steps_per_segment} steps: {rlf_stats.tokens_per_s:7.0f} tok/s so far",
+                      flush=True)
+            self.tokens0, self.gen0 = t.gen_tokens, t.gen_seconds
+            self.mark = time.perf_counter()
+
+    return Interleaver()
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def report(trl: SideStats, rlf: SideStats) -> None:
+    print(f"\n{'':10} {'tokens':>8} {'steps':>6} {'s/step':>8} {'rollout s/step':>15} {'tokens/s':>9}")
+    for name, s in (("TRL", trl), ("rlfusion", rlf)):
+        print(f"{name:10} {s.tokens:8d} {s.steps:6d} {s.s_per_step:8.2f} "
+              f"{s.rollout_s / s.steps:15.2f} {s.tokens_per_s:9.0f}")
+    print(f"rlfusion / TRL: tokens/s x{rlf.tokens_per_s / trl.tokens_per_s:.2f}, "
+          f"s/step x{trl.s_per_step / rlf.s_per_step:.2f} faster")
+    print(f"target rlfusion_vs_trl_tokens_per_s: {rlf.tokens_per_s / trl.tokens_per_s:.2f} (goal >= 2.0)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step per side")
+    parser.add_argument("--base", default=None, help="rlfusion checkpoint folder of the base model")
+    args = parser.parse_args()
+    try:
+        import transformers
+        import trl
+    except ImportError:
+        raise SystemExit(f"bench/vs_trl.py needs TRL and transformers: pip install -e '.[{EXTRA}]'")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(THREADS)
+    rounds, per_segment = (2, 1) if args.quick else (3, 2)
+    total_steps = 1 + rounds * per_segment
+
+    model, tok, origin = load_base(args.base)
+    dropped = freeze_routing_bias(model)
+    print(f"base: {origin}; expert bias zeroed (max |bias| was {dropped:.3g}), bias updates off")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+          f"{THREADS} threads; {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples, <= {MAX_NEW_TOKENS} "
+          f"new tokens; 1 warm-up + {rounds} rounds x {per_segment} steps per side")
+    with tempfile.TemporaryDirectory(prefix="rlf-vs-trl-") as tmp:
+        checkpoint = save_checkpoint(Path(tmp) / "base", model, tok)
+        rlf = build_rlfusion(checkpoint, Path(tmp) / "rlfusion")
+        trl_stats, rlf_stats = SideStats(), SideStats()
+        callback = make_interleaver(rlf, per_segment, trl_stats, rlf_stats)
+        trainer = build_trl(to_hf(model), tok, total_steps, Path(tmp) / "trl", callback)
+        callback.trainer = trainer
+        trainer.train()
+    expected = [p.prompt for p in problem_stream(PROMPTS_PER_STEP * total_steps)]
+    assert trainer.prompts_seen == expected, "TRL did not see the prompts in rlfusion's order"
+    print(f"same prompts on both sides: {len(expected)} in the same order; "
+          f"rlfusion reward mean {sum(rlf_stats.rewards) / len(rlf_stats.rewards):.3f}")
+    report(trl_stats, rlf_stats)
+
+
+if __name__ == "__main__":
+    main()
