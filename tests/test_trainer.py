@@ -12,7 +12,7 @@ from rlfusion.model.config import get_preset
 from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.obs.metrics import read_metrics
-from rlfusion.runtime.stages import ActorStage, NonFiniteLossError
+from rlfusion.runtime.stages import ActorStage, CollapseError, NonFiniteLossError
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 
@@ -32,7 +32,8 @@ def _cfg(base, tmp_path, name, **over) -> TrainConfig:
     items = [f"base={str(base)!r}".replace("'", '"'), f"out_dir=\"{tmp_path}\"", f"run_name={name}",
              "max_steps=4", "checkpoint_every=2", "eval_every=2", "eval_problems=8",
              "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
-             "reward=\"reward_fns:length_reward\"", "deterministic=true", "threads=1"]
+             "reward=\"reward_fns:length_reward\"", "deterministic=true", "threads=1",
+             "collapse_patience=0"]
     items += [f"{k}={v}" for k, v in over.items()]
     return load_config(TrainConfig, None, items)
 
@@ -80,6 +81,15 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(base, tmp_path, monkeyp
         trainer.run(progress=False)
     state = torch.load(tmp_path / "nan" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 2
+
+
+def test_collapse_guard_stops_a_run_that_only_truncates(base, tmp_path):
+    # An untrained model rarely emits EOS within 12 tokens: most responses are truncated.
+    trainer = RLTrainer(_cfg(base, tmp_path, "collapse", max_steps=6, collapse_patience=2),
+                        tmp_path / "collapse", base)
+    with pytest.raises(CollapseError, match="lower optim.lr"):
+        trainer.run(progress=False)
+    assert trainer.bad_steps == 2 and trainer.step < 6
 
 
 @pytest.mark.parametrize("override, message", [

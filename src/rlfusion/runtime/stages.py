@@ -34,6 +34,10 @@ class NonFiniteLossError(RunError):
     """The loss or gradient became NaN/inf; the run stops and keeps its last good checkpoint."""
 
 
+class CollapseError(RunError):
+    """Rewards stayed at 0 or responses ran to the length limit for too long."""
+
+
 class RolloutStage:
     """`group_size` sampled responses per prompt from the policy the engine currently holds."""
 

@@ -115,6 +115,9 @@ class TrainConfig:
     reward: str = "task"  # "task" (the task's verifier) or "module:function"
     threads: int = 2
     deterministic: bool = False  # torch deterministic algorithms (for resume tests)
+    # Collapse guard: stop when, for this many consecutive steps, every reward is 0 or most
+    # responses hit max_new_tokens (the failure CALIBRATION.md saw with a too-high lr). 0 = off.
+    collapse_patience: int = 10
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -132,4 +135,5 @@ class TrainConfig:
             "reward": (self.reward == "task" or ":" in self.reward,
                        "allowed: 'task' or 'module:function'"),
             "threads": (self.threads >= 1, "must be >= 1"),
+            "collapse_patience": (self.collapse_patience >= 0, "must be >= 0 (0 = off)"),
         }, self)

@@ -28,8 +28,9 @@ from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks.arithmetic import ArithmeticTask
 from rlfusion.runtime import run_state
-from rlfusion.runtime.stages import (ActorStage, NonFiniteLossError, ReferenceStage, RewardStage,
-                                     RolloutStage, apply_kl_reward_penalty, compute_advantages)
+from rlfusion.runtime.stages import (ActorStage, CollapseError, NonFiniteLossError, ReferenceStage,
+                                     RewardStage, RolloutStage, apply_kl_reward_penalty,
+                                     compute_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 
 
@@ -64,6 +65,7 @@ class RLTrainer:
         self.step = 0
         self.elapsed = 0.0  # RL seconds of earlier segments of a resumed run
         self.base_accuracy: float | None = None
+        self.bad_steps = 0  # consecutive steps that look like a collapse
 
     # ---- one RL step ----------------------------------------------------------------------
 
@@ -105,6 +107,17 @@ class RLTrainer:
         self.step += 1
         return metrics
 
+    def _check_collapse(self, m: dict[str, float]) -> None:
+        bad = m["correct_mean"] == 0.0 or m["truncated_fraction"] > 0.5
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        patience = self.cfg.collapse_patience
+        if patience and self.bad_steps >= patience:
+            raise CollapseError(
+                f"policy collapsed: {patience} steps in a row with zero reward or over half the "
+                f"responses truncated at {self.cfg.rollout.max_new_tokens} tokens (last: reward "
+                f"{m['correct_mean']:.2f}, truncated {m['truncated_fraction']:.0%}); lower optim.lr "
+                f"(now {self.cfg.optim.lr}) or set collapse_patience=0 to disable this guard")
+
     def evaluate(self) -> EvalResult:
         problems = self.task.heldout()[:self.cfg.eval_problems]
         return evaluate(self.model, self.tokenizer, problems, self.task.reward,
@@ -136,15 +149,16 @@ class RLTrainer:
                     last_acc = metrics["heldout_accuracy"] = self.evaluate().accuracy
                 self.elapsed = time.monotonic() - start
                 writer.log(self.step, metrics)
+                self._check_collapse(metrics)
                 bar.update(1)
                 bar.set_postfix_str(_progress_line(self, metrics, last_acc, start))
                 if self.step % cfg.checkpoint_every == 0:
                     run_state.save(self)
-        except NonFiniteLossError as e:
-            stopped = f"non-finite loss: {e}; last good checkpoint kept in {self.run_dir / 'checkpoint'}"
+        except (NonFiniteLossError, CollapseError) as e:
             bar.close()
             writer.close()
-            raise NonFiniteLossError(stopped) from None
+            raise type(e)(f"{e}; the run stopped at step {self.step} and its last good checkpoint "
+                          f"is kept in {self.run_dir / 'checkpoint'}") from None
         bar.close()
         final = self.evaluate().accuracy
         writer.log(self.step, {"heldout_accuracy": final})
