@@ -8,19 +8,18 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rlfusion pretrain
-	$(BIN)/rlfusion eval --k 8
+	$(BIN)/rlfusion train
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/vs_trl.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -27,7 +27,8 @@ def test_hf_logits_match_ours(changes):
     model = _random_tiny(**changes)
     assert all(float(r.expert_bias.abs().max()) == 0.0 for r in model.routers())
     hf = to_hf(model)
-    tokens_BT = torch.randint(0, model.config.vocab_size, (3, 48), generator=torch.Generator().manual_seed(1))
+    rng = torch.Generator().manual_seed(1)
+    tokens_BT = torch.randint(0, model.config.vocab_size, (3, 48), generator=rng)
     with torch.no_grad():
         ours, theirs = model(tokens_BT), hf(input_ids=tokens_BT).logits
     assert ours.abs().max() > 1.0  # not a trivially small comparison
@@ -43,11 +44,13 @@ def test_save_hf_loads_with_auto_classes(tmp_path):
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
     ids = hf_tok("17+5+23=")["input_ids"]
     assert ids == encode_prompt(tok, "17+5+23=")
-    assert hf_tok.decode([1, 4, 10, 13, 2], skip_special_tokens=True) == tok.decode([1, 4, 10, 13, 2])
+    with_specials = [1, 4, 10, 13, 2]
+    assert hf_tok.decode(with_specials, skip_special_tokens=True) == tok.decode(with_specials)
     assert hf.generation_config.eos_token_id == tok.eos_id
     with torch.no_grad():
-        torch.testing.assert_close(hf(input_ids=torch.tensor([ids])).logits, model(torch.tensor([ids])),
-                                   atol=1e-4, rtol=0)
+        tokens_BT = torch.tensor([ids])
+        theirs = hf(input_ids=tokens_BT).logits
+        torch.testing.assert_close(theirs, model(tokens_BT), atol=1e-4, rtol=0)
 
 
 def test_nonzero_expert_bias_is_refused_unless_dropped():

@@ -11,10 +11,22 @@ from pathlib import Path
 from rlfusion.errors import RunError
 
 
+SHIPPED_BASE = Path(__file__).parent / "assets" / "base-tiny"
+
+
 def default_base_path(model: str = "tiny") -> Path:
-    """Where the pretrained base model is cached (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
+    """Where `rlfusion pretrain` caches a base model (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
     root = Path(os.environ.get("RLFUSION_CACHE", Path.home() / ".cache" / "rlfusion"))
     return root / f"base-{model}"
+
+
+def find_base(model: str = "tiny") -> Path | None:
+    """The base model to start from: one the user pretrained (cache) first, else the checkpoint
+    shipped with the package (made by `rlfusion pretrain`, see docs/benchmarks.md)."""
+    for path in (default_base_path(model), SHIPPED_BASE if model == "tiny" else None):
+        if path is not None and (path / "model.safetensors").is_file():
+            return path
+    return None
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -71,10 +83,12 @@ def cmd_train(args: argparse.Namespace) -> None:
                                              for k, v in overrides.items()})
     else:
         cfg = load_config(TrainConfig, args.config, args.overrides)
-        base = Path(cfg.base) if cfg.base else default_base_path(cfg.pretrain.model)
-        if not (base / "model.safetensors").is_file():
-            print(f"no base model at {base}: pretraining one first (one-time, cached)")
+        base = Path(cfg.base) if cfg.base else find_base(cfg.pretrain.model)
+        if base is None:
+            base = default_base_path(cfg.pretrain.model)
+            print(f"no base model found: pretraining one into {base} first (one-time, cached)")
             pretrain(cfg.pretrain, base)
+        print(f"base model: {base}")
         cfg = dataclasses.replace(cfg, base=str(base.resolve()))
         run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("grpo-%Y%m%d-%H%M%S"))
         if (run_dir / "config.json").exists():
@@ -91,7 +105,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from rlfusion.model.checkpoint import load_checkpoint
     from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
-    path = Path(args.ckpt) if args.ckpt else default_base_path()
+    path = Path(args.ckpt) if args.ckpt else find_base()
+    if path is None:
+        raise ValueError("no base model found; pass --ckpt DIR or run `rlfusion pretrain` first")
     model, tokenizer, _ = load_checkpoint(path)
     if tokenizer is None:
         raise ValueError(f"checkpoint {path} has no tokenizer; it was not saved by rlfusion pretrain")

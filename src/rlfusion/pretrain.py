@@ -36,7 +36,7 @@ class PretrainConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    tokens_per_step: int = 4096
+    tokens_per_step: int = 2048  # more, smaller steps reached the phase change on fewer tokens
     microbatch_tokens: int = 2048
     time_budget_s: float = 300.0
     max_steps: int = 0  # 0 = no step limit (time budget and target accuracy decide)

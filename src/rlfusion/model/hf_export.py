@@ -85,7 +85,7 @@ def hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = layer.attn_norm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        for ours, theirs in zip(("wq", "wk", "wv", "wo"), ("q_proj", "k_proj", "v_proj", "o_proj")):
             sd[p + f"self_attn.{theirs}.weight"] = getattr(layer.attn, ours).weight
         if not layer.is_moe:
             for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -95,7 +95,8 @@ def hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
         sd[p + "mlp.gate.weight"] = moe.router.weight
         sd[p + "mlp.experts.gate_up_proj"] = torch.cat(
             [experts.w_gate_EDF.transpose(1, 2), experts.w_up_EDF.transpose(1, 2)], dim=1)
-        sd[p + "mlp.experts.down_proj"] = experts.w_down_EFD.transpose(1, 2) * cfg.routed_scaling_factor
+        scaled_down_EFD = experts.w_down_EFD * cfg.routed_scaling_factor
+        sd[p + "mlp.experts.down_proj"] = scaled_down_EFD.transpose(1, 2)
         sd[p + "mlp.shared_expert.gate_proj.weight"] = moe.shared.gate.weight
         sd[p + "mlp.shared_expert.up_proj.weight"] = moe.shared.up.weight
         # HF scales the shared expert by sigmoid(gate(x)); a zero gate gives exactly 0.5.
