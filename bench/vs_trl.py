@@ -25,8 +25,9 @@ What differs (each side's own design, which is what is measured):
   - generation: rlfusion's continuous-batching engine over a preallocated KV cache vs HF
     `generate` on a left-padded static batch that runs until its longest row ends;
   - training: rlfusion packs responses without padding into token-budgeted micro-batches; TRL
-    computes the padded [128, prompt + longest completion] batch;
-  - rlfusion keeps every group (dynamic sampling off); TRL never drops groups.
+    pads all 128 rows to the step's longest prompt and longest completion;
+  - the random streams: each side samples with its own generator, so responses (and their
+    lengths) differ from step to step; tokens/s is the figure that does not depend on them.
 
 Timing: both trainers are built once, then a warm-up step of each (not counted), then rounds of
 K TRL steps followed by K rlfusion steps (the rlfusion segment runs from a TRL callback, so the
@@ -34,7 +35,8 @@ two alternate inside one process and see the same machine load). TRL's time is t
 of its whole segment, from the end of the previous rlfusion segment to the end of its K-th
 optimizer step; rlfusion's is the wall clock of `RLTrainer.train_step` calls.
 
-The base model: `--base DIR`, else the cached pretrained base (`rlfusion pretrain`), else a
+The base model: `--base DIR`, else the pretrained base `rlfusion train` starts from
+(`rlfusion.cli.find_base`: the user's cache, then the checkpoint shipped with the package), else a
 random tiny model (its rewards are all zero and its responses end at random; both sides still
 generate, which is what is measured).
 
@@ -59,9 +61,9 @@ from pathlib import Path
 
 import torch
 
-from rlfusion.cli import default_base_path
+from rlfusion.cli import default_base_path, find_base
 from rlfusion.config import load_config
-from rlfusion.model.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
 from rlfusion.model.config import get_preset
 from rlfusion.model.hf_export import EXTRA, hf_tokenizer, max_expert_bias, to_hf
 from rlfusion.model.tokenizer import CharTokenizer
@@ -109,15 +111,16 @@ class SideStats:
 # ---- the shared base model -------------------------------------------------------------------
 
 def load_base(base: str | None) -> tuple[MoETransformer, CharTokenizer, str]:
-    path = Path(base) if base else default_base_path()
-    if base or (path / WEIGHTS).is_file():
+    path = Path(base) if base else find_base()
+    if path is not None:
         model, tok, _ = load_checkpoint(path)
         if tok is None:
             raise ValueError(f"--base {path} has no tokenizer; use one from rlfusion pretrain")
         return model, tok, f"checkpoint {path}"
     torch.manual_seed(SEED)
     return (MoETransformer(get_preset("tiny")), CharTokenizer.arithmetic(),
-            f"RANDOM tiny model (no cached base at {path}, no --base): rewards will be zero")
+            f"RANDOM tiny model (no base at {default_base_path()} nor shipped, no --base): "
+            f"rewards will be zero")
 
 
 def freeze_routing_bias(model: MoETransformer) -> float:

@@ -15,6 +15,8 @@ How our blocks map onto Qwen2-MoE (checked against transformers 5.24's `modeling
     x @ w_down_EFD[e] * routed_scaling    down_proj[e] = w_down[e].T * routed_scaling  [E, D, F]
     shared SwiGLU, added as is            sigmoid(shared_expert_gate(x)) * shared_expert(x):
                                           gate weight 0 gives exactly 0.5, so down_proj is x2
+    embedding, untied lm_head             embed_tokens (padding_idx = pad id 0: it only stops
+                                          that row's gradient; pad never reaches the loss)
 
 The aux-loss-free `expert_bias` has no HF counterpart: it changes which experts are selected,
 so the export is exact only when every router's bias is zero. `to_hf` refuses a model with a
@@ -126,7 +128,10 @@ def to_hf(model: MoETransformer, ignore_expert_bias: bool = False):
 
 
 def hf_tokenizer(tokenizer: CharTokenizer):
-    """A `PreTrainedTokenizerFast` with the same ids; encoding adds `<bos>` like `encode_prompt`."""
+    """A `PreTrainedTokenizerFast` with the same ids; encoding adds `<bos>` like `encode_prompt`.
+
+    Unlike `CharTokenizer.encode`, it drops characters outside the alphabet instead of raising.
+    """
     from tokenizers import Tokenizer, decoders, models, processors
 
     transformers = _transformers()
