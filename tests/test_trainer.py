@@ -46,9 +46,18 @@ def _step_rows(run_dir):
 def test_resume_after_kill_reproduces_the_uninterrupted_run(base, tmp_path):
     full = RLTrainer(_cfg(base, tmp_path, "full"), tmp_path / "full", base)
     full.run(progress=False)
-    part = RLTrainer(_cfg(base, tmp_path, "part", max_steps=2), tmp_path / "part", base)
-    part.run(progress=False)
-    resumed = resume(tmp_path / "part", {"max_steps": 4})
+    part = RLTrainer(_cfg(base, tmp_path, "part"), tmp_path / "part", base)
+    real_step = part.train_step
+
+    def killed_during_step_4():
+        if part.step == 3:
+            raise KeyboardInterrupt  # the process dies after step 3; its checkpoint is step 2
+        return real_step()
+
+    part.train_step = killed_during_step_4
+    with pytest.raises(KeyboardInterrupt):
+        part.run(progress=False)
+    resumed = resume(tmp_path / "part")
     assert resumed.step == 2
     resumed.run(progress=False)
     a, b = _step_rows(tmp_path / "full"), _step_rows(tmp_path / "part")
@@ -111,3 +120,37 @@ def test_existing_run_folder_is_not_overwritten(base, tmp_path, capsys):
     assert main(["train", f"base={base}", f"out_dir={tmp_path}", "run_name=taken"]) == 2
     assert "--resume" in capsys.readouterr().err
     assert (tmp_path / "taken" / "config.json").read_text() == "{}"
+
+
+def test_reward_model_hook_scores_batches(base, tmp_path):
+    cfg = _cfg(base, tmp_path, "rm", max_steps=1, reward='"reward_fns:ShortIsGood"')
+    trainer = RLTrainer(cfg, tmp_path / "rm", base)
+    problems = [trainer.task.sample(trainer.prompt_rng) for _ in range(2)]
+    trajs = trainer.rollout.generate(problems, first_group_id=0)
+    trainer.reward.score(trajs)
+    texts = [trainer.tokenizer.decode(t.response_ids) for t in trajs]
+    assert [t.reward for t in trajs] == [1.0 if len(x) < 6 else 0.0 for x in texts]
+
+
+def test_bad_reward_spec_is_one_clear_line(base, tmp_path):
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        RLTrainer(_cfg(base, tmp_path, "x", reward='"reward_fns:nope"'), tmp_path / "x", base)
+
+
+def test_ppo_with_critic_trains_the_value_model(base, tmp_path):
+    cfg = _cfg(base, tmp_path, "ppo", max_steps=3, **{"algo.advantage": "gae", "algo.kl_coef": 0, "algo.lam": 1})
+    trainer = RLTrainer(cfg, tmp_path / "ppo", base)
+    head_before = trainer.critic.model.lm_head.weight.clone()
+    metrics = [trainer.train_step() for _ in range(3)]
+    assert all("value_error" in m for m in metrics)
+    assert not torch.equal(head_before, trainer.critic.model.lm_head.weight)
+    problems = [trainer.task.sample(trainer.prompt_rng)]
+    trajs = trainer.rollout.generate(problems, first_group_id=0)
+    trainer.reward.score(trajs)
+    trainer.critic.values(trajs)
+    from rlfusion.runtime.stages import compute_advantages
+    compute_advantages(trajs, cfg.algo, cfg.rollout.group_size)
+    for t in trajs:
+        assert len(t.token_advantages) == len(t.response_ids) == len(t.returns)
+        # gamma = lam = 1: every token's return is the Monte Carlo return, the sequence reward
+        assert t.returns == pytest.approx([t.reward] * len(t.response_ids), abs=1e-5)

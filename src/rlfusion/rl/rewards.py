@@ -19,8 +19,10 @@ class RewardModel(Protocol):
     def score(self, prompts: list[str], responses: list[str]) -> list[float]: ...
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import `module:function`; errors name the spec and what is wrong."""
+def load_reward_fn(spec: str) -> RewardFn | RewardModel:
+    """Import `module:name`: a function `(response, problem) -> float`, or a class whose
+    instances have `score(prompts, responses)` (a reward model; built with no arguments).
+    Errors name the spec and what is wrong."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward={spec!r} must be 'task' or 'module:function'")
@@ -31,4 +33,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward={spec!r}: module {module_name!r} has no callable {attr!r}")
+    if isinstance(fn, type):
+        model = fn()
+        if not callable(getattr(model, "score", None)):
+            raise ValueError(f"reward={spec!r}: class {attr!r} has no score(prompts, responses) method")
+        return model
     return fn

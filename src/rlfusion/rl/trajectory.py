@@ -30,6 +30,11 @@ class Trajectory:
     advantage: float = 0.0
     ref_logprobs: list[float] | None = None
     proximal_logprobs: list[float] | None = None  # pre-update policy, for multi-step updates
+    # PPO with a critic: per-token values, GAE advantages and returns (else `advantage` is
+    # one number for the whole response, as in GRPO-style estimators).
+    values: list[float] | None = None
+    token_advantages: list[float] | None = None
+    returns: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -72,7 +77,7 @@ def pack(trajs: list[Trajectory]) -> PackedBatch:
         targets += ids[1:] + [0]
         mask += [0.0] * (P - 1) + [1.0] * R + [0.0]
         seq_idx += [s] * len(ids)
-        adv += [0.0] * (P - 1) + [t.advantage] * R + [0.0]
+        adv += [0.0] * (P - 1) + (t.token_advantages or [t.advantage] * R) + [0.0]
         behaviour += [0.0] * (P - 1) + list(t.behaviour_logprobs) + [0.0]
         if t.ref_logprobs is not None:
             ref += [0.0] * (P - 1) + list(t.ref_logprobs) + [0.0]
@@ -99,6 +104,11 @@ def split_by_token_budget(trajs: list[Trajectory], max_tokens: int) -> list[list
         current.append(t)
         used += t.num_tokens
     return micro + ([current] if current else [])
+
+
+def response_values(batch: PackedBatch, values_N: torch.Tensor, trajs: list[Trajectory]) -> list[torch.Tensor]:
+    """Split a per-position tensor into each trajectory's response-aligned values."""
+    return list(values_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in trajs]))
 
 
 def token_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

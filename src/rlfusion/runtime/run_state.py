@@ -30,6 +30,9 @@ def save(trainer) -> Path:
         "prompt_rng": trainer.prompt_rng.getstate(),
         "engine_rng": trainer.rollout.engine.runner.generator.get_state(),
         "torch_rng": torch.get_rng_state(),
+        "critic": (None if trainer.critic is None else
+                   {"model": trainer.critic.model.state_dict(),
+                    "optimizer": trainer.critic.optimizer.state_dict()}),
     }, tmp / STATE)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -51,3 +54,6 @@ def load(trainer) -> None:
     trainer.prompt_rng.setstate(state["prompt_rng"])
     trainer.rollout.engine.runner.generator.set_state(state["engine_rng"])
     torch.set_rng_state(state["torch_rng"])
+    if trainer.critic is not None and state.get("critic"):
+        trainer.critic.model.load_state_dict(state["critic"]["model"])
+        trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])

@@ -10,6 +10,7 @@ they are placed or scheduled.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -23,10 +24,11 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl import advantages as adv
 from rlfusion.rl.dapo import dynamic_sampling_mask, overlong_penalty
 from rlfusion.rl.kl import kl_loss, kl_reward_penalty
-from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
+from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss, value_loss
 from rlfusion.rl.problem import Problem
-from rlfusion.rl.rewards import RewardFn
-from rlfusion.rl.trajectory import Trajectory, pack, split_by_token_budget, token_logprobs
+from rlfusion.rl.rewards import RewardFn, RewardModel
+from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
+                                   token_logprobs)
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
 
 
@@ -62,15 +64,24 @@ class RolloutStage:
 
 
 class RewardStage:
-    def __init__(self, reward_fn: RewardFn, tokenizer: Tokenizer, algo: AlgoConfig, max_new_tokens: int):
-        self.reward_fn, self.tokenizer, self.algo = reward_fn, tokenizer, algo
+    """Rule reward per sample (`RewardFn`) or a batched reward model (`RewardModel.score`)."""
+
+    def __init__(self, reward: RewardFn | RewardModel, tokenizer: Tokenizer, algo: AlgoConfig,
+                 max_new_tokens: int):
+        self.reward, self.tokenizer, self.algo = reward, tokenizer, algo
         self.max_new_tokens = max_new_tokens
 
     def score(self, trajs: list[Trajectory]) -> None:
-        for t in trajs:
-            text = self.tokenizer.decode(t.response_ids)
-            t.metrics["correct"] = float(self.reward_fn(text, t.problem))
-            t.reward = t.metrics["correct"]
+        texts = [self.tokenizer.decode(t.response_ids) for t in trajs]
+        if hasattr(self.reward, "score"):
+            scores = self.reward.score([t.problem.prompt for t in trajs], texts)
+            if len(scores) != len(trajs):
+                raise ValueError(f"reward model returned {len(scores)} scores for {len(trajs)} samples")
+        else:
+            scores = [self.reward(text, t.problem) for text, t in zip(texts, trajs)]
+        for t, score in zip(trajs, scores):
+            t.metrics["correct"] = float(score)
+            t.reward = float(score)
         if self.algo.overlong_buffer:
             lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
             penalty = overlong_penalty(lengths, self.max_new_tokens, self.algo.overlong_buffer,
@@ -110,8 +121,12 @@ def apply_kl_reward_penalty(trajs: list[Trajectory], algo: AlgoConfig) -> dict[s
 
 
 def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: int) -> list[Trajectory]:
-    """Set `advantage` on every trajectory; returns the ones to train on (dynamic sampling may
-    drop groups whose rewards are all equal: they carry no group-relative signal)."""
+    """Set `advantage` (or per-token `token_advantages` for GAE) on every trajectory; returns the
+    ones to train on (dynamic sampling may drop groups whose rewards are all equal: they carry
+    no group-relative signal)."""
+    if algo.advantage == "gae":
+        _gae(trajs, algo)
+        return trajs
     rewards_GS = torch.tensor([t.reward for t in trajs]).view(-1, group_size)
     if algo.advantage == "grpo":
         adv_GS = adv.grpo_advantages(rewards_GS, scale_by_std=algo.scale_by_std)
@@ -127,11 +142,74 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 
 
+def _gae(trajs: list[Trajectory], algo: AlgoConfig) -> None:
+    """Per-token GAE with the sequence reward on the last response token."""
+    R = max(len(t.response_ids) for t in trajs)
+    rewards, values, mask = (torch.zeros(len(trajs), R) for _ in range(3))
+    for s, t in enumerate(trajs):
+        n = len(t.response_ids)
+        rewards[s, n - 1] = t.reward
+        values[s, :n] = torch.tensor(t.values)
+        mask[s, :n] = 1.0
+    adv_SR, ret_SR = adv.gae_advantages(rewards, values, mask, algo.gamma, algo.lam)
+    valid = mask.bool()
+    mean, std = adv_SR[valid].mean(), adv_SR[valid].std().clamp_min(1e-6)
+    adv_SR = (adv_SR - mean) / std  # whitened over the batch, as in standard PPO
+    for s, t in enumerate(trajs):
+        n = len(t.response_ids)
+        t.token_advantages, t.returns = adv_SR[s, :n].tolist(), ret_SR[s, :n].tolist()
+
+
+class CriticStage:
+    """The value model for PPO: the base decoder with a one-output head instead of the LM head."""
+
+    def __init__(self, base: MoETransformer, algo: AlgoConfig, optim: OptimConfig):
+        self.model = copy.deepcopy(base).train()
+        self.model.lm_head = torch.nn.Linear(base.config.d_model, 1, bias=False)
+        torch.nn.init.zeros_(self.model.lm_head.weight)  # V = 0 at start: advantages = returns
+        self.algo, self.microbatch_tokens = algo, optim.microbatch_tokens
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr)
+
+    def _values(self, trajs: list[Trajectory]):
+        batch = pack(trajs)
+        values_N = self.model(batch.tokens_N.unsqueeze(0), packed=batch.packed)[0, :, 0].float()
+        return batch, values_N
+
+    @torch.no_grad()
+    def values(self, trajs: list[Trajectory]) -> None:
+        for micro in split_by_token_budget(trajs, self.microbatch_tokens):
+            batch, values_N = self._values(micro)
+            for t, v in zip(micro, response_values(batch, values_N, micro)):
+                t.values = v.tolist()
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = sum(len(t.response_ids) for t in trajs)
+        metrics: dict[str, float] = {}
+        for micro in split_by_token_budget(trajs, self.microbatch_tokens):
+            batch, values_N = self._values(micro)
+            mask = batch.loss_mask_N.bool()
+            old, ret = torch.zeros_like(values_N), torch.zeros_like(values_N)
+            old[mask] = torch.tensor([v for t in micro for v in t.values])
+            ret[mask] = torch.tensor([r for t in micro for r in t.returns])
+            loss, m = value_loss(values_N, old, ret, batch.loss_mask_N, self.algo.value_clip,
+                                 num_tokens=num_tokens)
+            loss.backward()
+            share = int(mask.sum()) / num_tokens
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v * share
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return metrics
+
+
 class ActorStage:
     """The trained policy: PPO-style updates on packed, token-budgeted micro-batches."""
 
-    def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig, temperature: float):
+    def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig,
+                 temperature: float, total_updates: int = 0):
         self.model, self.algo, self.optim_cfg, self.temperature = model, algo, optim, temperature
+        self.total_updates = total_updates  # horizon of the lr decay; 0 = constant
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
                                            betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
@@ -162,7 +240,19 @@ class ActorStage:
             for t, lp in zip(micro, per_seq):
                 t.proximal_logprobs = lp.tolist()
 
+    def lr_at(self, version: int) -> float:
+        cfg = self.optim_cfg
+        if version < cfg.warmup_steps:
+            return cfg.lr * (version + 1) / (cfg.warmup_steps + 1)
+        if not self.total_updates:
+            return cfg.lr
+        frac = min(1.0, version / self.total_updates)
+        return cfg.lr * (1.0 - (1.0 - cfg.min_lr_ratio) * frac)
+
     def _step(self, trajs: list[Trajectory], on_policy: bool) -> dict[str, float]:
+        lr = self.lr_at(self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(len(t.response_ids) for t in trajs)
         metrics: dict[str, float] = {}
@@ -177,8 +267,13 @@ class ActorStage:
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
-        self.model.update_router_bias()
+        if self.optim_cfg.router_bias_update:
+            self.model.update_router_bias()
+        else:
+            for router in self.model.routers():
+                router.tokens_per_expert.zero_()
         metrics["grad_norm"] = float(grad_norm)
+        metrics["lr"] = lr
         return metrics
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):

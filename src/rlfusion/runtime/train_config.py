@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from rlfusion.pretrain import PretrainConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
@@ -26,7 +26,7 @@ def _check(section: str, checks: dict[str, tuple[bool, str]], obj) -> None:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,6 +63,11 @@ class AlgoConfig:
     overlong_factor: float = 1.0
     ppo_epochs: int = 1
     minibatches: int = 1  # optimizer steps per epoch
+    # PPO with a critic (advantage = "gae")
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    critic_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         _check("algo", {
@@ -78,6 +83,10 @@ class AlgoConfig:
             "overlong_buffer": (self.overlong_buffer >= 0, "must be >= 0"),
             "ppo_epochs": (self.ppo_epochs >= 1, "must be >= 1"),
             "minibatches": (self.minibatches >= 1, "must be >= 1"),
+            "gamma": (0 <= self.gamma <= 1, "must be in [0, 1]"),
+            "lam": (0 <= self.lam <= 1, "must be in [0, 1]"),
+            "value_clip": (self.value_clip > 0, "must be > 0"),
+            "critic_lr": (self.critic_lr > 0, "must be > 0"),
         }, self)
 
 
@@ -89,6 +98,13 @@ class OptimConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     microbatch_tokens: int = 4096
+    warmup_steps: int = 5
+    # Linear decay from lr to lr * min_lr_ratio over `max_steps` updates (constant when
+    # max_steps = 0): late updates get small, which keeps the final policy from oscillating.
+    min_lr_ratio: float = 0.1
+    # Aux-loss-free expert-bias updates during RL. Off by default: a bias step re-routes tokens
+    # between rollout and update for no reward-driven reason.
+    router_bias_update: bool = False
 
     def __post_init__(self) -> None:
         _check("optim", {
@@ -98,6 +114,8 @@ class OptimConfig:
             "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
             "grad_clip": (self.grad_clip > 0, "must be > 0"),
             "microbatch_tokens": (self.microbatch_tokens >= 64, "must be >= 64"),
+            "warmup_steps": (self.warmup_steps >= 0, "must be >= 0"),
+            "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
         }, self)
 
 
@@ -107,8 +125,8 @@ class TrainConfig:
     out_dir: str = "runs"
     run_name: str = ""  # "" = a timestamped name
     seed: int = 0
-    max_steps: int = 0  # 0 = until time_budget_s
-    time_budget_s: float = 420.0  # RL steps stop starting after this; evals come on top
+    max_steps: int = 200  # 0 = until time_budget_s
+    time_budget_s: float = 480.0  # backstop: no step starts after this; evals come on top
     eval_every: int = 25
     eval_problems: int = 500
     checkpoint_every: int = 25

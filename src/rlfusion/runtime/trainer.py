@@ -28,9 +28,9 @@ from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks.arithmetic import ArithmeticTask
 from rlfusion.runtime import run_state
-from rlfusion.runtime.stages import (ActorStage, CollapseError, NonFiniteLossError, ReferenceStage,
-                                     RewardStage, RolloutStage, apply_kl_reward_penalty,
-                                     compute_advantages)
+from rlfusion.runtime.stages import (ActorStage, CollapseError, CriticStage, NonFiniteLossError,
+                                     ReferenceStage, RewardStage, RolloutStage,
+                                     apply_kl_reward_penalty, compute_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 
 
@@ -60,7 +60,9 @@ class RLTrainer:
         self.reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
         self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature,
                                          cfg.optim.microbatch_tokens) if cfg.algo.kl_coef else None)
-        self.actor = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature)
+        self.critic = CriticStage(model, cfg.algo, cfg.optim) if cfg.algo.advantage == "gae" else None
+        self.actor = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature,
+                                total_updates=cfg.max_steps)
         self.prompt_rng = random.Random(cfg.seed)
         self.step = 0
         self.elapsed = 0.0  # RL seconds of earlier segments of a resumed run
@@ -81,8 +83,12 @@ class RLTrainer:
             self.reference.logprobs(trajs)
             if self.cfg.algo.kl_mode == "reward":
                 metrics.update(apply_kl_reward_penalty(trajs, self.cfg.algo))
+        if self.critic is not None:
+            self.critic.values(trajs)
         train_trajs = compute_advantages(trajs, self.cfg.algo, self.cfg.rollout.group_size)
         t1 = time.perf_counter()
+        if self.critic is not None:
+            metrics.update(self.critic.update(trajs))
         if train_trajs:
             metrics.update(self.actor.update(train_trajs))
         else:
