@@ -8,8 +8,8 @@ value fitted to the RL throughput the simulator is asked to predict.
 Until the engine and fusion benchmarks write a measured file, `cpu_default()` starts from the
 figures in CALIBRATION.md (decode 1 -> 3.0 ms, 8 -> 5.5, 32 -> 7.7, 128 -> 13.4,
 256 -> 19.1 ms per step; RL update 7-9K tokens/s). Fields CALIBRATION.md does not give are
-marked `placeholder` in `source_notes`; `from_cost_model` in `rl_cluster.py` derives the same
-record for accelerator clusters from hardware specs instead.
+marked `placeholder` in `source_notes`. Deriving the same record for accelerator clusters from
+hardware specs (for the 718B supernode projections) is not written yet.
 """
 
 from __future__ import annotations
