@@ -19,7 +19,7 @@ def test_make_batch_masks_only_the_response():
 
 
 def test_short_pretraining_learns_and_saves(tmp_path, capsys):
-    cfg = load_config(PretrainConfig, None, ["max_steps=60", "eval_every_steps=60",
+    cfg = load_config(PretrainConfig, None, ["max_steps=60", "eval_every_steps=60", "eval_below_loss=10",
                                              "eval_problems=20", "threads=1", "tokens_per_step=1024",
                                              "microbatch_tokens=1024"])
     result = pretrain(cfg, tmp_path / "base", progress=False)

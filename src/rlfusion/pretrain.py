@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from rlfusion.errors import RunError
 from rlfusion.evaluate import EvalResult, encode_prompt, evaluate
 from rlfusion.model.checkpoint import save_checkpoint
 from rlfusion.model.config import get_preset
@@ -42,6 +43,10 @@ class PretrainConfig:
     max_steps: int = 0  # 0 = no step limit (time budget and target accuracy decide)
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this
     eval_every_steps: int = 40
+    # Held-out evals start once the loss EMA is below this: before the phase change the model
+    # cannot add yet (accuracy ~0) and its greedy outputs often run to the length limit, so
+    # evaluating it only costs time.
+    eval_below_loss: float = 0.25
     eval_problems: int = 200
     curriculum_start_terms: int = 3  # max terms at step 0; +1 every `curriculum_steps`
     curriculum_steps: int = 25
@@ -57,6 +62,7 @@ class PretrainConfig:
             "max_steps": (self.max_steps >= 0, "must be >= 0 (0 = no limit)"),
             "target_accuracy": (0 < self.target_accuracy <= 1, "must be in (0, 1]"),
             "eval_every_steps": (self.eval_every_steps >= 1, "must be >= 1"),
+            "eval_below_loss": (self.eval_below_loss > 0, "must be > 0"),
             "eval_problems": (1 <= self.eval_problems <= self.task.num_heldout,
                               f"must be in [1, task.num_heldout={self.task.num_heldout}]"),
             "curriculum_start_terms": (self.task.min_terms <= self.curriculum_start_terms,
@@ -145,9 +151,9 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
         step, tokens = step + 1, tokens + n
         loss_avg = loss if math.isnan(loss_avg) else 0.9 * loss_avg + 0.1 * loss
         if not math.isfinite(loss):
-            raise RuntimeError(f"pretraining loss became {loss} at step {step}; lower pretrain.lr "
-                               f"(now {cfg.lr})")
-        if step % cfg.eval_every_steps == 0:
+            raise RunError(f"pretraining loss became {loss} at step {step}; lower pretrain.lr "
+                           f"(now {cfg.lr}); the best checkpoint so far is kept in {out}")
+        if step % cfg.eval_every_steps == 0 and loss_avg < cfg.eval_below_loss:
             result = evaluate(model, tokenizer, heldout, task.reward, seed=cfg.seed)
             history.append({"step": step, "seconds": time.monotonic() - start,
                             "loss": loss_avg, "accuracy": result.accuracy})

@@ -69,8 +69,9 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.rotary(self.wq(x_BTD).view(B, T, self.num_heads, self.head_dim), ctx.pos_BT)
-        k = self.rotary(self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim), ctx.pos_BT)
+        q = self.wq(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        k = self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(q, ctx.pos_BT, ctx.rope), self.rotary(k, ctx.pos_BT, ctx.rope)
         v = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         if ctx.cache is not None:
             k_buf, v_buf = ctx.cache.layers[self.layer_idx]
@@ -112,10 +113,10 @@ class MultiHeadLatentAttention(nn.Module):
         H = self.num_heads
         q = self.wq(x_BTD).view(B, T, H, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, self.rotary(q_rope, ctx.pos_BT)], dim=-1)
+        q = torch.cat([q_nope, self.rotary(q_rope, ctx.pos_BT, ctx.rope)], dim=-1)
         latent, k_rope = self.wkv_a(x_BTD).split([self.kv_rank, self.rope_dim], dim=-1)
         latent_BTR = self.kv_norm(latent)
-        k_rope_BTP = self.rotary(k_rope.unsqueeze(2), ctx.pos_BT).squeeze(2)
+        k_rope_BTP = self.rotary(k_rope.unsqueeze(2), ctx.pos_BT, ctx.rope).squeeze(2)
         if ctx.cache is not None:
             lat_buf, rope_buf = ctx.cache.layers[self.layer_idx]
             latent_BTR, k_rope_BTP = _write_rows(lat_buf, ctx, latent_BTR), _write_rows(rope_buf, ctx, k_rope_BTP)

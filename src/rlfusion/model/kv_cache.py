@@ -12,7 +12,7 @@ B rows in this pass, T new tokens per row, N packed tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,6 +85,7 @@ class AttnContext:
     # flattened S*L view, in packed order). Token-wise layers never see padding.
     unpad_SL: torch.Tensor | None = None
     repack_N: torch.Tensor | None = None
+    rope: dict = field(default_factory=dict)  # cos/sin gathered once per pass (see Rotary)
 
     @classmethod
     def build(cls, num_rows: int, num_tokens: int, batch: CacheBatch | None,

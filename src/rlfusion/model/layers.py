@@ -44,8 +44,16 @@ class Rotary(nn.Module):
         self.register_buffer("cos_LF", angles_LF.cos(), persistent=False)
         self.register_buffer("sin_LF", angles_LF.sin(), persistent=False)
 
-    def forward(self, x_BTHD: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
-        cos = self.cos_LF[pos_BT].unsqueeze(2).to(x_BTHD.dtype)  # B T 1 F
-        sin = self.sin_LF[pos_BT].unsqueeze(2).to(x_BTHD.dtype)
+    def forward(self, x_BTHD: torch.Tensor, pos_BT: torch.Tensor,
+                table: dict | None = None) -> torch.Tensor:
+        """`table`: a per-pass cache, so every layer reuses one gather of cos/sin per position."""
+        key = (self.cos_LF.shape[1], x_BTHD.dtype)
+        if table is not None and key in table:
+            cos, sin = table[key]
+        else:
+            cos = self.cos_LF[pos_BT].unsqueeze(2).to(x_BTHD.dtype)  # B T 1 F
+            sin = self.sin_LF[pos_BT].unsqueeze(2).to(x_BTHD.dtype)
+            if table is not None:
+                table[key] = (cos, sin)
         x1, x2 = x_BTHD.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
