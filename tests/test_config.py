@@ -37,6 +37,8 @@ def test_bad_toml_file(tmp_path):
         load_config(PretrainConfig, tmp_path / "bad.toml")
     with pytest.raises(ValueError, match="does not exist"):
         load_config(PretrainConfig, tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_config(PretrainConfig, tmp_path)  # a run folder given where a TOML file goes
 
 
 def test_cli_info_prints_param_counts(capsys):

@@ -66,10 +66,15 @@ def test_scheduler_abort_from_waiting_and_running():
     assert [s.request_id for s in sched.waiting] == ["r2"]
 
 
-def test_scheduler_rejects_requests_that_cannot_fit():
+def test_scheduler_rejects_requests_that_cannot_fit_or_reuse_a_live_id():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_seq_len=16))
     with pytest.raises(ValueError, match="KV cache holds 16"):
         sched.add(Request("long", [1] * 16))
+    sched.add(Request("a", [1, 2]))
+    with pytest.raises(ValueError, match="already in the engine"):
+        sched.add(Request("a", [3]))
+    sched.abort({"a"})
+    sched.add(Request("a", [3]))  # the id is free again once the request left
 
 
 # ---- sampling ----------------------------------------------------------------------------

@@ -144,3 +144,10 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     (tmp_path / "ck" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text('{"architectures": ["Qwen2MoeForCausalLM"]}')
+    with pytest.raises(ValueError, match="no 'model' table"):
+        load_checkpoint(tmp_path / "ck")
+    save_checkpoint(tmp_path / "other", _model().__class__(get_preset("tiny").replace(d_model=64, head_dim=16)))
+    (tmp_path / "ck" / "config.json").write_text((tmp_path / "other" / "config.json").read_text())
+    with pytest.raises(ValueError, match="does not match its config"):
+        load_checkpoint(tmp_path / "ck")

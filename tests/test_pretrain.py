@@ -10,12 +10,14 @@ from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.rl.problem import Problem
 
 
-def test_make_batch_masks_only_the_response():
+def test_make_batch_packs_without_padding_and_masks_only_the_response():
     tok = CharTokenizer.arithmetic()
-    inputs, targets, mask = make_batch([Problem("1+2=", "3", "1+2=3;#3")], tok)
-    n_prompt = 1 + len("1+2=")  # bos + prompt
-    assert mask[0, :n_prompt - 1].sum() == 0
-    assert tok.decode(targets[0][mask[0].bool()].tolist(), skip_special=False) == "1+2=3;#3<eos>"
+    problems = [Problem("1+2=", "3", "1+2=3;#3"), Problem("10+5+7=", "22", "10+5=15;15+7=22;#22")]
+    b = make_batch(problems, tok)
+    lengths = [1 + len(p.prompt) + len(p.solution) + 1 for p in problems]  # bos ... eos
+    assert b.tokens_1N.shape == (1, sum(lengths)) and b.packed.lengths.tolist() == lengths
+    targets = tok.decode(b.targets_N[b.loss_mask_N.bool()].tolist(), skip_special=False)
+    assert targets == "1+2=3;#3<eos>10+5=15;15+7=22;#22<eos>"
 
 
 def test_short_pretraining_learns_and_saves(tmp_path, capsys):

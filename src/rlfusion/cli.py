@@ -68,19 +68,20 @@ def cmd_train(args: argparse.Namespace) -> None:
     import dataclasses
     import time
 
-    from rlfusion.config import load_config
+    from rlfusion.config import load_config, parse_override
     from rlfusion.pretrain import pretrain
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.train_config import TrainConfig
     from rlfusion.runtime.trainer import RLTrainer, resume
 
     if args.resume:
-        overrides = {k: v for k, v in (o.split("=", 1) for o in args.overrides)}
+        if args.config:
+            raise ValueError(f"--resume continues a run with its own config.json; drop {args.config!r}")
+        overrides = dict(parse_override(o) for o in args.overrides)
         for key in overrides:
             if key not in ("max_steps", "time_budget_s"):
                 raise ValueError(f"--resume accepts only max_steps=/time_budget_s= overrides, got {key!r}")
-        trainer = resume(Path(args.resume), {k: float(v) if k == "time_budget_s" else int(v)
-                                             for k, v in overrides.items()})
+        trainer = resume(Path(args.resume), overrides)
     else:
         cfg = load_config(TrainConfig, args.config, args.overrides)
         base = Path(cfg.base) if cfg.base else find_base(cfg.pretrain.model)

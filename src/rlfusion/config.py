@@ -28,12 +28,20 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ValueError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not of the form key=value")
-        _set_dotted(data, key.strip(), _Override(raw.strip(), _parse_scalar(raw.strip())))
+        key, value = parse_override(item)
+        _set_dotted(data, key, value)
     return from_dict(cls, data)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key=value` -> `(key, value)`; the value is typed later against the config's fields."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} is not of the form key=value")
+    return key.strip(), _Override(raw.strip(), _parse_scalar(raw.strip()))
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
@@ -50,17 +58,19 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         raise ValueError(f"config {prefix or cls.__name__}: {e}") from None
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    """The resolved config as plain data (for run folders and summaries)."""
-    return dataclasses.asdict(obj)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Override:
     """A command-line value: parsed as TOML, but kept verbatim for string keys (`run_name=nan`)."""
 
     raw: str
     parsed: Any
+
+
+def check_fields(section: str, checks: dict[str, tuple[bool, str]], obj: Any) -> None:
+    """Raise one `ValueError` for the first failed `key: (ok, allowed)` check of a config."""
+    for key, (ok, allowed) in checks.items():
+        if not ok:
+            raise ValueError(f"{section}.{key}={getattr(obj, key)!r} is invalid: {allowed}")
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:

@@ -18,13 +18,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from rlfusion.config import check_fields
 from rlfusion.errors import RunError
 from rlfusion.evaluate import EvalResult, encode_prompt, evaluate
 from rlfusion.model.checkpoint import save_checkpoint
 from rlfusion.model.config import get_preset
+from rlfusion.model.kv_cache import PackedSeqs
 from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.problem import Problem
+from rlfusion.rl.trajectory import split_by_token_budget
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
 
@@ -38,7 +41,7 @@ class PretrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     tokens_per_step: int = 2048  # more, smaller steps reached the phase change on fewer tokens
-    microbatch_tokens: int = 2048
+    microbatch_tokens: int = 4096  # >= tokens_per_step: one packed micro-batch per step
     time_budget_s: float = 600.0  # backstop; the stop is target_accuracy (~6 min for seed 0)
     max_steps: int = 0  # 0 = no step limit (time budget and target accuracy decide)
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this
@@ -54,8 +57,12 @@ class PretrainConfig:
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
 
     def __post_init__(self) -> None:
-        checks = {
+        check_fields("pretrain", {
             "lr": (self.lr > 0, "must be > 0"),
+            "warmup_steps": (self.warmup_steps >= 1, "must be >= 1"),
+            "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
+            "grad_clip": (self.grad_clip > 0, "must be > 0"),
+            "curriculum_steps": (self.curriculum_steps >= 1, "must be >= 1"),
             "tokens_per_step": (self.tokens_per_step >= 64, "must be >= 64"),
             "microbatch_tokens": (self.microbatch_tokens >= 64, "must be >= 64"),
             "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
@@ -67,10 +74,7 @@ class PretrainConfig:
                               f"must be in [1, task.num_heldout={self.task.num_heldout}]"),
             "curriculum_start_terms": (self.task.min_terms <= self.curriculum_start_terms,
                                        f"must be >= task.min_terms={self.task.min_terms}"),
-        }
-        for key, (ok, allowed) in checks.items():
-            if not ok:
-                raise ValueError(f"pretrain.{key}={getattr(self, key)!r} is invalid: {allowed}")
+        }, self)
         get_preset(self.model)
 
 
@@ -84,43 +88,45 @@ class PretrainResult:
     history: list[dict]
 
 
-def make_batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded `(inputs_BT, targets_BT, loss_mask_BT)`; only response tokens are learned."""
-    seqs, prompt_lens = [], []
+@dataclass
+class PackedExamples:
+    """Supervised examples concatenated with no padding (`tokens_1N` + `cu_seqlens`); the loss is
+    taken on response targets only (`loss_mask_N`)."""
+
+    tokens_1N: torch.Tensor
+    targets_N: torch.Tensor
+    loss_mask_N: torch.Tensor
+    packed: PackedSeqs
+
+
+def make_batch(problems: list[Problem], tokenizer: CharTokenizer) -> PackedExamples:
+    tokens, targets, mask, lengths = [], [], [], []
     for p in problems:
         prompt = encode_prompt(tokenizer, p.prompt)
-        seqs.append(prompt + tokenizer.encode(p.solution) + [tokenizer.eos_id])
-        prompt_lens.append(len(prompt))
-    T = max(len(s) for s in seqs) - 1
-    inputs = torch.full((len(seqs), T), tokenizer.pad_id)
-    targets = torch.full((len(seqs), T), tokenizer.pad_id)
-    mask = torch.zeros(len(seqs), T)
-    for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
-        inputs[b, :len(s) - 1] = torch.tensor(s[:-1])
-        targets[b, :len(s) - 1] = torch.tensor(s[1:])
-        mask[b, n - 1:len(s) - 1] = 1.0
-    return inputs, targets, mask
+        ids = prompt + tokenizer.encode(p.solution) + [tokenizer.eos_id]
+        tokens += ids
+        targets += ids[1:] + [tokenizer.pad_id]
+        mask += [0.0] * (len(prompt) - 1) + [1.0] * (len(ids) - len(prompt)) + [0.0]
+        lengths.append(len(ids))
+    return PackedExamples(torch.tensor(tokens).unsqueeze(0), torch.tensor(targets),
+                          torch.tensor(mask), PackedSeqs.from_lengths(lengths))
 
 
-def _step_problems(task: ArithmeticTask, rng: random.Random, cfg: PretrainConfig, step: int,
-                   tokenizer: CharTokenizer) -> list[list[Problem]]:
-    """Problems for one optimizer step, length-sorted into micro-batches of ~`microbatch_tokens`."""
+def _step_problems(task: ArithmeticTask, rng: random.Random, cfg: PretrainConfig,
+                   step: int) -> list[list[Problem]]:
+    """Problems for one optimizer step, length-sorted into micro-batches of ~`microbatch_tokens`
+    (sorting keeps the padded view inside attention small)."""
     cap = min(task.config.max_terms, cfg.curriculum_start_terms + step // cfg.curriculum_steps)
     problems, tokens = [], 0
     while tokens < cfg.tokens_per_step:
         p = task.sample(rng, max_terms=cap)
         problems.append(p)
-        tokens += len(p.prompt) + len(p.solution) + 2
-    problems.sort(key=lambda p: len(p.prompt) + len(p.solution))
-    micro, current, longest = [], [], 0
-    for p in problems:
-        longest_next = max(longest, len(p.prompt) + len(p.solution) + 2)
-        if current and longest_next * (len(current) + 1) > cfg.microbatch_tokens:
-            micro.append(current)
-            current, longest_next = [], len(p.prompt) + len(p.solution) + 2
-        current.append(p)
-        longest = longest_next
-    return micro + [current]
+        tokens += _num_tokens(p)
+    return split_by_token_budget(problems, cfg.microbatch_tokens, size=_num_tokens)
+
+
+def _num_tokens(p: Problem) -> int:
+    return len(p.prompt) + len(p.solution) + 2  # + bos + eos
 
 
 def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainResult:
@@ -146,7 +152,7 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, n = _train_step(model, opt, _step_problems(task, rng, cfg, step, tokenizer), tokenizer, cfg)
+        loss, n = _train_step(model, opt, _step_problems(task, rng, cfg, step), tokenizer, cfg)
         model.update_router_bias()
         step, tokens = step + 1, tokens + n
         loss_avg = loss if math.isnan(loss_avg) else 0.9 * loss_avg + 0.1 * loss
@@ -179,15 +185,15 @@ def _train_step(model, opt, micro_batches, tokenizer, cfg) -> tuple[float, int]:
     model.train()
     opt.zero_grad(set_to_none=True)
     batches = [make_batch(mb, tokenizer) for mb in micro_batches]
-    num_targets = sum(float(m.sum()) for _, _, m in batches)
+    num_targets = sum(float(b.loss_mask_N.sum()) for b in batches)
     total = 0.0
-    for inputs, targets, mask in batches:
-        logits = model(inputs)
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                                reduction="none")
-        loss = (nll * mask.flatten()).sum() / num_targets + model.aux_loss() * (mask.sum() / num_targets)
+    for b in batches:
+        logits_NV = model(b.tokens_1N, packed=b.packed)[0].float()
+        nll_N = torch.nn.functional.cross_entropy(logits_NV, b.targets_N, reduction="none")
+        share = float(b.loss_mask_N.sum()) / num_targets
+        loss = (nll_N * b.loss_mask_N).sum() / num_targets + model.aux_loss() * share
         loss.backward()
         total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
-    return total, int(sum(m.numel() for _, _, m in batches))
+    return total, sum(b.tokens_1N.numel() for b in batches)

@@ -55,7 +55,7 @@ class LLMEngine:
             req.output_ids.append(token)
             req.logprobs.append(logprob)
             req.versions.append(self.policy_version)
-            reason = self._finish_reason(seq, token)
+            reason = finish_reason(seq, token, self.runner.max_seq_len)
             if reason:
                 self.scheduler.finish(seq)
                 finished.append(_completion(seq, reason))
@@ -75,14 +75,16 @@ class LLMEngine:
                 done[c.request_id] = c
         return [done[r.request_id] for r in requests]
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.request.params
-        if token in params.stop_ids:
-            return "stop"
-        if (len(seq.request.output_ids) >= params.max_new_tokens
-                or seq.num_tokens >= self.runner.max_seq_len):
-            return "length"
-        return None
+
+
+def finish_reason(seq: Sequence, token: int, max_seq_len: int) -> str | None:
+    """Why `seq` ends after appending `token`, or None if it goes on."""
+    params = seq.request.params
+    if token in params.stop_ids:
+        return "stop"
+    if len(seq.request.output_ids) >= params.max_new_tokens or seq.num_tokens >= max_seq_len:
+        return "length"
+    return None
 
 
 def _completion(seq: Sequence, reason: str) -> Completion:

@@ -75,16 +75,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index == slot
         self._pending_moves: list[tuple[int, int]] = []
+        self._live_ids: set[str] = set()
 
     def add(self, request: Request) -> None:
+        if request.request_id in self._live_ids:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         seq = Sequence(request)
         if seq.num_tokens >= self.config.max_seq_len:
             raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens; the "
                              f"KV cache holds {self.config.max_seq_len} per sequence")
-        if seq.num_tokens + 1 > self.config.max_num_batched_tokens:
+        if seq.num_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens, more "
                              f"than max_num_batched_tokens={self.config.max_num_batched_tokens}")
         self.waiting.append(seq)
+        self._live_ids.add(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,11 +118,13 @@ class Scheduler:
             last.slot = slot
             self._pending_moves.append((len(self.running), slot))
         seq.slot = -1
+        self._live_ids.discard(seq.request_id)
 
     def abort(self, request_ids: set[str]) -> list[Sequence]:
         """Remove the given requests wherever they are; returns the removed sequences."""
         removed = [s for s in self.waiting if s.request_id in request_ids]
         self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
+        self._live_ids -= {s.request_id for s in removed}
         for seq in [s for s in self.running if s.request_id in request_ids]:
             self.finish(seq)
             removed.append(seq)

@@ -7,6 +7,7 @@ runner and KV cache as the engine, so a comparison measures scheduling alone.
 
 from __future__ import annotations
 
+from rlfusion.engine.engine import finish_reason
 from rlfusion.engine.runner import ModelRunner
 from rlfusion.engine.scheduler import Sequence, StepPlan
 from rlfusion.engine.types import Completion, Request
@@ -35,7 +36,7 @@ def _run_batch(runner: ModelRunner, requests: list[Request], max_len: int) -> li
             seq.request.logprobs.append(logprobs[b])
             seq.request.versions.append(0)
             if reasons[b] is None:
-                reasons[b] = _reason(seq, tokens[b], max_len)
+                reasons[b] = finish_reason(seq, tokens[b], max_len)
                 ends[b] = len(seq.request.output_ids)
         if all(reasons) or max(s.num_tokens for s in seqs) >= max_len:
             break
@@ -43,15 +44,6 @@ def _run_batch(runner: ModelRunner, requests: list[Request], max_len: int) -> li
     return [_completion(s.request, reason, n) if reason else
             _completion(s.request, "length", len(s.request.output_ids))
             for s, reason, n in zip(seqs, reasons, ends)]
-
-
-def _reason(seq: Sequence, token: int, max_len: int) -> str | None:
-    p = seq.request.params
-    if token in p.stop_ids:
-        return "stop"
-    if len(seq.request.output_ids) >= p.max_new_tokens or seq.num_tokens >= max_len:
-        return "length"
-    return None
 
 
 def _completion(r: Request, reason: str, n: int) -> Completion:

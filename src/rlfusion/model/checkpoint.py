@@ -64,9 +64,18 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
         meta = json.loads((path / CONFIG).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / CONFIG}: not valid JSON ({e})") from None
-    model = MoETransformer(config_from_dict(meta["model"]))
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise ValueError(f"{path / CONFIG} is not an rlfusion checkpoint config (no 'model' table)")
+    try:
+        model = MoETransformer(config_from_dict(meta["model"]))
+    except TypeError as e:
+        raise ValueError(f"{path / CONFIG}: bad model config ({e})") from None
     state = load_file(str(path / WEIGHTS), device=str(device))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise ValueError(f"{path / WEIGHTS} does not match its config: "
+                         f"{str(e).splitlines()[-1].strip()}") from None
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS} does not match its config: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")

@@ -31,8 +31,6 @@ class KVCache:
             for buf in buffers:
                 buf[dst].copy_(buf[src])
 
-    def num_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bufs in self.layers for b in bufs)
 
 
 @dataclass

@@ -39,7 +39,7 @@ class Router(nn.Module):
             weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True).clamp_min(1e-20)
         weights_NK = weights_NK * self.scaling
         aux = x_ND.new_zeros((), dtype=torch.float32)
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # count only tokens that train the model
             counts_E = torch.bincount(topk_ids_NK.flatten(), minlength=self.num_experts)
             self.tokens_per_expert += counts_E.float()
             if self.aux_loss_coef > 0:

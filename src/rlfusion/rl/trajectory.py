@@ -60,10 +60,6 @@ class PackedBatch:
     packed: PackedSeqs
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.packed.cu_seqlens) - 1
-
-    @property
     def num_response_tokens(self) -> int:
         return int(self.loss_mask_N.sum())
 
@@ -90,19 +86,19 @@ def pack(trajs: list[Trajectory]) -> PackedBatch:
         packed=PackedSeqs.from_lengths([t.num_tokens for t in trajs]))
 
 
-def split_by_token_budget(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
-    """Length-sorted micro-batches of at most `max_tokens` tokens each (one trajectory longer
-    than the budget gets a micro-batch of its own). Sorting keeps sequences of similar length
-    together, which keeps the padded attention view of each micro-batch small."""
+def split_by_token_budget(items: list, max_tokens: int, size=lambda t: t.num_tokens) -> list[list]:
+    """Length-sorted micro-batches of at most `max_tokens` tokens each (an item longer than the
+    budget gets a micro-batch of its own). Sorting keeps sequences of similar length together,
+    which keeps the padded attention view of each micro-batch small."""
     if max_tokens < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {max_tokens}")
     micro, current, used = [], [], 0
-    for t in sorted(trajs, key=lambda t: t.num_tokens):
-        if current and used + t.num_tokens > max_tokens:
+    for item in sorted(items, key=size):
+        if current and used + size(item) > max_tokens:
             micro.append(current)
             current, used = [], 0
-        current.append(t)
-        used += t.num_tokens
+        current.append(item)
+        used += size(item)
     return micro + ([current] if current else [])
 
 

@@ -1,7 +1,8 @@
 """Checkpoint and resume of an RL run: model, optimizer, RNG states, data position and step.
 
-Written to `run_dir/checkpoint.tmp` and renamed over `run_dir/checkpoint`, so a run killed
-mid-save keeps its previous checkpoint.
+Written to `run_dir/checkpoint.tmp`; the previous checkpoint is renamed to `checkpoint.old`
+before the new one takes its place, so a run killed at any moment of a save leaves a complete
+checkpoint to resume from (`load` falls back to `checkpoint.old`).
 """
 
 from __future__ import annotations
@@ -30,23 +31,33 @@ def save(trainer) -> Path:
         "prompt_rng": trainer.prompt_rng.getstate(),
         "engine_rng": trainer.rollout.engine.runner.generator.get_state(),
         "torch_rng": torch.get_rng_state(),
+        "bad_steps": trainer.bad_steps,
         "critic": (None if trainer.critic is None else
                    {"model": trainer.critic.model.state_dict(),
                     "optimizer": trainer.critic.optimizer.state_dict()}),
     }, tmp / STATE)
-    shutil.rmtree(final, ignore_errors=True)
+    old = trainer.run_dir / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
     tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def load(trainer) -> None:
     path = trainer.run_dir / "checkpoint"
     if not (path / STATE).is_file():
+        path = trainer.run_dir / "checkpoint.old"  # killed between the two renames of a save
+    if not (path / STATE).is_file():
         raise FileNotFoundError(f"{trainer.run_dir} has no checkpoint to resume from "
                                 f"(expected {path / STATE})")
     model, _, _ = load_checkpoint(path)
     trainer.model.load_state_dict(model.state_dict())
-    state = torch.load(path / STATE, weights_only=False)
+    try:
+        state = torch.load(path / STATE, weights_only=False)
+    except Exception as e:  # truncated or foreign file: one line, not a pickle trace
+        raise ValueError(f"{path / STATE} is not a readable rlfusion trainer state ({e})") from None
     trainer.step, trainer.elapsed = state["step"], state["elapsed"]
     trainer.base_accuracy = state["base_accuracy"]
     trainer.actor.version = state["actor_version"]
@@ -54,6 +65,7 @@ def load(trainer) -> None:
     trainer.prompt_rng.setstate(state["prompt_rng"])
     trainer.rollout.engine.runner.generator.set_state(state["engine_rng"])
     torch.set_rng_state(state["torch_rng"])
+    trainer.bad_steps = state.get("bad_steps", 0)
     if trainer.critic is not None and state.get("critic"):
         trainer.critic.model.load_state_dict(state["critic"]["model"])
         trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])

@@ -138,7 +138,10 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
         t.advantage = a
     if not algo.dynamic_sampling:
         return trajs
-    keep_G = dynamic_sampling_mask(rewards_GS).tolist()
+    # Filter on the task score, not the shaped reward: KL or overlong penalties make every
+    # reward slightly different, which would keep groups that carry no real signal.
+    correct_GS = torch.tensor([t.metrics.get("correct", t.reward) for t in trajs]).view(-1, group_size)
+    keep_G = dynamic_sampling_mask(correct_GS).tolist()
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 
 

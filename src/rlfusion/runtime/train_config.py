@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlfusion.config import check_fields
 from rlfusion.pretrain import PretrainConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 
@@ -16,12 +17,6 @@ ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
-
-
-def _check(section: str, checks: dict[str, tuple[bool, str]], obj) -> None:
-    for key, (ok, allowed) in checks.items():
-        if not ok:
-            raise ValueError(f"{section}.{key}={getattr(obj, key)!r} is invalid: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,7 @@ class RolloutConfig:
     max_num_seqs: int = 128
 
     def __post_init__(self) -> None:
-        _check("rollout", {
+        check_fields("rollout", {
             "prompts_per_step": (self.prompts_per_step >= 1, "must be >= 1"),
             "group_size": (self.group_size >= 2, "must be >= 2 (group baselines need two samples)"),
             "temperature": (self.temperature > 0, "must be > 0 for RL sampling"),
@@ -70,7 +65,7 @@ class AlgoConfig:
     critic_lr: float = 1e-3
 
     def __post_init__(self) -> None:
-        _check("algo", {
+        check_fields("algo", {
             "advantage": (self.advantage in ADVANTAGES, f"allowed: {', '.join(ADVANTAGES)}"),
             "clip_low": (0 < self.clip_low < 1, "must be in (0, 1)"),
             "clip_high": (self.clip_high > 0, "must be > 0"),
@@ -107,7 +102,7 @@ class OptimConfig:
     router_bias_update: bool = False
 
     def __post_init__(self) -> None:
-        _check("optim", {
+        check_fields("optim", {
             "lr": (0 < self.lr <= 1e-2, "must be in (0, 0.01]; 3e-4 is the tested default"),
             "beta1": (0 <= self.beta1 < 1, "must be in [0, 1)"),
             "beta2": (0 <= self.beta2 < 1, "must be in [0, 1)"),
@@ -143,7 +138,7 @@ class TrainConfig:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
     def __post_init__(self) -> None:
-        _check("train", {
+        check_fields("train", {
             "max_steps": (self.max_steps >= 0, "must be >= 0 (0 = until time_budget_s)"),
             "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
             "eval_every": (self.eval_every >= 1, "must be >= 1"),

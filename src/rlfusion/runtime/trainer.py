@@ -142,7 +142,7 @@ class RLTrainer:
             writer.log(0, {"heldout_accuracy": self.base_accuracy})
         start = time.monotonic() - self.elapsed
         bar = tqdm(total=cfg.max_steps or None, initial=self.step, disable=not progress, unit="step")
-        stopped, last_acc = "time budget", self.base_accuracy
+        stopped, last_acc, last_eval = "time budget", self.base_accuracy, self.step
         try:
             while True:
                 if cfg.max_steps and self.step >= cfg.max_steps:
@@ -153,6 +153,7 @@ class RLTrainer:
                 metrics = self.train_step()
                 if self.step % cfg.eval_every == 0:
                     last_acc = metrics["heldout_accuracy"] = self.evaluate().accuracy
+                    last_eval = self.step
                 self.elapsed = time.monotonic() - start
                 writer.log(self.step, metrics)
                 self._check_collapse(metrics)
@@ -166,8 +167,11 @@ class RLTrainer:
             raise type(e)(f"{e}; the run stopped at step {self.step} and its last good checkpoint "
                           f"is kept in {self.run_dir / 'checkpoint'}") from None
         bar.close()
-        final = self.evaluate().accuracy
-        writer.log(self.step, {"heldout_accuracy": final})
+        if last_eval == self.step:  # the last step was just evaluated
+            final = last_acc
+        else:
+            final = self.evaluate().accuracy
+            writer.log(self.step, {"heldout_accuracy": final})
         writer.close()
         run_state.save(self)
         save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
