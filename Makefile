@@ -18,6 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/vs_trl.py
 
