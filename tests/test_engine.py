@@ -158,3 +158,11 @@ def test_engine_rejects_bad_config(model):
         LLMEngine(model, EngineConfig(max_seq_len=10_000))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_token_budget_counts_the_padded_prefill():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=30, max_seq_len=50))
+    for n in (4, 12, 4):
+        sched.add(Request(f"r{n}-{len(sched.waiting)}", [1] * n))
+    plan = sched.schedule()  # 4 + 12 = 16 real tokens, but padded 2 x 12 = 24; a third row: 36
+    assert len(plan.prefill) == 2 and plan.num_tokens == 24 <= 30

@@ -66,7 +66,9 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
+        """Tokens the runner computes: one per decode row plus the padded prefill batch."""
+        longest = max((s.num_tokens for s in self.prefill), default=0)
+        return len(self.decode) + len(self.prefill) * longest
 
 
 class Scheduler:
@@ -96,13 +98,16 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(moves=self._pending_moves, decode=list(self.running))
         self._pending_moves = []
+        # The runner prefills new rows as one right-padded batch, so the budget counts the padded
+        # size: rows x the longest prompt admitted this step.
         budget = self.config.max_num_batched_tokens - len(plan.decode)
+        longest = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_tokens > budget:
+            if (len(plan.prefill) + 1) * max(longest, seq.num_tokens) > budget:
                 break
             self.waiting.popleft()
-            budget -= seq.num_tokens
+            longest = max(longest, seq.num_tokens)
             seq.slot = len(self.running)
             self.running.append(seq)
             plan.prefill.append(seq)
