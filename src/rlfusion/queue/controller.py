@@ -1,0 +1,156 @@
+"""`QueueController`: the queue's metadata, never its data.
+
+It owns, per row: which columns are ready, which consumers have consumed it, its group id and
+policy version, and whether it is retired. It decides which rows a `get` returns (the sampling
+policies). Cell values live in `StorageShard`s; a distributed backend can put the controller
+in one actor and the shards elsewhere without changing this file.
+
+Consumed marks are per row, not per column: a consumer is one task reading a fixed set of
+columns, so a column added after it took the row does not hand the row to it again.
+
+Not thread-safe on its own: `DistQueue` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Policy = Literal["fifo", "group", "oldest_version"]
+POLICIES: tuple[str, ...] = ("fifo", "group", "oldest_version")
+
+
+@dataclass
+class RowMeta:
+    """Metadata of one live row."""
+
+    group_id: int
+    version: int
+    ready: set[str] = field(default_factory=set)
+    consumed: set[str] = field(default_factory=set)
+
+
+class QueueController:
+    """Row metadata and the sampling decisions built on it."""
+
+    def __init__(self, group_size: int | None = None):
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.group_size = group_size
+        self.rows: dict[int, RowMeta] = {}  # live rows, in insertion (= row id) order
+        self.groups: dict[int, list[int]] = {}  # group id -> live row ids
+        self.retired: set[int] = set()
+        self.next_row_id = 0
+
+    @property
+    def num_live(self) -> int:
+        return len(self.rows)
+
+    # ---- checks (raise before anything changes) ----
+
+    def check_writable(self, row_ids: Sequence[int], columns: Sequence[str]) -> None:
+        if len(set(row_ids)) != len(row_ids):
+            raise ValueError(f"row ids repeat in one put: {list(row_ids)}")
+        for r in row_ids:
+            if r in self.retired:
+                raise ValueError(f"row {r} is retired; it cannot be written")
+            if r not in self.rows:
+                raise ValueError(f"row {r} does not exist (next new row id is {self.next_row_id})")
+            again = self.rows[r].ready.intersection(columns)
+            if again:
+                raise ValueError(f"row {r}: column {sorted(again)[0]!r} is already written")
+
+    def check_new_groups(self, group_ids: Sequence[int]) -> None:
+        if self.group_size is None:
+            return
+        counts: dict[int, int] = {}
+        for g in group_ids:
+            counts[g] = counts.get(g, 0) + 1
+        for g, n in counts.items():
+            if len(self.groups.get(g, ())) + n > self.group_size:
+                raise ValueError(f"group {g} would have more than group_size={self.group_size} rows")
+
+    # ---- mutations ----
+
+    def add_rows(self, group_ids: Sequence[int], versions: Sequence[int], columns: Sequence[str]) -> list[int]:
+        ids = list(range(self.next_row_id, self.next_row_id + len(group_ids)))
+        self.next_row_id += len(group_ids)
+        for r, g, v in zip(ids, group_ids, versions):
+            self.rows[r] = RowMeta(group_id=g, version=v, ready=set(columns))
+            self.groups.setdefault(g, []).append(r)
+        return ids
+
+    def mark_ready(self, row_ids: Sequence[int], columns: Sequence[str]) -> None:
+        for r in row_ids:
+            self.rows[r].ready.update(columns)
+
+    def retire(self, row_ids: Sequence[int]) -> list[int]:
+        """Retire live rows; unknown or already retired ids are ignored. Returns those retired."""
+        done = []
+        for r in row_ids:
+            meta = self.rows.pop(r, None)
+            if meta is None:
+                continue
+            members = self.groups[meta.group_id]
+            members.remove(r)
+            if not members:
+                del self.groups[meta.group_id]
+            self.retired.add(r)
+            done.append(r)
+        return done
+
+    def consumed_by_all(self, consumers: Sequence[str]) -> list[int]:
+        return [r for r, m in self.rows.items() if all(c in m.consumed for c in consumers)]
+
+    # ---- sampling ----
+
+    def select(self, consumer: str, columns: Sequence[str], count: int, policy: Policy) -> list[int]:
+        """Row ids to hand `consumer` (not yet marked consumed): at most `count`, all with
+        `columns` ready and none consumed by `consumer` before."""
+        def eligible(r: int) -> bool:
+            m = self.rows[r]
+            return consumer not in m.consumed and m.ready.issuperset(columns)
+
+        if policy == "fifo":
+            out = []
+            for r in self.rows:
+                if len(out) == count:
+                    break
+                if eligible(r):
+                    out.append(r)
+            return out
+        if policy == "oldest_version":
+            rows = sorted((m.version, r) for r, m in self.rows.items() if eligible(r))
+            return [r for _, r in rows[:count]]
+        assert policy == "group" and self.group_size is not None
+        out = []
+        for members in self.groups.values():  # dict order = order each group first appeared
+            if len(out) + self.group_size > count:
+                break
+            if len(members) == self.group_size and all(eligible(r) for r in members):
+                out.extend(members)
+        return out
+
+    def mark_consumed(self, consumer: str, row_ids: Sequence[int]) -> None:
+        for r in row_ids:
+            self.rows[r].consumed.add(consumer)
+
+    # ---- checkpoint ----
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "group_size": self.group_size,
+            "next_row_id": self.next_row_id,
+            "retired": sorted(self.retired),
+            "rows": [(r, m.group_id, m.version, sorted(m.ready), sorted(m.consumed)) for r, m in self.rows.items()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.group_size = state["group_size"]
+        self.next_row_id = state["next_row_id"]
+        self.retired = set(state["retired"])
+        self.rows, self.groups = {}, {}
+        for r, g, v, ready, consumed in state["rows"]:
+            self.rows[r] = RowMeta(group_id=g, version=v, ready=set(ready), consumed=set(consumed))
+            self.groups.setdefault(g, []).append(r)

@@ -1,0 +1,84 @@
+"""Zero-redundancy wire format for variable-length columns, and the byte counters that show it.
+
+A column of S sequences travels as one flat tensor of all N values concatenated (no padding)
+plus S lengths; the receiver splits it back. Integer columns use the narrowest dtype that
+holds every value, so token ids under 32,768 go as int16. A padded transfer would instead send
+S × max_len values in the column's full dtype, which on long-tailed lengths is mostly padding.
+
+Legend: N concatenated values, S sequences.
+This module does not know about the queue, ranks or how tensors are sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def narrowest_int_dtype(lo: int, hi: int) -> torch.dtype:
+    """The smallest signed integer dtype holding every value in [lo, hi]."""
+    for dt in _INT_DTYPES:
+        info = torch.iinfo(dt)
+        if info.min <= lo and hi <= info.max:
+            return dt
+    raise ValueError(f"values in [{lo}, {hi}] do not fit int64")
+
+
+def _all_ints(values: Sequence[Sequence[int | float]]) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for seq in values for x in seq)
+
+
+def pack_column(values: Sequence[Sequence[int | float]],
+                float_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """S sequences → (flat_N, lengths_S). All-int columns take the narrowest safe integer
+    dtype; a column with any float takes `float_dtype`. Lengths take the narrowest int too."""
+    lengths = [len(seq) for seq in values]
+    flat = [x for seq in values for x in seq]
+    if _all_ints(values):
+        dt = narrowest_int_dtype(min(flat), max(flat)) if flat else torch.int8
+        flat_N = torch.tensor(flat, dtype=dt)
+    else:
+        flat_N = torch.tensor([float(x) for x in flat], dtype=float_dtype)
+    lengths_S = torch.tensor(lengths, dtype=narrowest_int_dtype(0, max(lengths, default=0)))
+    return flat_N, lengths_S
+
+
+def unpack_column(flat_N: torch.Tensor, lengths_S: torch.Tensor) -> list[list[int | float]]:
+    """Inverse of `pack_column`: the S sequences as Python lists."""
+    if flat_N.dim() != 1 or lengths_S.dim() != 1:
+        raise ValueError(f"expected 1-D tensors, got shapes {tuple(flat_N.shape)} and {tuple(lengths_S.shape)}")
+    lengths = [int(n) for n in lengths_S.tolist()]
+    if any(n < 0 for n in lengths) or sum(lengths) != flat_N.numel():
+        raise ValueError(f"lengths sum to {sum(lengths)} but the flat tensor has {flat_N.numel()} values")
+    return [chunk.tolist() for chunk in torch.split(flat_N, lengths)] if lengths else []
+
+
+def packed_bytes(values: Sequence[Sequence[int | float]], float_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes `pack_column` puts on the wire: the flat values plus the lengths."""
+    flat_N, lengths_S = pack_column(values, float_dtype)
+    return flat_N.numel() * flat_N.element_size() + lengths_S.numel() * lengths_S.element_size()
+
+
+def padded_bytes(values: Sequence[Sequence[int | float]], float_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the padded alternative: S × max_len in the column's full dtype (int64 for
+    ints, `float_dtype` for floats). The padding mask it would also need is not counted."""
+    max_len = max((len(seq) for seq in values), default=0)
+    itemsize = 8 if _all_ints(values) else torch.empty(0, dtype=float_dtype).element_size()
+    return len(values) * max_len * itemsize
+
+
+def split_balanced(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Indices of `lengths` split across `num_ranks` so total tokens per rank are near equal
+    (longest first onto the lightest rank). Each rank's indices come back in ascending order."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    loads = [0] * num_ranks
+    parts: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(num_ranks), key=lambda k: (loads[k], len(parts[k]), k))
+        parts[k].append(i)
+        loads[k] += lengths[i]
+    return [sorted(p) for p in parts]
