@@ -61,10 +61,6 @@ class Calibration:
         x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
         return (y0 + (y1 - y0) * (batch - x0) / (x1 - x0)) / 1e3
 
-    @property
-    def max_batch(self) -> int:
-        return self.decode_batch_sizes[-1]
-
     def replace(self, **changes) -> "Calibration":
         return dataclasses.replace(self, **changes)
 

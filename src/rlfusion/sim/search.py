@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from rlfusion.sim.hardware import ClusterSpec
 from rlfusion.sim.plan import ParallelPlan, TrainJob
@@ -108,6 +108,3 @@ def explain(ranked: list[StepEstimate], num_oom: int) -> list[str]:
                      f"({_biggest_difference(best, rival)})")
     return lines
 
-
-def plan_fields() -> list[str]:
-    return [f.name for f in fields(ParallelPlan)]
