@@ -1,0 +1,46 @@
+"""Tensor parallelism for one decoder block: attention heads and dense/shared-expert FFN
+columns split over the `tp` mesh axis (Megatron style, via DTensor `parallelize_module`).
+
+Owns the plan (which Linear is column- or row-wise) and the per-rank head counts the plain
+attention modules use to reshape their projections. Activations between blocks stay replicated
+(no sequence parallelism). It does not touch routed experts (`expert_parallel.py`), the router,
+norms, the embedding or the LM head, which stay replicated over TP (the vocabulary is tiny and
+odd-sized in the debug presets).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from rlfusion.model.attention import GroupedQueryAttention
+from rlfusion.model.transformer import Block
+
+
+def _swiglu_plan(prefix: str) -> dict:
+    return {f"{prefix}.gate": ColwiseParallel(), f"{prefix}.up": ColwiseParallel(),
+            f"{prefix}.down": RowwiseParallel()}
+
+
+def _attention_plan(attn: nn.Module) -> dict:
+    if isinstance(attn, GroupedQueryAttention):
+        return {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+                "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel()}
+    # MLA: the KV latent (wkv_a) is shared by all heads, so it stays replicated.
+    wq = "attn.wq.2" if isinstance(attn.wq, nn.Sequential) else "attn.wq"
+    return {wq: ColwiseParallel(), "attn.wkv_b": ColwiseParallel(), "attn.wo": RowwiseParallel()}
+
+
+def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:
+    tp = tp_mesh.size()
+    plan = _attention_plan(block.attn)
+    if not block.is_moe:
+        plan |= _swiglu_plan("mlp")
+    elif block.mlp.shared is not None:
+        plan |= _swiglu_plan("mlp.shared")
+    parallelize_module(block, tp_mesh, plan)
+    # Column-parallel projections now produce this rank's heads only.
+    block.attn.num_heads //= tp
+    if isinstance(block.attn, GroupedQueryAttention):
+        block.attn.num_kv_heads //= tp
