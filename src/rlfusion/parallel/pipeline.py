@@ -58,13 +58,14 @@ def build_schedule(chunks: list[nn.Module], stages: list[int], num_stages: int, 
                    device: torch.device, micro_BT: tuple[int, int], d_model: int, vocab: int,
                    n_microbatches: int, loss_fn: Callable):
     """One `PipelineStage` per chunk, with example shapes (MoE routing is data-dependent, so
-    the stages cannot infer shapes by running the model on meta tensors)."""
+    the stages cannot infer shapes by running the model on meta tensors). `requires_grad`
+    on the examples tells the stage that activations and their gradients flow both ways."""
     B, T = micro_BT
-    hidden = torch.empty(B, T, d_model, device=device)
+    hidden = torch.empty(B, T, d_model, device=device, requires_grad=True)
     pipeline_stages = []
     for chunk, s in zip(chunks, stages):
         inp = torch.zeros(B, T, dtype=torch.long, device=device) if s == 0 else hidden
-        out = torch.empty(B, T, vocab, device=device) if s == num_stages - 1 else hidden
+        out = torch.empty(B, T, vocab, device=device, requires_grad=True) if s == num_stages - 1 else hidden
         pipeline_stages.append(PipelineStage(chunk, s, num_stages, device, input_args=(inp,),
                                              output_args=(out,), group=group))
     if len(pipeline_stages) == 1:
