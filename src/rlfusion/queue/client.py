@@ -5,12 +5,16 @@
                                            ├─ QueueController  (readiness, consumed marks, groups, versions)
                                            └─ StorageShard     (cell values)
 
+Values are stored in a canonical form (a 1-D tensor cell becomes a list; see
+`ColumnSpec.normalize`), so every backend hands back the same Python values.
 A put is validated in full before anything changes, so a bad put leaves the queue as it was.
 A get marks what it returns consumed by that consumer in the same critical section, so no row
 is delivered twice to one consumer and none is lost. Producers of new rows wait while the
 queue is at capacity and raise `QueueFullError` after their timeout; nothing is dropped.
 
-This module does not know about Ray, torch.distributed or the wire format (`packing.py`).
+`Batch`, `QueueConfig` and `QueueStats` are shared with the Ray backend (`ray_backend.py`),
+which has the same methods. This module does not know about Ray, torch.distributed or the
+wire format (`packing.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfusion.queue.controller import POLICIES, Policy, QueueController
+from rlfusion.queue.packing import split_balanced
 from rlfusion.queue.schema import ColumnSpec, Schema, rows_to_columns
 from rlfusion.queue.storage import StorageShard
 
@@ -59,6 +64,61 @@ class Batch:
     def __len__(self) -> int:
         return len(self.row_ids)
 
+    def select(self, idx: Sequence[int]) -> "Batch":
+        return Batch([self.row_ids[i] for i in idx], [self.group_ids[i] for i in idx],
+                     [self.versions[i] for i in idx], {c: [v[i] for i in idx] for c, v in self.columns.items()})
+
+    def split_balanced(self, num_ranks: int, length_columns: Sequence[str]) -> list["Batch"]:
+        """This batch split across `num_ranks` DP ranks so each gets a near-equal total of
+        tokens, counted as the summed lengths of `length_columns` (e.g. prompt + response)."""
+        for c in length_columns:
+            if c not in self.columns:
+                raise ValueError(f"length column {c!r} is not in this batch (it has {sorted(self.columns)})")
+        lengths = [sum(len(self.columns[c][i]) for c in length_columns) for i in range(len(self))]
+        return [self.select(part) for part in split_balanced(lengths, num_ranks)]
+
+
+@dataclass
+class QueueStats:
+    """Traffic counters: requests a backend served and what it sent. `bytes_served` counts
+    tensor bytes on the wire (0 for the in-process backend, which has no wire)."""
+
+    get_requests: int = 0
+    put_requests: int = 0
+    rows_served: int = 0
+    bytes_served: int = 0
+
+
+def check_get_args(schema: Schema, group_size: int | None, consumer: str, columns: Sequence[str],
+                   count: int, policy: str) -> None:
+    if not consumer or not isinstance(consumer, str):
+        raise ValueError(f"consumer must be a non-empty string, got {consumer!r}")
+    schema.check_names(columns)
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
+    if policy == "group" and (group_size is None or count % group_size):
+        raise ValueError(f"policy 'group' needs a queue group_size and count a multiple of it "
+                         f"(group_size={group_size}, count={count})")
+
+
+def normalize_put(schema: Schema, data: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]],
+                  row_ids: Sequence[int] | None, group_ids: Sequence[int] | None,
+                  versions: Sequence[int] | None) -> tuple[dict[str, list[Any]], int]:
+    """A put's columns in stored form and its row count, or a ValueError (nothing changed)."""
+    columns = rows_to_columns(data) if not isinstance(data, Mapping) else dict(data)
+    if row_ids is not None:
+        num_rows = len(row_ids)
+        if group_ids is not None or versions is not None:
+            raise ValueError("group_ids and versions are set when rows are created, not on existing rows")
+    elif columns:
+        first = next(iter(columns.values()))
+        num_rows = len(first) if isinstance(first, Sequence) else 0  # normalize_columns names the column
+    else:  # empty rows, filled in by later puts
+        num_rows = len(group_ids or [])
+    return schema.normalize_columns(columns, num_rows), num_rows
+
 
 class DistQueue:
     """Thread-safe in-process queue of rows with per-cell readiness and per-consumer marks."""
@@ -68,6 +128,7 @@ class DistQueue:
         self.schema = Schema(tuple(cfg.columns))
         self.controller = QueueController(cfg.group_size)
         self.storage = StorageShard()
+        self.stats = QueueStats()
         self._cond = threading.Condition(threading.Lock())
 
     def __len__(self) -> int:
@@ -82,52 +143,28 @@ class DistQueue:
         """Write cells. Without `row_ids`, add new rows (waiting for room up to `timeout`,
         default `cfg.put_timeout_s`); with them, add columns to those existing rows.
         `data` is either column -> one value per row, or a list of row dicts. Returns row ids."""
-        columns = rows_to_columns(data) if not isinstance(data, Mapping) else dict(data)
-        if row_ids is not None:
-            num_rows = len(row_ids)
-        elif columns:
-            first = next(iter(columns.values()))
-            num_rows = len(first) if isinstance(first, Sequence) else 0  # check_columns names the column
-        else:  # empty rows, filled in by later puts
-            num_rows = len(group_ids or [])
-        self.schema.check_columns(columns, num_rows)
-        if row_ids is not None:
-            if group_ids is not None or versions is not None:
-                raise ValueError("group_ids and versions are set when rows are created, not on existing rows")
-            with self._cond:
+        columns, num_rows = normalize_put(self.schema, data, row_ids, group_ids, versions)
+        with self._cond:
+            self.stats.put_requests += 1
+            if row_ids is not None:
                 self.controller.check_writable(row_ids, list(columns))
                 self.storage.write(row_ids, columns)
                 self.controller.mark_ready(row_ids, list(columns))
                 self._cond.notify_all()
-            return list(row_ids)
-        return self._put_new(columns, num_rows, group_ids, versions, timeout)
-
-    def _put_new(self, columns: dict[str, Sequence[Any]], num_rows: int, group_ids: Sequence[int] | None,
-                 versions: Sequence[int] | None, timeout: float | None) -> list[int]:
-        for name, given in (("group_ids", group_ids), ("versions", versions)):
-            if given is not None and (len(given) != num_rows or not all(isinstance(x, int) for x in given)):
-                raise ValueError(f"{name}: expected {num_rows} ints, got {list(given)!r}")
-        if group_ids is None and self.cfg.group_size is not None:
-            raise ValueError(f"group_ids are required: the queue has group_size={self.cfg.group_size}")
-        cap = self.cfg.capacity
-        if cap is not None and num_rows > cap:
-            raise ValueError(f"put of {num_rows} rows can never fit capacity={cap}")
-        timeout = self.cfg.put_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if group_ids is not None:
-                    self.controller.check_new_groups(group_ids)
-                if cap is None or self.controller.num_live + num_rows <= cap:
-                    break
+                return list(row_ids)
+            cap = self.cfg.capacity
+            self.controller.check_new_rows(num_rows, group_ids, versions, cap)
+            timeout = self.cfg.put_timeout_s if timeout is None else timeout
+            deadline = time.monotonic() + timeout
+            while not self.controller.has_room(num_rows, cap):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise QueueFullError(f"queue stayed full ({self.controller.num_live}/{cap} rows) "
                                          f"for {timeout:.3g}s; retire consumed rows or raise capacity")
                 self._cond.wait(left)
-            first = self.controller.next_row_id
-            groups = list(group_ids) if group_ids is not None else list(range(first, first + num_rows))
-            ids = self.controller.add_rows(groups, list(versions or [0] * num_rows), list(columns))
+                if group_ids is not None:  # another producer may have added to these groups meanwhile
+                    self.controller.check_new_groups(group_ids)
+            ids = self.controller.add_rows(num_rows, group_ids, versions, list(columns))
             self.storage.write(ids, columns)
             self._cond.notify_all()
         return ids
@@ -139,7 +176,7 @@ class DistQueue:
         """Up to `count` rows whose `columns` are all ready and that `consumer` has not had,
         now marked consumed by it. With `block`, wait until `count` rows are available or
         `timeout` passes (None: forever), then return what there is (possibly fewer)."""
-        self._check_get(consumer, columns, count, policy)
+        check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             rows = self.controller.select(consumer, columns, count, policy)
@@ -150,22 +187,14 @@ class DistQueue:
                 self._cond.wait(left)
                 rows = self.controller.select(consumer, columns, count, policy)
             self.controller.mark_consumed(consumer, rows)
+            self.stats.get_requests += 1
+            self.stats.rows_served += len(rows)
             meta = [self.controller.rows[r] for r in rows]
-            return Batch(rows, [m.group_id for m in meta], [m.version for m in meta],
-                         self.storage.read(rows, columns))
-
-    def _check_get(self, consumer: str, columns: Sequence[str], count: int, policy: str) -> None:
-        if not consumer or not isinstance(consumer, str):
-            raise ValueError(f"consumer must be a non-empty string, got {consumer!r}")
-        self.schema.check_names(columns)
-        if count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
-        G = self.cfg.group_size
-        if policy == "group" and (G is None or count % G):
-            raise ValueError(f"policy 'group' needs a queue group_size and count a multiple of it "
-                             f"(group_size={G}, count={count})")
+            cells = self.storage.read(rows, columns)
+        for c in columns:  # copies, so a consumer editing its lists cannot change the stored cells
+            if self.schema.spec(c).variable_length:
+                cells[c] = [list(v) for v in cells[c]]
+        return Batch(rows, [m.group_id for m in meta], [m.version for m in meta], cells)
 
     # ---- retiring ----
 

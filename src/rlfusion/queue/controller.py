@@ -8,7 +8,13 @@ in one actor and the shards elsewhere without changing this file.
 Consumed marks are per row, not per column: a consumer is one task reading a fixed set of
 columns, so a column added after it took the row does not hand the row to it again.
 
-Not thread-safe on its own: `DistQueue` calls it under its lock.
+A write that goes to remote storage is two-phase: `add_rows` / `begin_write` reserve the
+cells (pending: nobody else may write them, nobody may read them yet), the data goes to the
+shards, then `commit` makes them ready. A reader therefore never sees a cell before its data
+is stored.
+
+Not thread-safe on its own: `DistQueue` calls it under its lock, the Ray controller actor from
+its single event loop.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class RowMeta:
     group_id: int
     version: int
     ready: set[str] = field(default_factory=set)
+    pending: set[str] = field(default_factory=set)  # being written to storage, not yet readable
     consumed: set[str] = field(default_factory=set)
 
 
@@ -57,9 +64,25 @@ class QueueController:
                 raise ValueError(f"row {r} is retired; it cannot be written")
             if r not in self.rows:
                 raise ValueError(f"row {r} does not exist (next new row id is {self.next_row_id})")
-            again = self.rows[r].ready.intersection(columns)
+            m = self.rows[r]
+            again = (m.ready | m.pending).intersection(columns)
             if again:
                 raise ValueError(f"row {r}: column {sorted(again)[0]!r} is already written")
+
+    def check_new_rows(self, num_rows: int, group_ids: Sequence[int] | None, versions: Sequence[int] | None,
+                       capacity: int | None) -> None:
+        for name, given in (("group_ids", group_ids), ("versions", versions)):
+            if given is not None and (len(given) != num_rows or not all(type(x) is int for x in given)):
+                raise ValueError(f"{name}: expected {num_rows} ints, got {list(given)!r}")
+        if group_ids is None and self.group_size is not None:
+            raise ValueError(f"group_ids are required: the queue has group_size={self.group_size}")
+        if capacity is not None and num_rows > capacity:
+            raise ValueError(f"put of {num_rows} rows can never fit capacity={capacity}")
+        if group_ids is not None:
+            self.check_new_groups(group_ids)
+
+    def has_room(self, num_rows: int, capacity: int | None) -> bool:
+        return capacity is None or self.num_live + num_rows <= capacity
 
     def check_new_groups(self, group_ids: Sequence[int]) -> None:
         if self.group_size is None:
@@ -73,17 +96,36 @@ class QueueController:
 
     # ---- mutations ----
 
-    def add_rows(self, group_ids: Sequence[int], versions: Sequence[int], columns: Sequence[str]) -> list[int]:
-        ids = list(range(self.next_row_id, self.next_row_id + len(group_ids)))
-        self.next_row_id += len(group_ids)
-        for r, g, v in zip(ids, group_ids, versions):
-            self.rows[r] = RowMeta(group_id=g, version=v, ready=set(columns))
+    def add_rows(self, num_rows: int, group_ids: Sequence[int] | None, versions: Sequence[int] | None,
+                 columns: Sequence[str], ready: bool = True) -> list[int]:
+        """New rows (group id = row id when not given, version 0 when not given) with `columns`
+        ready, or pending until `commit` when `ready` is False."""
+        ids = list(range(self.next_row_id, self.next_row_id + num_rows))
+        self.next_row_id += num_rows
+        groups = list(group_ids) if group_ids is not None else ids
+        for r, g, v in zip(ids, groups, versions if versions is not None else [0] * num_rows):
+            meta = RowMeta(group_id=g, version=v)
+            (meta.ready if ready else meta.pending).update(columns)
+            self.rows[r] = meta
             self.groups.setdefault(g, []).append(r)
         return ids
 
     def mark_ready(self, row_ids: Sequence[int], columns: Sequence[str]) -> None:
         for r in row_ids:
             self.rows[r].ready.update(columns)
+
+    def begin_write(self, row_ids: Sequence[int], columns: Sequence[str]) -> None:
+        self.check_writable(row_ids, columns)
+        for r in row_ids:
+            self.rows[r].pending.update(columns)
+
+    def commit(self, row_ids: Sequence[int], columns: Sequence[str]) -> None:
+        """Pending cells become ready (rows retired meanwhile are skipped)."""
+        for r in row_ids:
+            m = self.rows.get(r)
+            if m is not None:
+                m.pending.difference_update(columns)
+                m.ready.update(columns)
 
     def retire(self, row_ids: Sequence[int]) -> list[int]:
         """Retire live rows; unknown or already retired ids are ignored. Returns those retired."""
@@ -143,6 +185,7 @@ class QueueController:
             "group_size": self.group_size,
             "next_row_id": self.next_row_id,
             "retired": sorted(self.retired),
+            # pending cells were never stored: a restored queue sees them as unwritten
             "rows": [(r, m.group_id, m.version, sorted(m.ready), sorted(m.consumed)) for r, m in self.rows.items()],
         }
 

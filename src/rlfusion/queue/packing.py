@@ -6,14 +6,18 @@ holds every value, so token ids under 32,768 go as int16. A padded transfer woul
 S × max_len values in the column's full dtype, which on long-tailed lengths is mostly padding.
 
 Legend: N concatenated values, S sequences.
-This module does not know about the queue, ranks or how tensors are sent.
+This module does not know about readiness, ranks or how tensors are sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from rlfusion.queue.schema import Schema
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -82,3 +86,51 @@ def split_balanced(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
         parts[k].append(i)
         loads[k] += lengths[i]
     return [sorted(p) for p in parts]
+
+
+# ---- whole batches: what a storage shard or a broadcasting reader puts on the wire ----
+
+_FLOAT_TORCH = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class WireBatch:
+    """Column values of some rows as tensors: a variable-length column is `(flat_N, lengths_S)`,
+    a scalar column `(values_S, None)`; `object` columns stay Python lists (pickled)."""
+
+    num_rows: int
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    objects: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes on the wire (object columns are not counted)."""
+        return sum(t.numel() * t.element_size() for pair in self.tensors.values() for t in pair if t is not None)
+
+
+def pack_columns(schema: Schema, columns: Mapping[str, Sequence[Any]], num_rows: int) -> WireBatch:
+    """Stored column values (see `Schema.normalize_columns`) → `WireBatch`. Float columns keep
+    their declared width, so float32 values are rounded to float32 on the wire."""
+    wire = WireBatch(num_rows)
+    for name, values in columns.items():
+        spec = schema.spec(name)
+        if spec.dtype == "object":
+            wire.objects[name] = list(values)
+            continue
+        float_dtype = _FLOAT_TORCH.get(spec.dtype, torch.float32)
+        if spec.variable_length:
+            wire.tensors[name] = pack_column(values, float_dtype)
+        elif spec.dtype in _FLOAT_TORCH:
+            wire.tensors[name] = (torch.tensor(values, dtype=float_dtype), None)
+        else:
+            dt = narrowest_int_dtype(min(values), max(values)) if values else torch.int8
+            wire.tensors[name] = (torch.tensor(values, dtype=dt), None)
+    return wire
+
+
+def unpack_columns(wire: WireBatch) -> dict[str, list[Any]]:
+    """Inverse of `pack_columns`: column -> one Python value (or list) per row."""
+    out: dict[str, list[Any]] = dict(wire.objects)
+    for name, (values, lengths) in wire.tensors.items():
+        out[name] = values.tolist() if lengths is None else unpack_column(values, lengths)
+    return out

@@ -40,13 +40,14 @@ class ColumnSpec:
         if self.dtype not in ALL_DTYPES:
             raise ValueError(f"column {self.name!r}: dtype {self.dtype!r} is not one of {ALL_DTYPES}")
 
-    def check(self, value: Any) -> None:
-        """Raise a one-line ValueError naming this column if `value` does not fit it."""
+    def normalize(self, value: Any) -> Any:
+        """`value` in its stored form (a 1-D tensor becomes a list, a list is copied), or a
+        one-line ValueError naming this column if it does not fit."""
         if self.dtype == "object":
-            return
+            return value
         if not self.variable_length:
-            self._check_scalar(value)
-            return
+            self._check_scalars((value,))
+            return value
         if isinstance(value, torch.Tensor):
             if value.dim() != 1:
                 raise ValueError(f"column {self.name!r}: expected a 1-D sequence, got a tensor of shape {tuple(value.shape)}")
@@ -54,20 +55,25 @@ class ColumnSpec:
             if want_int != (not value.dtype.is_floating_point and value.dtype != torch.bool):
                 raise ValueError(f"column {self.name!r}: expected {self.dtype} values, got a {value.dtype} tensor")
             value = value.tolist()
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise ValueError(f"column {self.name!r}: expected a sequence of {self.dtype}, got {type(value).__name__}")
-        for x in value:
-            self._check_scalar(x)
+        else:
+            value = list(value)
+        self._check_scalars(value)
+        return value
 
-    def _check_scalar(self, x: Any) -> None:
+    def _check_scalars(self, xs: Sequence[Any]) -> None:
         if self.dtype in INT_RANGES:
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(x).__name__} {x!r}")
+            if not all(type(x) is int for x in xs):  # fast path; bool is not an int here
+                bad = next(x for x in xs if type(x) is not int)
+                raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(bad).__name__} {bad!r}")
             lo, hi = INT_RANGES[self.dtype]
-            if not lo <= x <= hi:
+            if xs and not (lo <= min(xs) and max(xs) <= hi):
+                x = min(xs) if min(xs) < lo else max(xs)
                 raise ValueError(f"column {self.name!r}: value {x} is outside the {self.dtype} range [{lo}, {hi}]")
-        elif isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(x).__name__} {x!r}")
+        elif not all(type(x) is float or type(x) is int for x in xs):
+            bad = next(x for x in xs if not (type(x) is float or type(x) is int))
+            raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(bad).__name__} {bad!r}")
 
 
 @dataclass(frozen=True)
@@ -96,16 +102,18 @@ class Schema:
         for n in names:
             self.spec(n)
 
-    def check_columns(self, columns: Mapping[str, Sequence[Any]], num_rows: int) -> None:
-        """Every column named, `num_rows` values long, every value fitting its column."""
+    def normalize_columns(self, columns: Mapping[str, Sequence[Any]], num_rows: int) -> dict[str, list[Any]]:
+        """Every column named, `num_rows` values long, every value fitting its column; returns
+        the values in stored form (see `ColumnSpec.normalize`)."""
+        out = {}
         for name, values in columns.items():
             spec = self.spec(name)
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
                 raise ValueError(f"column {name!r}: expected one value per row (a list), got {type(values).__name__}")
             if len(values) != num_rows:
                 raise ValueError(f"column {name!r}: {len(values)} values for {num_rows} rows")
-            for v in values:
-                spec.check(v)
+            out[name] = [spec.normalize(v) for v in values]
+        return out
 
     def to_list(self) -> list[tuple[str, str, bool]]:
         return [(c.name, c.dtype, c.variable_length) for c in self.columns]

@@ -1,0 +1,310 @@
+"""The Ray backend of DistQueue: one controller actor for metadata, N storage-shard actors for data.
+
+    producer ──1 reserve / begin_write──► QueueControllerActor   (row ids, readiness, consumed marks,
+             ──2 write(WireBatch)───────► StorageShardActor k      policies, capacity; no cell data)
+             ──3 commit─────────────────► QueueControllerActor
+    consumer ──1 acquire(consumer, columns, count, policy)──► controller: row ids, now consumed
+             ──2 read(row ids, columns)───────────────────► each shard holding some of them, directly
+
+Row r lives on shard r % N. Data never passes through the controller: it hands out row ids, the
+client moves the packed columns (`WireBatch`: one flat tensor plus lengths per variable-length
+column, integers in their narrowest dtype) to and from the shards itself. Writes are two-phase
+(see `QueueController`), so a reader never sees a cell whose data is not stored yet.
+
+`RayDistQueue` has the same methods and guarantees as the in-process `DistQueue`, and the same
+checkpoint format, so a state saved by one loads into the other. Another process attached to
+the same Ray cluster reaches the queue by name with `RayDistQueue.connect(name)`.
+
+Not here: torch.distributed (see `hierarchical.py`) and which stage reads what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from rlfusion.queue.client import Batch, QueueConfig, QueueFullError, QueueStats, check_get_args, normalize_put
+from rlfusion.queue.controller import Policy, QueueController
+from rlfusion.queue.packing import WireBatch, pack_columns, unpack_columns
+from rlfusion.queue.schema import Schema
+from rlfusion.queue.storage import StorageShard
+
+
+class QueueControllerActor:
+    """Row metadata behind one asyncio event loop: every method runs alone between awaits, so
+    the controller needs no lock; waiting puts and gets park on a condition."""
+
+    def __init__(self, cfg: QueueConfig, num_shards: int):
+        self.cfg, self.num_shards = cfg, num_shards
+        self.controller = QueueController(cfg.group_size)
+        self.stats = QueueStats()
+        self.shards: list[Any] = []
+        self._cond: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # created on the actor's event loop, on first use
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _notify(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    def config(self) -> tuple[QueueConfig, int]:
+        return self.cfg, self.num_shards
+
+    def set_shards(self, shards: list[Any]) -> None:
+        self.shards = shards
+
+    async def reserve(self, num_rows: int, group_ids: list[int] | None, versions: list[int] | None,
+                      columns: list[str], timeout: float) -> list[int]:
+        """New row ids with `columns` pending, once there is room (QueueFullError after `timeout`)."""
+        cap = self.cfg.capacity
+        self.controller.check_new_rows(num_rows, group_ids, versions, cap)
+        self.stats.put_requests += 1
+        deadline = time.monotonic() + timeout
+        cond = self._condition()
+        async with cond:
+            while not self.controller.has_room(num_rows, cap):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise QueueFullError(f"queue stayed full ({self.controller.num_live}/{cap} rows) "
+                                         f"for {timeout:.3g}s; retire consumed rows or raise capacity")
+                try:
+                    await asyncio.wait_for(cond.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+                if group_ids is not None:
+                    self.controller.check_new_groups(group_ids)
+            return self.controller.add_rows(num_rows, group_ids, versions, columns, ready=False)
+
+    def begin_write(self, row_ids: list[int], columns: list[str]) -> None:
+        self.controller.begin_write(row_ids, columns)
+        self.stats.put_requests += 1
+
+    async def commit(self, row_ids: list[int], columns: list[str]) -> None:
+        self.controller.commit(row_ids, columns)
+        await self._notify()
+
+    async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,
+                      timeout: float | None) -> tuple[list[int], list[int], list[int]]:
+        """Row ids (with group ids and versions) for `consumer`, marked consumed by it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = self._condition()
+        async with cond:
+            rows = self.controller.select(consumer, columns, count, policy)
+            while block and len(rows) < count:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(cond.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+                rows = self.controller.select(consumer, columns, count, policy)
+            self.controller.mark_consumed(consumer, rows)
+        self.stats.get_requests += 1
+        self.stats.rows_served += len(rows)
+        meta = [self.controller.rows[r] for r in rows]
+        return rows, [m.group_id for m in meta], [m.version for m in meta]
+
+    async def retire(self, row_ids: list[int]) -> list[int]:
+        done = self.controller.retire(row_ids)
+        self._drop(done)
+        await self._notify()
+        return done
+
+    async def clear_consumed(self, consumers: list[str]) -> list[int]:
+        return await self.retire(self.controller.consumed_by_all(consumers))
+
+    def _drop(self, row_ids: list[int]) -> None:
+        by_shard = _by_shard(row_ids, self.num_shards)
+        for k, rows in by_shard.items():
+            self.shards[k].drop.remote(rows)  # fire and forget: the rows are already unreachable
+
+    def num_live(self) -> int:
+        return self.controller.num_live
+
+    def get_stats(self) -> QueueStats:
+        return self.stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state)
+        await self._notify()
+
+
+class StorageShardActor:
+    """One slice of the cells (rows r with r % N == k), packed on the way in and out."""
+
+    def __init__(self, schema: Schema):
+        self.schema, self.storage, self.bytes_served = schema, StorageShard(), 0
+
+    def write(self, row_ids: list[int], wire: WireBatch) -> None:
+        self.storage.write(row_ids, unpack_columns(wire))
+
+    def read(self, row_ids: list[int], columns: list[str]) -> WireBatch:
+        wire = pack_columns(self.schema, self.storage.read(row_ids, columns), len(row_ids))
+        self.bytes_served += wire.nbytes
+        return wire
+
+    def drop(self, row_ids: list[int]) -> None:
+        self.storage.drop(row_ids)
+
+    def get_bytes_served(self) -> int:
+        return self.bytes_served
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.storage.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.storage.load_state_dict(state)
+
+
+def _by_shard(row_ids: Sequence[int], num_shards: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in row_ids:
+        out.setdefault(r % num_shards, []).append(r)
+    return out
+
+
+def _call(ref: Any) -> Any:
+    """`ray.get`, re-raising an actor's own error (ValueError, QueueFullError) as itself so the
+    caller sees the one-line message, not a remote traceback."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (ValueError, QueueFullError)):
+            raise e.cause from None
+        raise
+
+
+class RayDistQueue:
+    """DistQueue client for the Ray backend; see the module docstring for the data path."""
+
+    def __init__(self, cfg: QueueConfig, num_shards: int = 1, name: str | None = None,
+                 _actors: tuple[Any, list[Any]] | None = None):
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        if not ray.is_initialized():
+            raise RuntimeError("RayDistQueue needs Ray: call ray.init() (or ray.init(address=...)) first")
+        self.cfg, self.schema, self.num_shards, self.name = cfg, Schema(tuple(cfg.columns)), num_shards, name
+        if _actors is not None:
+            self.controller, self.shards = _actors
+            return
+        named = {} if name is None else {"name": name}  # lives as long as this process's Ray job
+        # The actors only move metadata and bytes: they take no CPU slot from the RL workers.
+        self.controller = ray.remote(QueueControllerActor).options(
+            num_cpus=0, max_concurrency=1000, **named).remote(cfg, num_shards)
+        self.shards = [ray.remote(StorageShardActor).options(
+            num_cpus=0, scheduling_strategy="SPREAD",
+            **({} if name is None else {"name": f"{name}/shard{k}"})).remote(self.schema)
+            for k in range(num_shards)]
+        ray.get(self.controller.set_shards.remote(self.shards))
+
+    @classmethod
+    def connect(cls, name: str) -> "RayDistQueue":
+        """Attach to a queue another process created with `name` (same Ray cluster)."""
+        try:
+            controller = ray.get_actor(name)
+        except ValueError:
+            raise ValueError(f"no DistQueue named {name!r} on this Ray cluster") from None
+        cfg, num_shards = ray.get(controller.config.remote())
+        shards = [ray.get_actor(f"{name}/shard{k}") for k in range(num_shards)]
+        return cls(cfg, num_shards, name, _actors=(controller, shards))
+
+    def shutdown(self) -> None:
+        """Kill the actors (the queue's data is gone; checkpoint first if it matters)."""
+        for a in [self.controller, *self.shards]:
+            ray.kill(a)
+
+    def __len__(self) -> int:
+        return _call(self.controller.num_live.remote())
+
+    @property
+    def stats(self) -> QueueStats:
+        s = _call(self.controller.get_stats.remote())
+        s.bytes_served = sum(ray.get([sh.get_bytes_served.remote() for sh in self.shards]))
+        return s
+
+    # ---- writes ----
+
+    def put(self, data: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]], *,
+            row_ids: Sequence[int] | None = None, group_ids: Sequence[int] | None = None,
+            versions: Sequence[int] | None = None, timeout: float | None = None) -> list[int]:
+        """Same contract as `DistQueue.put`."""
+        columns, num_rows = normalize_put(self.schema, data, row_ids, group_ids, versions)
+        names = list(columns)
+        if row_ids is None:
+            timeout = self.cfg.put_timeout_s if timeout is None else timeout
+            ids = _call(self.controller.reserve.remote(
+                num_rows, None if group_ids is None else list(group_ids),
+                None if versions is None else list(versions), names, timeout))
+        else:
+            ids = list(row_ids)
+            _call(self.controller.begin_write.remote(ids, names))
+        if names:
+            pos = {r: i for i, r in enumerate(ids)}
+            refs = []
+            for k, rows in _by_shard(ids, self.num_shards).items():
+                part = {c: [vals[pos[r]] for r in rows] for c, vals in columns.items()}
+                refs.append(self.shards[k].write.remote(rows, pack_columns(self.schema, part, len(rows))))
+            ray.get(refs)
+        _call(self.controller.commit.remote(ids, names))
+        return ids
+
+    # ---- reads ----
+
+    def get(self, consumer: str, columns: Sequence[str], count: int, policy: Policy = "fifo",
+            block: bool = False, timeout: float | None = None) -> Batch:
+        """Same contract as `DistQueue.get`; the cells come straight from the shards."""
+        check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
+        rows, groups, versions = _call(self.controller.acquire.remote(
+            consumer, list(columns), count, policy, block, timeout))
+        by_shard = _by_shard(rows, self.num_shards)
+        wires = ray.get([self.shards[k].read.remote(rs, list(columns)) for k, rs in by_shard.items()])
+        cell: dict[int, dict[str, Any]] = {}
+        for rs, wire in zip(by_shard.values(), wires):
+            vals = unpack_columns(wire)
+            for i, r in enumerate(rs):
+                cell[r] = {c: vals[c][i] for c in columns}
+        return Batch(rows, groups, versions, {c: [cell[r][c] for r in rows] for c in columns})
+
+    # ---- retiring ----
+
+    def retire(self, row_ids: Sequence[int]) -> list[int]:
+        return _call(self.controller.retire.remote(list(row_ids)))
+
+    def clear_consumed(self, consumers: Sequence[str]) -> list[int]:
+        if not consumers:
+            raise ValueError("clear_consumed needs at least one consumer")
+        return _call(self.controller.clear_consumed.remote(list(consumers)))
+
+    # ---- checkpoint (the in-process format; take it while no stage is writing) ----
+
+    def state_dict(self) -> dict[str, Any]:
+        controller = _call(self.controller.state_dict.remote())
+        cells: dict[int, dict[str, Any]] = {}
+        for st in ray.get([sh.state_dict.remote() for sh in self.shards]):
+            cells.update(st["cells"])
+        return {"schema": self.schema.to_list(), "controller": controller,
+                "storage": {"cells": dict(sorted(cells.items()))}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if [tuple(c) for c in state["schema"]] != self.schema.to_list():
+            raise ValueError(f"checkpoint columns {state['schema']} differ from this queue's {self.schema.to_list()}")
+        if state["controller"]["group_size"] != self.cfg.group_size:
+            raise ValueError(f"checkpoint group_size {state['controller']['group_size']} differs "
+                             f"from this queue's {self.cfg.group_size}")
+        parts: list[dict[int, Any]] = [{} for _ in self.shards]
+        for r, row in state["storage"]["cells"].items():
+            parts[int(r) % self.num_shards][int(r)] = row
+        ray.get([sh.load_state_dict.remote({"cells": p}) for sh, p in zip(self.shards, parts)])
+        _call(self.controller.load_state_dict.remote(state["controller"]))
