@@ -1,22 +1,15 @@
 """Multi-process helpers for the parallel-layout tests (and `bench/parallel.py`).
 
-`run_world(fn, world, *args)` spawns `world` gloo ranks on 127.0.0.1 (one CPU thread each),
-runs `fn(*args)` on every rank and returns the per-rank results. `train_and_compare` trains a
-layout for a few steps and compares losses and the gathered state dict with a single-process
-reference that runs the same init and data.
+Functions here run on every rank of a `rlfusion.parallel.launch.run_world` world.
+`train_and_compare` trains a layout for a few steps and compares losses and the gathered
+state dict with a single-process reference that runs the same init and data;
+`compare_a2a` runs one step with flat and with hierarchical expert all-to-all.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-import traceback
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.transformer import MoETransformer
@@ -33,42 +26,6 @@ def small_config(**changes) -> ModelConfig:
                        expert_ffn_dim=16, num_shared_experts=1, max_seq_len=32,
                        bias_update_rate=1e-3)
     return base.replace(**changes)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
-    try:
-        result = fn(*args)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-        raise
-    finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
-def run_world(fn, world: int, *args, timeout: float = 300) -> list:
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
-        try:
-            while not ctx.join(timeout=timeout):
-                pass
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-                for r in range(world)]
 
 
 def make_batches(cfg: ModelConfig, steps: int, rows: int, seq: int, seed: int = 1):
@@ -133,3 +90,37 @@ def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
 def reference_initial_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {k: v for k, v in MoETransformer(cfg).state_dict().items()}
+
+
+def _one_step(cfg, layout: ParallelLayout, tokens):
+    torch.manual_seed(0)
+    model = MoETransformer(cfg).train()
+    pm = parallelize(model, layout)
+    logits = pm.chunks[0](pm.shard_batch(tokens[:, :-1]))
+    lm_loss(logits, pm.shard_batch(tokens[:, 1:])).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if "experts" in n}
+    internode = torch.tensor(float(pm.comm_counter().internode_bytes))
+    dist.all_reduce(internode)
+    return logits.detach(), grads, int(internode)
+
+
+def compare_a2a(cfg_changes: list[dict], ep: int, ranks_per_node: int, rows: int, seq: int):
+    """Per config: flat vs hierarchical logits/expert-grad difference and world inter-node bytes."""
+    out = []
+    for changes in cfg_changes:
+        cfg = small_config(**changes)
+        tokens = make_batches(cfg, 1, rows, seq)[0]
+        world = dist.get_world_size()
+        flat = _one_step(cfg, ParallelLayout(dp=world, ep=ep, ranks_per_node=ranks_per_node), tokens)
+        hier = _one_step(cfg, ParallelLayout(dp=world, ep=ep, ranks_per_node=ranks_per_node,
+                                             hierarchical_a2a=True), tokens)
+        out.append({"top_k": cfg.top_k, "num_experts": cfg.num_experts,
+                    "logit_diff": (flat[0] - hier[0]).abs().max().item(),
+                    "grad_diff": max((flat[1][n] - hier[1][n]).abs().max().item() for n in flat[1]),
+                    "flat_internode": flat[2], "hier_internode": hier[2]})
+    return out
+
+
+def layouts_and_a2a(cases, a2a_args) -> dict:
+    """One world for everything: the layout comparisons, then the all-to-all comparison."""
+    return {"layouts": train_and_compare(cases), "a2a": compare_a2a(*a2a_args)}

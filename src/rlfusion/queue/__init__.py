@@ -7,8 +7,8 @@ their modules so that importing the queue does not start Ray or torch.distribute
 
 from rlfusion.queue.client import Batch, DistQueue, QueueConfig, QueueFullError, QueueStats
 from rlfusion.queue.controller import POLICIES, Policy, QueueController
-from rlfusion.queue.packing import (narrowest_int_dtype, pack_column, packed_bytes, padded_bytes,
-                                    split_balanced, unpack_column)
+from rlfusion.queue.packing import (WireBatch, narrowest_int_dtype, pack_column, pack_columns, packed_bytes,
+                                    padded_bytes, split_balanced, unpack_column, unpack_columns)
 from rlfusion.queue.schema import ColumnSpec, Schema
 from rlfusion.queue.storage import StorageShard
 
