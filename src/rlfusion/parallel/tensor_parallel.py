@@ -10,6 +10,8 @@ odd-sized in the debug presets).
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -32,6 +34,35 @@ def _attention_plan(attn: nn.Module) -> dict:
     return {wq: ColwiseParallel(), "attn.wkv_b": ColwiseParallel(), "attn.wo": RowwiseParallel()}
 
 
+class _AllReduceGradTail(torch.autograd.Function):
+    """Identity forward; backward all-reduces `grad[..., start:]` over TP.
+
+    MLA's shared RoPE key (the tail of `wkv_a`'s output) is broadcast to every head, so with
+    heads split over TP each rank's gradient for it is a partial sum over its own heads. The
+    latent part needs no reduction: `wkv_b`'s column-parallel input already all-reduces it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, start, group):
+        ctx.args = (start, group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, group = ctx.args
+        grad = grad.clone()
+        tail = grad[..., start:].contiguous()
+        dist.all_reduce(tail, group=group)
+        grad[..., start:] = tail
+        return grad, None, None
+
+
+def _reduce_rope_key_grad(attn: nn.Module, tp_mesh: DeviceMesh) -> None:
+    group, start = tp_mesh.get_group(), attn.kv_rank
+    attn.wkv_a.register_forward_hook(
+        lambda module, args, out: _AllReduceGradTail.apply(out, start, group))
+
+
 def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:
     tp = tp_mesh.size()
     plan = _attention_plan(block.attn)
@@ -44,3 +75,5 @@ def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:
     block.attn.num_heads //= tp
     if isinstance(block.attn, GroupedQueryAttention):
         block.attn.num_kv_heads //= tp
+    else:
+        _reduce_rope_key_grad(block.attn, tp_mesh)
