@@ -1,7 +1,7 @@
 """Parallel layouts on 4 gloo ranks against a single-process reference.
 
 One world runs every layout (spawning is the slow part on 2 cores): same seed init, same data,
-3 SGD steps with the aux-loss-free router bias update (token counts summed over data parallel).
+2 SGD steps with the aux-loss-free router bias update (token counts summed over data parallel).
 Tolerance: losses and every weight of the gathered full state dict within ATOL = 1e-5 in fp32
 (observed ≤ 3e-7 on losses, ≤ 1e-8 on weights: TP/FSDP only reorder sums). The weights move by
 ~1e-2 over the steps, so the comparison is not vacuous.

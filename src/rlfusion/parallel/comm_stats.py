@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _INPUT_SECOND = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
                  "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
                  "alltoall_", "alltoall_base_"}
-_SKIP = {"recv_", "recv_any_source_", "barrier", "wait_tensor", "monitored_barrier_"}
+_SKIP = {"recv_", "recv_any_source_", "barrier", "wait_tensor", "monitored_barrier_",
+         "wrap_tensor_autograd"}  # the last re-wraps an all-reduce result already counted
 
 
 def _nbytes(x) -> int:
