@@ -12,12 +12,13 @@ from rlfusion.model.config import get_preset
 from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.obs.metrics import read_metrics
-from rlfusion.runtime.stages import ActorStage, CollapseError, NonFiniteLossError
+from rlfusion.runtime.stages import (ActorStage, CollapseError, NonFiniteLossError, apply_kl_reward_penalty,
+                                     compute_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 
 TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
-               "time_update_s", "time_step_s"}
+               "time_update_s", "time_step_s", "time_queue_s"}
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,49 @@ def test_ppo_with_critic_trains_the_value_model(base, tmp_path):
         assert len(t.token_advantages) == len(t.response_ids) == len(t.returns)
         # gamma = lam = 1: every token's return is the Monte Carlo return, the sequence reward
         assert t.returns == pytest.approx([t.reward] * len(t.response_ids), abs=1e-5)
+
+
+def _direct_step(trainer: RLTrainer) -> dict[str, float]:
+    """Reference: the stages called one after another on shared trajectories, no queue."""
+    cfg = trainer.cfg
+    problems = [trainer.task.sample(trainer.prompt_rng) for _ in range(cfg.rollout.prompts_per_step)]
+    trainer.rollout.engine.policy_version = trainer.actor.version
+    trajs = trainer.rollout.generate(problems, first_group_id=trainer.step * len(problems))
+    trainer.reward.score(trajs)
+    metrics = {}
+    if trainer.reference is not None:
+        trainer.reference.logprobs(trajs)
+        if cfg.algo.kl_mode == "reward":
+            metrics.update(apply_kl_reward_penalty(trajs, cfg.algo))
+    if trainer.critic is not None:
+        trainer.critic.values(trajs)
+    kept = compute_advantages(trajs, cfg.algo, cfg.rollout.group_size)
+    if trainer.critic is not None:
+        metrics.update(trainer.critic.update(trajs))
+    if kept:
+        metrics.update(trainer.actor.update(kept))
+    else:
+        trainer.actor.version += 1
+    trainer.step += 1
+    metrics["reward_mean"] = sum(t.reward for t in trajs) / len(trajs)
+    metrics["kept_fraction"] = len(kept) / len(trajs)
+    return metrics
+
+
+@pytest.mark.parametrize("over", [{}, {"algo.kl_mode": "reward"}, {"algo.advantage": "gae"},
+                                  {"algo.ppo_epochs": 2, "algo.dynamic_sampling": "false"}])
+def test_queue_dataflow_equals_direct_stage_calls(base, tmp_path, over):
+    """Routing the stages through DistQueue changes nothing they compute."""
+    cfg = _cfg(base, tmp_path, "q", **over)
+    via_queue, direct = (RLTrainer(cfg, tmp_path / name, base) for name in ("a", "b"))
+    for _ in range(2):
+        torch.manual_seed(1)
+        got = via_queue.train_step()
+        torch.manual_seed(1)
+        want = _direct_step(direct)
+        assert {k: got[k] for k in want} == want and got["kept_fraction"] > 0
+    assert len(via_queue.flow.queue) == 0  # every row retired after the update
+    for (k, a), b in zip(via_queue.model.state_dict().items(), direct.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert via_queue.actor.version == 2 and any(  # the updates did change the weights
+        not torch.equal(p, q) for p, q in zip(via_queue.model.parameters(), RLTrainer(cfg, tmp_path / "c", base).model.parameters()))

@@ -1,4 +1,5 @@
-"""Checkpoint and resume of an RL run: model, optimizer, RNG states, data position and step.
+"""Checkpoint and resume of an RL run: model, optimizer, RNG states, data position, step and
+the DistQueue's rows (including partially filled ones).
 
 Written to `run_dir/checkpoint.tmp`; the previous checkpoint is renamed to `checkpoint.old`
 before the new one takes its place, so a run killed at any moment of a save leaves a complete
@@ -32,6 +33,7 @@ def save(trainer) -> Path:
         "engine_rng": trainer.rollout.engine.runner.generator.get_state(),
         "torch_rng": torch.get_rng_state(),
         "bad_steps": trainer.bad_steps,
+        "queue": trainer.flow.queue.state_dict(),  # empty between synchronous steps
         "critic": (None if trainer.critic is None else
                    {"model": trainer.critic.model.state_dict(),
                     "optimizer": trainer.critic.optimizer.state_dict()}),
@@ -66,6 +68,8 @@ def load(trainer) -> None:
     trainer.rollout.engine.runner.generator.set_state(state["engine_rng"])
     torch.set_rng_state(state["torch_rng"])
     trainer.bad_steps = state.get("bad_steps", 0)
+    if "queue" in state:
+        trainer.flow.queue.load_state_dict(state["queue"])
     if trainer.critic is not None and state.get("critic"):
         trainer.critic.model.load_state_dict(state["critic"]["model"])
         trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])
