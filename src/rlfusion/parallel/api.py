@@ -85,7 +85,8 @@ class ParallelModel:
             self._schedule.step(target=targets_BT, losses=losses)
         else:
             self._schedule.step()
-        local = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        local = (torch.stack(losses).mean().detach() if losses
+                 else torch.zeros((), device=self.device))
         dist.all_reduce(local, group=self.mesh.group("pp"))  # only the last stage has it
         return local
 

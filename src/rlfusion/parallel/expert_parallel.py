@@ -182,7 +182,8 @@ class ExpertParallelExperts(nn.Module):
         recv_counts_PL = _a2a(send_counts_PL, [1] * g.size, [1] * g.size, g, self.counter)
         in_splits, out_splits = send_counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist()
         recv_x_RD = all_to_all_rows(x_nD[tok], out_splits, in_splits, g, self.counter)
-        local_ids_R = torch.arange(L).repeat(g.size).repeat_interleave(recv_counts_PL.flatten())
+        local_ids_R = torch.arange(L, device=x_nD.device).repeat(g.size).repeat_interleave(
+            recv_counts_PL.flatten())
         y_RD = self._run_local(recv_x_RD, local_ids_R)
         y_pairs = all_to_all_rows(y_RD, in_splits, out_splits, g, self.counter)
         y_pairs = y_pairs * w_nK.reshape(-1)[pairs].unsqueeze(-1)
@@ -201,8 +202,9 @@ class ExpertParallelExperts(nn.Module):
             ws.append(torch.where(hit_nK, w_nK, 0.0)[sel])
         tok = torch.cat(toks)
         in_splits = [len(t) for t in toks]
-        recv = _a2a(torch.tensor(in_splits), [1] * rail.size, [1] * rail.size, rail, self.counter)
-        out_splits = recv.tolist()
+        ones = [1] * rail.size
+        out_splits = _a2a(torch.tensor(in_splits, device=x_nD.device), ones, ones, rail,
+                          self.counter).tolist()
         rx_RD = all_to_all_rows(x_nD[tok], out_splits, in_splits, rail, self.counter)
         rids_RK = all_to_all_rows(torch.cat(ids), out_splits, in_splits, rail, self.counter).long()
         rw_RK = all_to_all_rows(torch.cat(ws), out_splits, in_splits, rail, self.counter)
