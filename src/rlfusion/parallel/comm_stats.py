@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _INPUT_SECOND = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
                  "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
                  "alltoall_", "alltoall_base_"}
-_SKIP = {"recv_", "recv_any_source_", "barrier", "wait_tensor", "monitored_barrier_",
+_SKIP = {"recv", "recv_any_source", "barrier", "wait_tensor", "monitored_barrier",
          "wrap_tensor_autograd"}  # the last re-wraps an all-reduce result already counted
 
 
@@ -39,11 +39,11 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional"):
-            name = func._opname
-            if name not in _SKIP and args:
+            name, key = func._opname, func._opname.strip("_")
+            if key not in _SKIP and args:
                 arg = args[1] if func.namespace == "c10d" and name in _INPUT_SECOND else args[0]
-                self.bytes[name.strip("_")] += _nbytes(arg)
-                self.calls[name.strip("_")] += 1
+                self.bytes[key] += _nbytes(arg)
+                self.calls[key] += 1
         return func(*args, **(kwargs or {}))
 
     @property
