@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# A script's folder goes first on sys.path, where bench/queue.py would shadow the stdlib `queue`
-# that torch imports; this script needs nothing from bench/.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from rlfusion.model.config import get_preset  # noqa: E402
-from rlfusion.model.transformer import MoETransformer  # noqa: E402
-from rlfusion.parallel import ParallelLayout, lm_loss, parallelize  # noqa: E402
-from rlfusion.parallel.comm_stats import CollectiveBytes  # noqa: E402
-from rlfusion.parallel.launch import run_world  # noqa: E402
+from rlfusion.model.config import get_preset
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.parallel import ParallelLayout, lm_loss, parallelize
+from rlfusion.parallel.comm_stats import CollectiveBytes
+from rlfusion.parallel.launch import run_world
 
 LAYOUTS = [  # name, ParallelLayout kwargs, micro-batches
     ("dp4 (FSDP2)", dict(dp=4), 1),

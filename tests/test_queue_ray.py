@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 
 import pytest
 import ray
@@ -133,7 +134,7 @@ class Consumer:
        batch=st.integers(1, 6), num_shards=st.integers(1, 3), capacity=st.one_of(st.none(), st.integers(8, 16)))
 def test_ray_actors_hammer_queue_exactly_once(ray_cluster, num_producers, num_consumers, rows, batch,
                                               num_shards, capacity):
-    name = f"hammer-{os.getpid()}-{num_producers}{num_consumers}{rows}{batch}{num_shards}{capacity}"
+    name = f"hammer-{uuid.uuid4().hex}"
     q = RayDistQueue(QueueConfig(COLUMNS, capacity=capacity, put_timeout_s=30), num_shards=num_shards, name=name)
     consumers = [f"c{i}" for i in range(num_consumers)]
     total = num_producers * rows

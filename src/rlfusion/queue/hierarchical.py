@@ -101,3 +101,12 @@ def _unflatten(payload: torch.Tensor, layout: list[tuple[str, int, torch.dtype, 
         values, lengths = wire.tensors.get(name, (None, None))
         wire.tensors[name] = (t, lengths) if which == 0 else (values, t)
     return wire
+
+
+def requests_per_step(dp: int, tp: int, pp: int, cp: int = 1, *, hierarchical: bool, gets_per_rank: int = 1) -> int:
+    """Queue get requests per step for a layout: one per model-parallel group with hierarchical
+    reads, one per rank without (so hierarchical reads divide them by exactly tp·pp·cp)."""
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("gets_per_rank", gets_per_rank)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    return dp * gets_per_rank * (1 if hierarchical else tp * pp * cp)

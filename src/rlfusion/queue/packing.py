@@ -35,17 +35,19 @@ def _all_ints(values: Sequence[Sequence[int | float]]) -> bool:
     return all(isinstance(x, int) and not isinstance(x, bool) for seq in values for x in seq)
 
 
-def pack_column(values: Sequence[Sequence[int | float]],
-                float_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """S sequences → (flat_N, lengths_S). All-int columns take the narrowest safe integer
-    dtype; a column with any float takes `float_dtype`. Lengths take the narrowest int too."""
+def pack_column(values: Sequence[Sequence[int | float]], float_dtype: torch.dtype = torch.float32,
+                is_float: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """S sequences → (flat_N, lengths_S). Integer columns take the narrowest safe integer dtype,
+    float columns `float_dtype` (`is_float` None: a column with any float is a float column).
+    Lengths take the narrowest int too."""
     lengths = [len(seq) for seq in values]
     flat = [x for seq in values for x in seq]
-    if _all_ints(values):
-        dt = narrowest_int_dtype(min(flat), max(flat)) if flat else torch.int8
-        flat_N = torch.tensor(flat, dtype=dt)
+    if is_float is None:
+        is_float = not _all_ints(values)
+    if is_float:
+        flat_N = torch.tensor(flat, dtype=float_dtype)
     else:
-        flat_N = torch.tensor([float(x) for x in flat], dtype=float_dtype)
+        flat_N = torch.tensor(flat, dtype=narrowest_int_dtype(min(flat), max(flat)) if flat else torch.int8)
     lengths_S = torch.tensor(lengths, dtype=narrowest_int_dtype(0, max(lengths, default=0)))
     return flat_N, lengths_S
 
@@ -119,7 +121,7 @@ def pack_columns(schema: Schema, columns: Mapping[str, Sequence[Any]], num_rows:
             continue
         float_dtype = _FLOAT_TORCH.get(spec.dtype, torch.float32)
         if spec.variable_length:
-            wire.tensors[name] = pack_column(values, float_dtype)
+            wire.tensors[name] = pack_column(values, float_dtype, is_float=spec.dtype in _FLOAT_TORCH)
         elif spec.dtype in _FLOAT_TORCH:
             wire.tensors[name] = (torch.tensor(values, dtype=float_dtype), None)
         else:

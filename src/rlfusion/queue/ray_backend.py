@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
+import torch
 
 from rlfusion.queue.client import Batch, QueueConfig, QueueFullError, QueueStats, check_get_args, normalize_put
 from rlfusion.queue.controller import Policy, QueueController
-from rlfusion.queue.packing import WireBatch, pack_columns, unpack_columns
+from rlfusion.queue.packing import WireBatch, narrowest_int_dtype, pack_column, pack_columns, unpack_columns
 from rlfusion.queue.schema import Schema
 from rlfusion.queue.storage import StorageShard
 
@@ -44,6 +45,10 @@ class QueueControllerActor:
         self.stats = QueueStats()
         self.shards: list[Any] = []
         self._cond: asyncio.Condition | None = None
+        # Rows handed to a reader whose shard read may still be in flight: a retire must not
+        # drop their data yet. The client releases them after its read (fire and forget).
+        self.reading: dict[int, int] = {}
+        self.drop_after_read: set[int] = set()
 
     def _condition(self) -> asyncio.Condition:
         if self._cond is None:  # created on the actor's event loop, on first use
@@ -89,6 +94,8 @@ class QueueControllerActor:
 
     async def commit(self, row_ids: list[int], columns: list[str]) -> None:
         self.controller.commit(row_ids, columns)
+        # rows retired while their data was on the way: the shards just stored it again
+        self._drop([r for r in row_ids if r in self.controller.retired])
         await self._notify()
 
     async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,
@@ -108,6 +115,8 @@ class QueueControllerActor:
                     pass
                 rows = self.controller.select(consumer, columns, count, policy)
             self.controller.mark_consumed(consumer, rows)
+        for r in rows:
+            self.reading[r] = self.reading.get(r, 0) + 1
         self.stats.get_requests += 1
         self.stats.rows_served += len(rows)
         meta = [self.controller.rows[r] for r in rows]
@@ -122,7 +131,22 @@ class QueueControllerActor:
     async def clear_consumed(self, consumers: list[str]) -> list[int]:
         return await self.retire(self.controller.consumed_by_all(consumers))
 
+    def release(self, row_ids: list[int]) -> None:
+        """A reader has its copy of these rows: drop any that were retired meanwhile."""
+        done = []
+        for r in row_ids:
+            self.reading[r] -= 1
+            if not self.reading[r]:
+                del self.reading[r]
+                if r in self.drop_after_read:
+                    self.drop_after_read.discard(r)
+                    done.append(r)
+        self._drop(done)
+
     def _drop(self, row_ids: list[int]) -> None:
+        busy = [r for r in row_ids if r in self.reading]
+        self.drop_after_read.update(busy)
+        row_ids = [r for r in row_ids if r not in self.reading]
         by_shard = _by_shard(row_ids, self.num_shards)
         for k, rows in by_shard.items():
             self.shards[k].drop.remote(rows)  # fire and forget: the rows are already unreachable
@@ -142,16 +166,33 @@ class QueueControllerActor:
 
 
 class StorageShardActor:
-    """One slice of the cells (rows r with r % N == k), packed on the way in and out."""
+    """One slice of the cells (rows r with r % N == k), kept packed: a variable-length cell is a
+    1-D tensor slice of the flat tensor it arrived in, so a read only concatenates slices and
+    never goes through Python lists."""
 
     def __init__(self, schema: Schema):
         self.schema, self.storage, self.bytes_served = schema, StorageShard(), 0
 
     def write(self, row_ids: list[int], wire: WireBatch) -> None:
-        self.storage.write(row_ids, unpack_columns(wire))
+        cells: dict[str, list[Any]] = dict(wire.objects)
+        for name, (values, lengths) in wire.tensors.items():
+            cells[name] = values.tolist() if lengths is None else list(torch.split(values, lengths.tolist()))
+        self.storage.write(row_ids, cells)
 
     def read(self, row_ids: list[int], columns: list[str]) -> WireBatch:
-        wire = pack_columns(self.schema, self.storage.read(row_ids, columns), len(row_ids))
+        cells = self.storage.read(row_ids, columns)
+        wire = WireBatch(len(row_ids))
+        for name in columns:
+            spec = self.schema.spec(name)
+            if spec.dtype == "object":
+                wire.objects[name] = cells[name]
+            elif spec.variable_length:  # slices of different puts may differ in width: cat promotes
+                parts = cells[name]
+                flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int8)
+                sizes = [p.numel() for p in parts]
+                wire.tensors[name] = (flat, torch.tensor(sizes, dtype=narrowest_int_dtype(0, max(sizes, default=0))))
+            else:
+                wire.tensors[name] = pack_columns(self.schema, {name: cells[name]}, len(row_ids)).tensors[name]
         self.bytes_served += wire.nbytes
         return wire
 
@@ -161,11 +202,19 @@ class StorageShardActor:
     def get_bytes_served(self) -> int:
         return self.bytes_served
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.storage.state_dict()
+    def state_dict(self) -> dict[str, Any]:  # the in-process (list) form, for interchangeable checkpoints
+        return {"cells": {r: {c: v.tolist() if isinstance(v, torch.Tensor) else v for c, v in row.items()}
+                          for r, row in self.storage.cells.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.storage.load_state_dict(state)
+        def cell(name: str, value: Any) -> Any:
+            spec = self.schema.spec(name)
+            if not spec.variable_length or spec.dtype == "object":
+                return value
+            return pack_column([value], torch.float64 if spec.dtype == "float64" else torch.float32,
+                               is_float=spec.dtype.startswith("float"))[0]
+
+        self.storage.cells = {int(r): {c: cell(c, v) for c, v in row.items()} for r, row in state["cells"].items()}
 
 
 def _by_shard(row_ids: Sequence[int], num_shards: int) -> dict[int, list[int]]:
@@ -269,7 +318,11 @@ class RayDistQueue:
         rows, groups, versions = _call(self.controller.acquire.remote(
             consumer, list(columns), count, policy, block, timeout))
         by_shard = _by_shard(rows, self.num_shards)
-        wires = ray.get([self.shards[k].read.remote(rs, list(columns)) for k, rs in by_shard.items()])
+        try:
+            wires = ray.get([self.shards[k].read.remote(rs, list(columns)) for k, rs in by_shard.items()])
+        finally:
+            if rows:
+                self.controller.release.remote(rows)
         cell: dict[int, dict[str, Any]] = {}
         for rs, wire in zip(by_shard.values(), wires):
             vals = unpack_columns(wire)

@@ -46,8 +46,7 @@ class ColumnSpec:
         if self.dtype == "object":
             return value
         if not self.variable_length:
-            self._check_scalars((value,))
-            return value
+            return self._check_scalars([value])[0]
         if isinstance(value, torch.Tensor):
             if value.dim() != 1:
                 raise ValueError(f"column {self.name!r}: expected a 1-D sequence, got a tensor of shape {tuple(value.shape)}")
@@ -57,12 +56,10 @@ class ColumnSpec:
             value = value.tolist()
         elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise ValueError(f"column {self.name!r}: expected a sequence of {self.dtype}, got {type(value).__name__}")
-        else:
-            value = list(value)
-        self._check_scalars(value)
-        return value
+        return self._check_scalars(list(value))
 
-    def _check_scalars(self, xs: Sequence[Any]) -> None:
+    def _check_scalars(self, xs: list[Any]) -> list[Any]:
+        """`xs` checked against the dtype; ints in a float column become floats."""
         if self.dtype in INT_RANGES:
             if not all(type(x) is int for x in xs):  # fast path; bool is not an int here
                 bad = next(x for x in xs if type(x) is not int)
@@ -71,9 +68,13 @@ class ColumnSpec:
             if xs and not (lo <= min(xs) and max(xs) <= hi):
                 x = min(xs) if min(xs) < lo else max(xs)
                 raise ValueError(f"column {self.name!r}: value {x} is outside the {self.dtype} range [{lo}, {hi}]")
-        elif not all(type(x) is float or type(x) is int for x in xs):
-            bad = next(x for x in xs if not (type(x) is float or type(x) is int))
+            return xs
+        if all(type(x) is float for x in xs):
+            return xs
+        bad = next((x for x in xs if not (type(x) is float or type(x) is int)), None)
+        if bad is not None:
             raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(bad).__name__} {bad!r}")
+        return [float(x) for x in xs]
 
 
 @dataclass(frozen=True)
