@@ -60,8 +60,9 @@ class ColumnSpec:
 
     def _check_scalars(self, xs: list[Any]) -> list[Any]:
         """`xs` checked against the dtype; ints in a float column become floats."""
+        types = set(map(type, xs))  # exact types: bool is not accepted as a number
         if self.dtype in INT_RANGES:
-            if not all(type(x) is int for x in xs):  # fast path; bool is not an int here
+            if not types <= {int}:
                 bad = next(x for x in xs if type(x) is not int)
                 raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(bad).__name__} {bad!r}")
             lo, hi = INT_RANGES[self.dtype]
@@ -69,10 +70,10 @@ class ColumnSpec:
                 x = min(xs) if min(xs) < lo else max(xs)
                 raise ValueError(f"column {self.name!r}: value {x} is outside the {self.dtype} range [{lo}, {hi}]")
             return xs
-        if all(type(x) is float for x in xs):
+        if types <= {float}:
             return xs
-        bad = next((x for x in xs if not (type(x) is float or type(x) is int)), None)
-        if bad is not None:
+        if not types <= {float, int}:
+            bad = next(x for x in xs if type(x) not in (float, int))
             raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(bad).__name__} {bad!r}")
         return [float(x) for x in xs]
 
