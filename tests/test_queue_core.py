@@ -209,3 +209,19 @@ def test_split_balanced_equalizes_tokens():
     assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
     loads = [sum(lengths[i] for i in p) for p in parts]
     assert max(loads) - min(loads) <= 10
+
+
+def test_batch_split_balanced_across_dp_ranks():
+    q = make_queue()
+    lengths = [400, 10, 30, 200, 20, 150, 60, 90]
+    q.put({"prompt": [[1] * 5 for _ in lengths], "response": [[2] * n for n in lengths]})
+    batch = q.get("actor", ["prompt", "response"], 8)
+    parts = batch.split_balanced(2, ["prompt", "response"])
+    assert sorted(r for p in parts for r in p.row_ids) == batch.row_ids  # every row exactly once
+    loads = [sum(len(x) + len(y) for x, y in zip(p.columns["prompt"], p.columns["response"])) for p in parts]
+    contiguous = [sum(n + 5 for n in lengths[:4]), sum(n + 5 for n in lengths[4:])]
+    assert max(loads) / (sum(loads) / 2) <= 1.05 < max(contiguous) / (sum(contiguous) / 2)
+    for p in parts:  # rows keep their own cells
+        assert all(len(r) == lengths[rid] for rid, r in zip(p.row_ids, p.columns["response"]))
+    with pytest.raises(ValueError, match="length column 'reward'"):
+        batch.split_balanced(2, ["reward"])
