@@ -22,6 +22,7 @@ def save(trainer) -> Path:
     final = trainer.run_dir / "checkpoint"
     tmp = trainer.run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    trainer.sync_model()
     save_checkpoint(tmp, trainer.model, trainer.tokenizer, {"rl_steps": trainer.step})
     torch.save({
         "step": trainer.step,
@@ -30,7 +31,7 @@ def save(trainer) -> Path:
         "actor_version": trainer.actor.version,
         "optimizer": trainer.actor.optimizer.state_dict(),
         "prompt_rng": trainer.prompt_rng.getstate(),
-        "engine_rng": trainer.rollout.engine.runner.generator.get_state(),
+        "engine_rng": trainer.rollout.rng_state(),
         "torch_rng": torch.get_rng_state(),
         "bad_steps": trainer.bad_steps,
         "queue": trainer.flow.queue.state_dict(),  # empty between synchronous steps
@@ -65,7 +66,7 @@ def load(trainer) -> None:
     trainer.actor.version = state["actor_version"]
     trainer.actor.optimizer.load_state_dict(state["optimizer"])
     trainer.prompt_rng.setstate(state["prompt_rng"])
-    trainer.rollout.engine.runner.generator.set_state(state["engine_rng"])
+    trainer.rollout.set_rng_state(state["engine_rng"])
     torch.set_rng_state(state["torch_rng"])
     trainer.bad_steps = state.get("bad_steps", 0)
     if "queue" in state:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlfusion.errors import RunError
 from rlfusion.engine.engine import EngineConfig, LLMEngine
@@ -49,7 +51,10 @@ class RolloutStage:
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
-    def generate(self, problems: list[Problem], first_group_id: int) -> list[Trajectory]:
+    def generate(self, problems: list[Problem], first_group_id: int, version: int | None = None) -> list[Trajectory]:
+        """Group ids count up from `first_group_id`; tokens are stamped with policy `version`."""
+        if version is not None:
+            self.engine.policy_version = version
         model = self.engine.runner.model
         was_training = model.training
         model.eval()
@@ -61,6 +66,13 @@ class RolloutStage:
         return [Trajectory(first_group_id + k // G, problems[k // G], c.prompt_ids, c.output_ids,
                            c.logprobs, c.versions, c.finish_reason)
                 for k, c in enumerate(completions)]
+
+
+    def rng_state(self) -> torch.Tensor:
+        return self.engine.runner.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.engine.runner.generator.set_state(state)
 
 
 class RewardStage:
@@ -207,11 +219,16 @@ class CriticStage:
 
 
 class ActorStage:
-    """The trained policy: PPO-style updates on packed, token-budgeted micro-batches."""
+    """The trained policy: PPO-style updates on packed, token-budgeted micro-batches.
+
+    With a `dp_group` each rank holds a full replica and its share of the samples: loss
+    normalizers are the global token and sequence counts and gradients are summed over the
+    group before clipping, so every rank takes the full-batch step and the replicas stay equal."""
 
     def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig,
-                 temperature: float, total_updates: int = 0):
+                 temperature: float, total_updates: int = 0, dp_group: Any = None):
         self.model, self.algo, self.optim_cfg, self.temperature = model, algo, optim, temperature
+        self.dp_group = dp_group
         self.total_updates = total_updates  # horizon of the lr decay; 0 = constant
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
                                            betas=(optim.beta1, optim.beta2),
@@ -227,12 +244,17 @@ class ActorStage:
         totals: dict[str, float] = {}
         num_updates = 0
         for _ in range(self.algo.ppo_epochs):
-            for minibatch in _chunks(trajs, self.algo.minibatches):
-                for k, v in self._step(minibatch, on_policy).items():
+            for minibatch in _chunks(trajs, self.algo.minibatches):  # always `minibatches` chunks
+                if not minibatch and self.dp_group is None:
+                    continue
+                step_metrics = self._step(minibatch, on_policy)
+                if step_metrics is None:  # empty on every rank
+                    continue
+                for k, v in step_metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 num_updates += 1
         self.version += 1
-        return {k: v / num_updates for k, v in totals.items()}
+        return {k: v / max(num_updates, 1) for k, v in totals.items()}
 
     @torch.no_grad()
     def _set_proximal(self, trajs: list[Trajectory]) -> None:
@@ -252,20 +274,24 @@ class ActorStage:
         frac = min(1.0, version / self.total_updates)
         return cfg.lr * (1.0 - (1.0 - cfg.min_lr_ratio) * frac)
 
-    def _step(self, trajs: list[Trajectory], on_policy: bool) -> dict[str, float]:
+    def _step(self, trajs: list[Trajectory], on_policy: bool) -> dict[str, float] | None:
         lr = self.lr_at(self.version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = sum(len(t.response_ids) for t in trajs)
+        num_tokens, num_seqs = self._global_counts(trajs)
+        if num_tokens == 0:
+            return None
         metrics: dict[str, float] = {}
-        for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens):
-            loss, m = self._micro_loss(micro, on_policy, num_tokens, len(trajs))
+        for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []:
+            loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
             if not math.isfinite(loss.item()):
                 raise NonFiniteLossError(f"loss became {loss.item()} at policy version {self.version}")
             loss.backward()
             for k, v in m.items():  # token-weighted average over micro-batches
                 metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+        if self.dp_group is not None:
+            metrics = self._sync(metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
@@ -278,6 +304,31 @@ class ActorStage:
         metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = lr
         return metrics
+
+    def _global_counts(self, trajs: list[Trajectory]) -> tuple[int, int]:
+        counts = [sum(len(t.response_ids) for t in trajs), len(trajs)]
+        if self.dp_group is not None:
+            t = torch.tensor(counts, dtype=torch.int64)
+            dist.all_reduce(t, group=self.dp_group)
+            counts = t.tolist()
+        return counts[0], counts[1]
+
+    def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group."""
+        params = list(self.model.parameters())
+        for p in params:
+            if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(self.dp_group))]
+        dist.all_gather_object(gathered, metrics, group=self.dp_group)
+        keys = sorted({k for m in gathered for k in m})
+        return {k: sum(m.get(k, 0.0) for m in gathered) for k in keys}
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
         batch = pack(micro)
@@ -306,5 +357,7 @@ class ActorStage:
 
 
 def _chunks(items: list, n: int) -> list[list]:
-    size = math.ceil(len(items) / n)
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    """Exactly `n` contiguous chunks (trailing ones empty when there are fewer items), so every
+    data-parallel rank takes the same number of optimizer steps."""
+    size = max(1, math.ceil(len(items) / n))
+    return [items[i * size:(i + 1) * size] for i in range(n)]

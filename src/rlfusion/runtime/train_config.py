@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from rlfusion.config import check_fields
 from rlfusion.pretrain import PretrainConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
+from rlfusion.runtime.deployment import DeployConfig
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")
@@ -136,6 +137,7 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
 
     def __post_init__(self) -> None:
         check_fields("train", {
@@ -150,3 +152,5 @@ class TrainConfig:
             "threads": (self.threads >= 1, "must be >= 1"),
             "collapse_patience": (self.collapse_patience >= 0, "must be >= 0 (0 = off)"),
         }, self)
+        if self.deploy.backend == "ray" and self.algo.advantage == "gae":
+            raise ValueError("algo.advantage='gae' (PPO with a critic) runs only with deploy.backend='local' so far")

@@ -36,6 +36,8 @@ from rlfusion.runtime.stages import (ActorStage, CollapseError, CriticStage, Non
                                      ReferenceStage, RewardStage, RolloutStage,
                                      apply_kl_reward_penalty, compute_advantages)
 from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.workers import RayDevices
 
 
 @dataclass
@@ -59,14 +61,20 @@ class RLTrainer:
             raise ValueError(f"base checkpoint {base_path} has no tokenizer")
         self.tokenizer, self.model = tokenizer, model
         self.task = ArithmeticTask(cfg.task)
-        reward_fn = self.task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
-        self.rollout = RolloutStage(model, tokenizer, cfg.rollout, cfg.seed)
-        self.reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
-        self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature,
-                                         cfg.optim.microbatch_tokens) if cfg.algo.kl_coef else None)
-        self.critic = CriticStage(model, cfg.algo, cfg.optim) if cfg.algo.advantage == "gae" else None
-        self.actor = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature,
-                                total_updates=cfg.max_steps)
+        self.devices = None
+        if cfg.deploy.backend == "ray":  # the stages run on device workers; `model` mirrors the policy
+            self.devices = RayDevices(cfg, DeploymentPlan.build(cfg.deploy), base_path)
+            self.rollout, self.reward = self.devices.rollout, self.devices.reward
+            self.reference, self.actor, self.critic = self.devices.reference, self.devices.actor, None
+        else:
+            reward_fn = self.task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
+            self.rollout = RolloutStage(model, tokenizer, cfg.rollout, cfg.seed)
+            self.reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
+            self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature,
+                                             cfg.optim.microbatch_tokens) if cfg.algo.kl_coef else None)
+            self.critic = CriticStage(model, cfg.algo, cfg.optim) if cfg.algo.advantage == "gae" else None
+            self.actor = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature,
+                                    total_updates=cfg.max_steps)
         self.flow = QueueDataflow(DistQueue(queue_config(cfg.rollout.group_size)))
         self.prompt_rng = random.Random(cfg.seed)
         self.step = 0
@@ -79,8 +87,7 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         problems = [self.task.sample(self.prompt_rng) for _ in range(self.cfg.rollout.prompts_per_step)]
-        self.rollout.engine.policy_version = self.actor.version
-        trajs = self.rollout.generate(problems, first_group_id=self.step * len(problems))
+        trajs = self.rollout.generate(problems, self.step * len(problems), self.actor.version)
         t_rollout = time.perf_counter() - t0
         queue_s = self.flow.overhead_s
         self.flow.put_rollouts(trajs)
@@ -164,7 +171,18 @@ class RLTrainer:
                 f"{m['correct_mean']:.2f}, truncated {m['truncated_fraction']:.0%}); lower optim.lr "
                 f"(now {self.cfg.optim.lr}) or set collapse_patience=0 to disable this guard")
 
+    def sync_model(self) -> None:
+        """Bring the driver's copy of the policy up to date (device workers hold the real one)."""
+        if self.devices is not None:
+            self.devices.pull_weights(self.model)
+
+    def close(self) -> None:
+        if self.devices is not None:
+            self.devices.shutdown()
+            self.devices = None
+
     def evaluate(self) -> EvalResult:
+        self.sync_model()
         problems = self.task.heldout()[:self.cfg.eval_problems]
         return evaluate(self.model, self.tokenizer, problems, self.task.reward,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.seed)

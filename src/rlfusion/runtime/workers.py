@@ -1,0 +1,323 @@
+"""Device workers: one process per device hosting the RL roles its `DeploymentPlan` gives it,
+and the driver-side handles that fan stage work out to them.
+
+    driver (RLTrainer + DistQueue)
+      │ generate(problems) ─► rollout devices   (engine over the policy weights)
+      │ score(trajs)       ─► reward device      (rule or reward model)
+      │ ref_logprobs(...)  ─► reference devices  (frozen base, split by tokens)
+      │ update(shards)     ─► train devices      (full replica each, gradients summed over
+      │                                           the train group: one full-batch step)
+      └ sync_weights()     ─► separated mode: train device 0 broadcasts the new weights to the
+                              rollout devices in contiguous buckets of `deploy.bucket_mb`
+
+In colocated and fully-shared modes the engine generates from the very tensors the optimizer
+updates, so the switch to rollout moves no weights. `LocalDevices` runs the same `DeviceWorker`
+in the driver process (one device, for debugging and the tests); `RayDevices` starts one Ray
+actor per device in a placement group and joins them in one gloo (CPU) / nccl (CUDA) world.
+
+Not here: the order of stages (the trainer) and which columns flow (`dataflow.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlfusion.model.checkpoint import load_checkpoint
+from rlfusion.rl.problem import Problem
+from rlfusion.rl.rewards import load_reward_fn
+from rlfusion.rl.tasks.arithmetic import ArithmeticTask
+from rlfusion.rl.trajectory import Trajectory
+from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.stages import ActorStage, ReferenceStage, RewardStage, RolloutStage
+from rlfusion.runtime.train_config import TrainConfig
+
+
+class DeviceWorker:
+    """The roles of one device. Every span of work is recorded as (phase, wall start, wall end)."""
+
+    def __init__(self, device: int, plan: DeploymentPlan, cfg: TrainConfig, base_path: str):
+        torch.set_num_threads(cfg.deploy.threads_per_device if cfg.deploy.backend == "ray" else cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.device, self.plan, self.cfg = device, plan, cfg
+        roles = plan.roles(device)
+        model, tokenizer, _ = load_checkpoint(base_path)
+        self.policy = model
+        self.rollout = (RolloutStage(model, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
+                        if "rollout" in roles else None)
+        task = ArithmeticTask(cfg.task)
+        reward_fn = task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
+        self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
+                       if "reward" in roles else None)
+        self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens)
+                          if "reference" in roles and cfg.algo.kl_coef else None)
+        self.actor: ActorStage | None = None
+        self.spans: list[tuple[str, float, float]] = []
+        self.sync_group = None
+
+    # ---- wiring ----
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for the rendezvous of the device world."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def connect(self, init_method: str | None) -> None:
+        """Join the device world (None: a world of one, no process group) and build the actor."""
+        train_group = None
+        if init_method is not None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=init_method, rank=self.device,
+                                    world_size=self.plan.num_devices)
+            # every rank creates every group, in the same order
+            train_group = dist.new_group(list(self.plan.train))
+            self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
+        if self.device in self.plan.train:
+            self.actor = ActorStage(self.policy, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
+                                    total_updates=self.cfg.max_steps,
+                                    dp_group=train_group if len(self.plan.train) > 1 else None)
+
+    def ping(self) -> int:
+        return self.device
+
+    # ---- stage work ----
+
+    def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
+        with self._span("rollout"):
+            return self.rollout.generate(problems, first_group_id, version)
+
+    def score(self, trajs: list[Trajectory]) -> list[tuple[float, float]]:
+        with self._span("reward"):
+            self.reward.score(trajs)
+            return [(t.reward, t.metrics["correct"]) for t in trajs]
+
+    def reference_logprobs(self, trajs: list[Trajectory]) -> list[list[float]]:
+        with self._span("reference"):
+            self.reference.logprobs(trajs)
+            return [t.ref_logprobs for t in trajs]
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        with self._span("train"):
+            return self.actor.update(trajs)
+
+    def sync_weights(self) -> int:
+        """Separated mode: train device 0 broadcasts every parameter to the rollout devices,
+        packed into contiguous buckets of `deploy.bucket_mb`. Returns bytes sent or received."""
+        if self.device not in self.plan.rollout and self.device != self.plan.train[0]:
+            return 0
+        with self._span("transfer"):
+            params = [p.data for p in self.policy.parameters()]
+            limit = int(self.cfg.deploy.bucket_mb * 2**20)
+            moved = 0
+            for bucket in _buckets(params, limit):
+                flat = torch.cat([p.reshape(-1) for p in bucket])
+                dist.broadcast(flat, src=self.plan.train[0], group=self.sync_group)
+                offset = 0
+                for p in bucket:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                moved += flat.numel() * flat.element_size()
+            return moved
+
+    # ---- state ----
+
+    def state(self) -> dict[str, Any]:
+        """The policy weights and optimizer state (train devices hold identical replicas)."""
+        return {"model": self.policy.state_dict(), "optimizer": self.actor.optimizer.state_dict(),
+                "version": self.actor.version}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["model"])
+        if self.actor is not None:
+            self.actor.optimizer.load_state_dict(state["optimizer"])
+            self.actor.version = state["version"]
+
+    def rng_state(self) -> torch.Tensor:
+        return self.rollout.rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.rollout.set_rng_state(state)
+
+    def take_spans(self) -> list[tuple[str, float, float]]:
+        out, self.spans = self.spans, []
+        return out
+
+    @contextmanager
+    def _span(self, phase: str) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append((phase, start, time.time()))
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of same-dtype tensors of at most `limit` bytes (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if out and size + nbytes <= limit and out[-1][0].dtype == t.dtype:
+            out[-1].append(t)
+            size += nbytes
+        else:
+            out.append([t])
+            size = nbytes
+    return out
+
+
+# ---- the driver's side: stage-shaped proxies over the device workers ----
+
+class RayDevices:
+    """One Ray actor per device (placement group, `threads_per_device` CPUs each), joined in
+    one process-group world. `rollout`, `reward`, `reference` and `actor` have the methods of
+    the in-process stages, so the trainer's step is the same code in both backends."""
+
+    def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(address=cfg.deploy.ray_address or None, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False,
+                     **({} if cfg.deploy.ray_address else {"num_cpus": plan.num_devices * cfg.deploy.threads_per_device}))
+        self.ray, self.plan, self.cfg = ray, plan, cfg
+        threads = cfg.deploy.threads_per_device
+        self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+        actor_cls = ray.remote(DeviceWorker)
+        self.workers = [actor_cls.options(
+            num_cpus=threads, runtime_env=env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
+        ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
+        ip, port = self.call([self.workers[0].address.remote()])[0]
+        self.call([w.connect.remote(f"tcp://{ip}:{port}" if plan.num_devices > 1 else None) for w in self.workers])
+        self.rollout = _RolloutProxy(self)
+        self.reward = _RewardProxy(self)
+        self.reference = _ReferenceProxy(self) if cfg.algo.kl_coef else None
+        self.actor = _ActorProxy(self)
+
+    def call(self, refs: list[Any]) -> list[Any]:
+        """`ray.get` that names the role and device of a worker that died."""
+        try:
+            return self.ray.get(refs)
+        except self.ray.exceptions.RayActorError as e:
+            dead = [d for d, w in enumerate(self.workers) if w._actor_id.hex() in str(e)]
+            where = (f"device {dead[0]} ({'+'.join(self.plan.roles(dead[0]))})" if dead else "a device worker")
+            raise WorkerDiedError(f"{where} died ({type(e).__name__}); resume the run from its last "
+                                  f"checkpoint with `rlfusion train --resume RUN_DIR`") from None
+
+    def spans(self) -> dict[int, list[tuple[str, float, float]]]:
+        return dict(enumerate(self.call([w.take_spans.remote() for w in self.workers])))
+
+    def pull_weights(self, model: torch.nn.Module) -> None:
+        model.load_state_dict(self.call([self.workers[self.plan.train[0]].state.remote()])[0]["model"])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            self.ray.kill(w)
+        self.ray.util.remove_placement_group(self.pg)
+
+
+class WorkerDiedError(RuntimeError):
+    """A device worker process died; the message names its device and roles."""
+
+
+def _split(items: list, num_parts: int) -> list[list]:
+    """Contiguous, near-equal parts (order kept, so concatenating the results restores it)."""
+    k, r = divmod(len(items), num_parts)
+    out, start = [], 0
+    for i in range(num_parts):
+        end = start + k + (i < r)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+class _RolloutProxy:
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
+        parts, refs, offset = _split(problems, len(self.d.plan.rollout)), [], first_group_id
+        for dev, part in zip(self.d.plan.rollout, parts):
+            if part:
+                refs.append(self.d.workers[dev].generate.remote(part, offset, version))
+            offset += len(part)
+        return [t for chunk in self.d.call(refs) for t in chunk]
+
+    def rng_state(self) -> list[torch.Tensor]:
+        return self.d.call([self.d.workers[dev].rng_state.remote() for dev in self.d.plan.rollout])
+
+    def set_rng_state(self, states: list[torch.Tensor]) -> None:
+        self.d.call([self.d.workers[dev].set_rng_state.remote(s) for dev, s in zip(self.d.plan.rollout, states)])
+
+
+class _RewardProxy:
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def score(self, trajs: list[Trajectory]) -> None:
+        scores = self.d.call([self.d.workers[self.d.plan.reward[0]].score.remote(trajs)])[0]
+        for t, (reward, correct) in zip(trajs, scores):
+            t.reward, t.metrics["correct"] = reward, correct
+
+
+class _ReferenceProxy:
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def logprobs(self, trajs: list[Trajectory]) -> None:
+        parts = _split(trajs, len(self.d.plan.reference))
+        refs = [self.d.workers[dev].reference_logprobs.remote(part)
+                for dev, part in zip(self.d.plan.reference, parts) if part]
+        for t, lp in zip(trajs, [lp for chunk in self.d.call(refs) for lp in chunk]):
+            t.ref_logprobs = lp
+
+
+class _ActorProxy:
+    """Splits the batch across the train devices by tokens; each takes the same full-batch
+    step. In separated mode the new weights then go to the rollout devices."""
+
+    def __init__(self, devices: RayDevices):
+        from rlfusion.queue import split_balanced
+
+        self.d, self.split_balanced, self.version = devices, split_balanced, 0
+        self.optimizer = _RemoteOptimizer(devices)
+        self.weight_sync_bytes = 0
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        train = self.d.plan.train
+        parts = self.split_balanced([t.num_tokens for t in trajs], len(train))
+        metrics = self.d.call([self.d.workers[dev].update.remote([trajs[i] for i in part])
+                               for dev, part in zip(train, parts)])[0]
+        self.version += 1
+        if not self.d.plan.colocated_actor:
+            group = sorted({train[0], *self.d.plan.rollout})
+            self.weight_sync_bytes = self.d.call([self.d.workers[dev].sync_weights.remote() for dev in group])[0]
+        return metrics
+
+
+class _RemoteOptimizer:
+    """`state_dict` / `load_state_dict` of the train devices' optimizers (identical replicas)."""
+
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.d.call([self.d.workers[self.d.plan.train[0]].state.remote()])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.d.call([w.load_state.remote(state) for w in self.d.workers])
