@@ -131,6 +131,9 @@ class DeviceWorker:
 
     # ---- state ----
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.policy.state_dict()
+
     def state(self) -> dict[str, Any]:
         """The policy weights and optimizer state (train devices hold identical replicas)."""
         return {"model": self.policy.state_dict(), "optimizer": self.actor.optimizer.state_dict(),
@@ -223,7 +226,7 @@ class RayDevices:
         return dict(enumerate(self.call([w.take_spans.remote() for w in self.workers])))
 
     def pull_weights(self, model: torch.nn.Module) -> None:
-        model.load_state_dict(self.call([self.workers[self.plan.train[0]].state.remote()])[0]["model"])
+        model.load_state_dict(self.call([self.workers[self.plan.train[0]].weights.remote()])[0])
 
     def shutdown(self) -> None:
         for w in self.workers:

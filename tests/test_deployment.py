@@ -1,0 +1,117 @@
+"""Deployment modes on Ray device workers: placement, data-parallel updates equal to one process,
+weight sync in separated mode, and a clear error when a worker dies."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import ray
+import torch
+
+from rlfusion.cli import find_base
+from rlfusion.config import load_config
+from rlfusion.model.checkpoint import load_checkpoint
+from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan
+from rlfusion.runtime.stages import ActorStage, RolloutStage
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.trainer import RLTrainer
+from rlfusion.runtime.workers import WorkerDiedError
+from rlfusion.rl.tasks.arithmetic import ArithmeticTask
+
+
+@pytest.mark.parametrize("mode, n, want", [
+    ("separated", 2, {0: ("rollout",), 1: ("train", "reference", "reward")}),
+    ("separated", 4, {0: ("rollout",), 1: ("rollout",), 2: ("train", "reference", "reward"), 3: ("train", "reference", "reward")}),
+    ("colocated", 2, {0: ("rollout", "train", "reference", "reward"), 1: ("rollout", "train", "reference", "reward")}),
+    ("colocated", 3, {0: ("rollout", "train"), 1: ("rollout", "train"), 2: ("reference", "reward")}),
+    ("fully_shared", 3, {d: ("rollout", "train", "reference", "reward") for d in range(3)}),
+])
+def test_plan_roles(mode, n, want):
+    plan = DeploymentPlan.build(DeployConfig(mode=mode, num_devices=n, backend="ray"))
+    assert {d: plan.roles(d) for d in range(n)} == want
+    assert plan.colocated_actor == (mode != "separated")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "mixed"}, "deploy.mode"),
+    ({"mode": "separated", "num_devices": 1}, "needs >= 2"),
+    ({"backend": "local", "num_devices": 2}, "exactly 1 device"),
+    ({"backend": "mpi"}, "deploy.backend"),
+])
+def test_bad_deploy_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeployConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _cfg(tmp_path, mode: str, **over) -> TrainConfig:
+    items = [f"out_dir=\"{tmp_path}\"", "deploy.backend=ray", "deploy.num_devices=2", f"deploy.mode={mode}",
+             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=60", "max_steps=4",
+             "eval_problems=8", "collapse_patience=0", "algo.dynamic_sampling=false"]
+    return load_config(TrainConfig, None, items + [f"{k}={v}" for k, v in over.items()])
+
+
+def _worker_params(trainer, device):
+    return trainer.devices.call([trainer.devices.workers[device].weights.remote()])[0]
+
+
+def test_colocated_data_parallel_update_equals_one_process(ray_session, tmp_path):
+    """Two train devices, each with half the samples, take exactly the full-batch step."""
+    base = find_base()
+    cfg = _cfg(tmp_path, "colocated")
+    trainer = RLTrainer(cfg, tmp_path / "run", base)
+    try:
+        model, tokenizer, _ = load_checkpoint(base)
+        task = ArithmeticTask(cfg.task)
+        rng = random.Random(3)
+        trajs = RolloutStage(copy.deepcopy(model), tokenizer, cfg.rollout, seed=3).generate(
+            [task.sample(rng) for _ in range(4)], 0, 0)
+        for i, t in enumerate(trajs):
+            t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
+        reference = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature, total_updates=cfg.max_steps)
+        want = reference.update(copy.deepcopy(trajs))
+        got = trainer.actor.update(copy.deepcopy(trajs))
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        replicas = [_worker_params(trainer, d) for d in (0, 1)]
+        for name, p in model.state_dict().items():
+            assert torch.equal(replicas[0][name], replicas[1][name]), name  # replicas stay identical
+            torch.testing.assert_close(replicas[0][name], p, rtol=0, atol=1e-6)
+    finally:
+        trainer.close()
+
+
+def test_separated_mode_syncs_weights_and_learns_steps(ray_session, tmp_path):
+    trainer = RLTrainer(_cfg(tmp_path, "separated"), tmp_path / "run", find_base())
+    try:
+        before = _worker_params(trainer, 0)
+        for _ in range(2):
+            m = trainer.train_step()
+            assert m["generated_tokens"] > 0
+        rollout, train = _worker_params(trainer, 0), _worker_params(trainer, 1)
+        assert all(torch.equal(rollout[k], train[k]) for k in train)  # the rollout device got the update
+        assert any(not torch.equal(before[k], train[k]) for k in train)
+        num_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        assert trainer.actor.weight_sync_bytes == num_bytes and trainer.actor.version == 2
+        spans = trainer.devices.spans()
+        assert {p for p, _, _ in spans[0]} == {"rollout", "transfer"}
+        assert {"train", "reference", "reward", "transfer"} <= {p for p, _, _ in spans[1]}
+    finally:
+        trainer.close()
+
+
+def test_killed_worker_names_its_device_and_roles(ray_session, tmp_path):
+    trainer = RLTrainer(_cfg(tmp_path, "separated"), tmp_path / "run", find_base())
+    try:
+        ray.kill(trainer.devices.workers[1])
+        with pytest.raises(WorkerDiedError, match=r"device 1 \(train\+reference\+reward\) died.*--resume"):
+            trainer.train_step()
+    finally:
+        trainer.close()
