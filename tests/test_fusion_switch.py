@@ -7,8 +7,9 @@ to the host pool in between. Checked:
 (a) training weights, grads and AdamW state bitwise identical after the round trip, and their
     device storage freed while offloaded;
 (b) the replica built bucket by bucket equals `full_state_dict()` bitwise (experts: this
-    rank's rows when the replica is expert-parallel), for buckets smaller than the largest
-    tensor (4 KiB < 16 KiB experts) and larger (64 KiB);
+    rank's rows when the replica is expert-parallel, "→ epN"), for buckets smaller than the
+    largest tensor (4 KiB < 16 KiB expert stacks) and larger (64 KiB); EP → EP sends only the
+    experts a replica lacks;
 (c) greedy decoding with the replica equals the training-layout forward: argmax exactly at
     every generated position, logits within LOGIT_ATOL (TP only reorders sums; observed ≤ 1e-6);
 (d) per-switch stats: buckets, bytes moved, bytes received, peak extra bytes, seconds.
@@ -38,6 +39,7 @@ CASES = [
     ("dp2×tp2 → ep4", dict(dp=2, tp=2), 1, dict(dp=4, ep=4)),
     ("tp2×ep2", dict(dp=2, tp=2, ep=4), 1, None),
     ("pp2×dp2", dict(pp=2, dp=2), 2, None),
+    ("pp2×dp2 → ep2", dict(pp=2, dp=2), 2, dict(dp=4, ep=2)),
     ("ep4", dict(dp=4, ep=4), 1, None),
     ("ep4 → ep2", dict(dp=4, ep=4), 1, dict(dp=4, ep=2)),
 ]
@@ -237,5 +239,15 @@ def test_switch_stats(world, name):
             assert s.bytes_moved == rank[name]["runs"][0]["replica_bytes"] and s.seconds > 0
             # one bucket plus at most one gathered tensor beyond the replica and training state
             assert s.peak_extra_bytes <= s.largest_bucket_bytes + largest_tensor
-        if name != "dp2×tp2 → ep4" and name != "ep4 → ep2":
-            assert small.recv_bytes > 0  # every training layout here shards something
+        assert small.recv_bytes > 0  # every training layout here shards something
+
+
+def test_expert_parallel_replica_receives_only_its_experts(world):
+    # 3 MoE layers × 3 weights × 8 experts × (32×16) fp32. Training ep4: rank r holds experts
+    # {2r, 2r+1}. A plain replica receives the 6 it lacks; an ep2 replica keeps 4 experts
+    # (ranks 0, 2: experts 0-3; ranks 1, 3: experts 4-7) and receives only those it lacks.
+    expert_bytes = 3 * 3 * 8 * 32 * 16 * 4
+    for r, rank in enumerate(world):
+        plain, ep2 = rank["ep4"]["history"][0], rank["ep4 → ep2"]["history"][0]
+        lacks = len(set(range(r % 2 * 4, r % 2 * 4 + 4)) - {2 * r, 2 * r + 1})
+        assert plain.recv_bytes - ep2.recv_bytes == expert_bytes * (6 - lacks) // 8

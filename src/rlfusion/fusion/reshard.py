@@ -9,7 +9,9 @@ replica's `release` / `materialize`, and the per-switch `SwitchStats`.
 Where a tensor comes from in the training layout, for one bucket:
 - TP / FSDP shards (DTensors): `full_tensor()` over that tensor's own mesh;
 - routed-expert shards (EP): one `all_gather_single` over the EP group, straight into the
-  bucket (experts are split along dim 0, so the shards land contiguously);
+  bucket (experts are split along dim 0, so the shards land contiguously); when the replica
+  is expert-parallel too, one `all_to_all_single` instead that sends each rank only the
+  experts its replica keeps (no redundant expert bytes on the wire);
 - pipeline stages: each stage fills the slots it owns, then every run of consecutive slots
   with one owner is broadcast over the `pp` group, so stages become replicas.
 The replica is a plain `MoETransformer` per rank (inference pp1 / tp1, the dense weights
@@ -139,9 +141,11 @@ class _Source:
     tensors: dict[str, torch.Tensor]  # DTensor, expert shard or whole tensor (this stage only)
     experts: dict[str, ExpertParallelExperts]  # names that are expert-parallel shards
     owner: dict[str, int]  # name → pp coordinate of the stage holding it
+    # Expert rows each training-EP-group member's replica keeps (None: everyone gets all).
+    wants: list[slice] | None = None
 
     @classmethod
-    def of(cls, pm: ParallelModel) -> "_Source":
+    def of(cls, pm: ParallelModel, replica_rows: slice | None) -> "_Source":
         tensors, experts = {}, {}
         for chunk in pm.chunks:
             modules = {id(p): m for m in chunk.modules() if isinstance(m, ExpertParallelExperts)
@@ -155,7 +159,18 @@ class _Source:
             names = [None] * pm.layout.pp
             dist.all_gather_object(names, list(tensors), group=pm.mesh.group("pp"))
         owner = {name: stage for stage, part in enumerate(names) for name in part}
-        return cls(tensors, experts, owner)
+        return cls(tensors, experts, owner, _wants(pm, replica_rows))
+
+
+def _wants(pm: ParallelModel, replica_rows: slice | None) -> list[slice] | None:
+    """With experts split in training and in the replica, who keeps which rows. Pipeline
+    stages broadcast whole tensors, so with pp > 1 every rank gathers all experts instead."""
+    if replica_rows is None or not pm.experts or pm.layout.pp > 1:
+        return None
+    group = pm.experts[0].ep
+    wants: list = [None] * group.size
+    dist.all_gather_object(wants, replica_rows, group=group.group)
+    return wants
 
 
 def _destinations(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice | None]]:
@@ -186,20 +201,45 @@ def plan_switch(cfg: ModelConfig, infer_model: nn.Module, bucket_bytes: int) -> 
 
 # ---- one bucket ------------------------------------------------------------------------------
 
-def _gather_slot(out: torch.Tensor, t: torch.Tensor, experts: ExpertParallelExperts | None
-                 ) -> tuple[int, int]:
-    """Write the full tensor into `out` (a bucket view). Returns (received, temporary) bytes."""
+def _gather_slot(out: torch.Tensor, t: torch.Tensor, experts: ExpertParallelExperts | None,
+                 wants: list[slice] | None) -> tuple[int, int]:
+    """Write the full tensor into `out` (a bucket view), or with `wants` only the expert rows
+    this rank's replica keeps. Returns (received, temporary) bytes."""
     if isinstance(t, DTensor):
         full = t.full_tensor()
         out.copy_(full)
         return full.nbytes - t._local_tensor.nbytes, full.nbytes
-    if experts is not None and experts.ep.size > 1:
-        local_LDF = t.detach().to(out.dtype).contiguous()
-        dist.all_gather_single(out, local_LDF, group=experts.ep.group)
-        temp = local_LDF.nbytes if local_LDF.data_ptr() != t.data_ptr() else 0
-        return out.nbytes - local_LDF.nbytes, temp
-    out.copy_(t)
-    return 0, 0
+    if experts is None or experts.ep.size == 1:
+        out.copy_(t)
+        return 0, 0
+    local_LDF = t.detach().to(out.dtype).contiguous()
+    temp = local_LDF.nbytes if local_LDF.data_ptr() != t.data_ptr() else 0
+    if wants is not None:  # + the rows packed for sending
+        return _redistribute_experts(out, local_LDF, experts, wants), temp + local_LDF.nbytes
+    dist.all_gather_single(out, local_LDF, group=experts.ep.group)
+    return out.nbytes - local_LDF.nbytes, temp
+
+
+def _overlap(a: slice, b: slice) -> slice:
+    return slice(max(a.start, b.start), max(min(a.stop, b.stop), max(a.start, b.start)))
+
+
+def _redistribute_experts(out_EDF: torch.Tensor, local_LDF: torch.Tensor,
+                          experts: ExpertParallelExperts, wants: list[slice]) -> int:
+    """Zero-redundancy EP → EP: each member of the training EP group (which together holds all
+    experts) sends every peer just the rows of the experts that peer's replica keeps."""
+    L, me = experts.num_local, experts.ep.index
+    held = [slice(j * L, (j + 1) * L) for j in range(experts.ep.size)]
+    sends = [_overlap(held[me], w) for w in wants]
+    recvs = [_overlap(h, wants[me]) for h in held]
+    send_xDF = torch.cat([local_LDF[s.start - held[me].start:s.stop - held[me].start]
+                          for s in sends])
+    in_splits = [s.stop - s.start for s in sends]
+    out_splits = [r.stop - r.start for r in recvs]
+    dist.all_to_all_single(out_EDF[wants[me]], send_xDF, out_splits, in_splits,
+                           group=experts.ep.group)
+    row_bytes = local_LDF[0].nbytes
+    return (sum(out_splits) - out_splits[me]) * row_bytes
 
 
 def _owner_runs(bucket: Bucket, owner: dict[str, int]) -> list[tuple[int, int, int]]:
@@ -221,7 +261,9 @@ def _fill_bucket(bucket: Bucket, flat: torch.Tensor, src: _Source, pm: ParallelM
     for slot in bucket.slots:
         name = slot.spec.name
         if name in src.tensors:  # this rank's pipeline stage holds it
-            r, t = _gather_slot(slot_view(flat, slot), src.tensors[name], src.experts.get(name))
+            experts = src.experts.get(name)
+            wants = src.wants if experts is not None else None
+            r, t = _gather_slot(slot_view(flat, slot), src.tensors[name], experts, wants)
             recv, temp = recv + r, max(temp, t)
     if pm.layout.pp > 1:
         me, group = pm.mesh.coord("pp"), pm.mesh.group("pp")
@@ -269,7 +311,10 @@ def train_to_infer(pm: ParallelModel, infer_model: nn.Module, bucket_bytes: int,
         state = optimizer_tensors(optimizer) if optimizer is not None else []
         offloaded = pool.offload(state + grad_tensors(pm.parameters()))
     materialize(infer_model)
-    src, dst = _Source.of(pm), _destinations(infer_model)
+    dst = _destinations(infer_model)
+    rows = {(r.start, r.stop) for _, r in dst.values() if r is not None}
+    assert len(rows) <= 1, "every expert layer of the replica keeps the same experts"
+    src = _Source.of(pm, slice(*rows.pop()) if rows else None)
     recv, peak, written = 0, 0, 0
     for bucket in plan:
         flat = empty_bucket(bucket, pm.device)
