@@ -40,7 +40,7 @@ def _cfg(base, tmp_path, name, **over) -> TrainConfig:
 
 
 def _step_rows(run_dir):
-    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS}
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("utilization")}
             for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r}
 
 
@@ -73,9 +73,13 @@ def test_run_folder_contents(base, tmp_path):
     result = trainer.run(progress=False)
     assert result.steps == 2
     for name in ("metrics.jsonl", "config.json", "checkpoint/model.safetensors",
-                 "checkpoint/trainer_state.pt", "final/model.safetensors"):
+                 "checkpoint/trainer_state.pt", "final/model.safetensors", "timeline.png"):
         assert (tmp_path / "r" / name).exists(), name
     assert json.loads((tmp_path / "r" / "config.json").read_text())["max_steps"] == 2
+    events = json.loads((tmp_path / "r" / "timeline.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("ph") == "X"} == {"rollout", "score", "train"}
+    rows = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "utilization_mean" in r]
+    assert len(rows) == 2 and all(0.9 < r["utilization_device0"] <= 1.0 for r in rows)
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(base, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from rlfusion.config import from_dict
 from rlfusion.evaluate import EvalResult, evaluate
 from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
+from rlfusion.obs.timeline import Timeline
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks.arithmetic import ArithmeticTask
 from rlfusion.queue import DistQueue
@@ -75,6 +76,7 @@ class RLTrainer:
             self.critic = CriticStage(model, cfg.algo, cfg.optim) if cfg.algo.advantage == "gae" else None
             self.actor = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature,
                                     total_updates=cfg.max_steps)
+        self.timeline = Timeline()
         self.flow = QueueDataflow(DistQueue(queue_config(cfg.rollout.group_size)))
         self.prompt_rng = random.Random(cfg.seed)
         self.step = 0
@@ -85,6 +87,7 @@ class RLTrainer:
     # ---- one RL step ----------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float]:
+        wall0 = time.time()
         t0 = time.perf_counter()
         problems = [self.task.sample(self.prompt_rng) for _ in range(self.cfg.rollout.prompts_per_step)]
         trajs = self.rollout.generate(problems, self.step * len(problems), self.actor.version)
@@ -119,8 +122,27 @@ class RLTrainer:
             "time_step_s": time.perf_counter() - t0,
             "generated_tokens": gen_tokens,
         })
+        metrics.update(self._record_timeline(wall0, wall0 + t_rollout, wall0 + (t1 - t0), time.time()))
         self.step += 1
         return metrics
+
+    def _record_timeline(self, start: float, rollout_end: float, update_start: float, end: float) -> dict[str, float]:
+        """Add this step's spans to the run timeline; returns per-device utilization of the step
+        (busy / step wall time). In-process runs are one device whose phases the driver timed."""
+        if self.devices is not None:
+            spans = {f"device{d}": s for d, s in self.devices.spans().items()}
+        else:
+            spans = {"device0": [("rollout", start, rollout_end), ("score", rollout_end, update_start),
+                                 ("train", update_start, end)]}
+        step = Timeline(origin_wall_s=start)
+        for device, items in spans.items():
+            step.add_wall(device, "idle", start, end)  # the step's window, so wall = step time
+            for phase, s, e in items:
+                step.add_wall(device, phase, s, e, step=self.step)
+                self.timeline.add_wall(device, phase, s, e, step=self.step)
+        util = {d: u.fraction for d, u in step.utilization().items()}
+        return {**{f"utilization_{d}": u for d, u in util.items()},
+                "utilization_mean": sum(util.values()) / len(util)}
 
     def _score(self, n: int) -> tuple[list, dict[str, float]]:
         """The stages between rollout and update, each reading its columns from the queue and
@@ -231,6 +253,9 @@ class RLTrainer:
             final = self.evaluate().accuracy
             writer.log(self.step, {"heldout_accuracy": final})
         writer.close()
+        if self.timeline.spans:
+            self.timeline.write_chrome_trace(self.run_dir / "timeline.json")
+            self.timeline.plot_gantt(self.run_dir / "timeline.png", title=f"{self.run_dir.name}: device timeline")
         run_state.save(self)
         save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
                         {"rl_steps": self.step, "heldout_accuracy": final})
