@@ -15,8 +15,6 @@ to the host pool in between. Checked:
 (d) per-switch stats: buckets, bytes moved, bytes received, peak extra bytes, seconds.
 """
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +26,7 @@ from rlfusion.fusion.reshard import (SwitchCounter, build_inference_model, infer
                                      release, resident_bytes, train_to_infer)
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, parallelize
+from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.launch import run_world
 
 LOGIT_ATOL = 1e-5
@@ -123,12 +122,12 @@ def _greedy(model, prompt_BT, new_tokens):
 
 def _expected(replica, full):
     """The full state dict restricted to what the replica keeps (its experts' rows)."""
-    from rlfusion.parallel.expert_parallel import ExpertParallelExperts
     out = dict(full)
     for name, m in replica.named_modules():
         if isinstance(m, ExpertParallelExperts):
+            rows = slice(m.first_expert, m.first_expert + m.num_local)
             for p in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
-                out[f"{name}.{p}"] = full[f"{name}.{p}"][m.first_expert:m.first_expert + m.num_local]
+                out[f"{name}.{p}"] = full[f"{name}.{p}"][rows]
     return out
 
 

@@ -194,7 +194,8 @@ def plan_switch(cfg: ModelConfig, infer_model: nn.Module, bucket_bytes: int) -> 
     dst = _state_tensors(infer_model)
     missing = sorted(set(full) ^ set(dst))
     if missing:
-        raise ValueError(f"inference model state dict differs from the plain model's: {missing[:3]}")
+        raise ValueError(f"inference model state dict differs from the plain model's: "
+                         f"{missing[:3]}")
     return plan_buckets([TensorSpec(n, tuple(t.shape), dst[n].dtype) for n, t in full.items()],
                         bucket_bytes)
 
