@@ -103,6 +103,15 @@ def check_get_args(schema: Schema, group_size: int | None, consumer: str, column
                          f"(group_size={group_size}, count={count})")
 
 
+def check_checkpoint(schema: Schema, group_size: int | None, state: dict[str, Any]) -> None:
+    """A queue checkpoint must have this queue's columns and group size (one-line error if not)."""
+    if [tuple(c) for c in state["schema"]] != schema.to_list():
+        raise ValueError(f"checkpoint columns {state['schema']} differ from this queue's {schema.to_list()}")
+    if state["controller"]["group_size"] != group_size:
+        raise ValueError(f"checkpoint group_size {state['controller']['group_size']} differs "
+                         f"from this queue's {group_size}")
+
+
 def normalize_put(schema: Schema, data: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]],
                   row_ids: Sequence[int] | None, group_ids: Sequence[int] | None,
                   versions: Sequence[int] | None) -> tuple[dict[str, list[Any]], int]:
@@ -225,11 +234,7 @@ class DistQueue:
                     "storage": self.storage.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if [tuple(c) for c in state["schema"]] != self.schema.to_list():
-            raise ValueError(f"checkpoint columns {state['schema']} differ from this queue's {self.schema.to_list()}")
-        if state["controller"]["group_size"] != self.cfg.group_size:
-            raise ValueError(f"checkpoint group_size {state['controller']['group_size']} differs "
-                             f"from this queue's {self.cfg.group_size}")
+        check_checkpoint(self.schema, self.cfg.group_size, state)
         with self._cond:
             self.controller.load_state_dict(state["controller"])
             self.storage.load_state_dict(state["storage"])

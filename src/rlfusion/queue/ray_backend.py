@@ -28,7 +28,8 @@ from typing import Any
 import ray
 import torch
 
-from rlfusion.queue.client import Batch, QueueConfig, QueueFullError, QueueStats, check_get_args, normalize_put
+from rlfusion.queue.client import (Batch, QueueConfig, QueueFullError, QueueStats, check_checkpoint,
+                                   check_get_args, normalize_put)
 from rlfusion.queue.controller import Policy, QueueController
 from rlfusion.queue.packing import WireBatch, narrowest_int_dtype, pack_column, pack_columns, unpack_columns
 from rlfusion.queue.schema import Schema
@@ -351,11 +352,7 @@ class RayDistQueue:
                 "storage": {"cells": dict(sorted(cells.items()))}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if [tuple(c) for c in state["schema"]] != self.schema.to_list():
-            raise ValueError(f"checkpoint columns {state['schema']} differ from this queue's {self.schema.to_list()}")
-        if state["controller"]["group_size"] != self.cfg.group_size:
-            raise ValueError(f"checkpoint group_size {state['controller']['group_size']} differs "
-                             f"from this queue's {self.cfg.group_size}")
+        check_checkpoint(self.schema, self.cfg.group_size, state)
         parts: list[dict[int, Any]] = [{} for _ in self.shards]
         for r, row in state["storage"]["cells"].items():
             parts[int(r) % self.num_shards][int(r)] = row
