@@ -37,6 +37,7 @@ def test_plan_roles(mode, n, want):
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "mixed"}, "deploy.mode"),
     ({"mode": "separated", "num_devices": 1}, "needs >= 2"),
+    ({"mode": "separated", "backend": "local"}, "needs >= 2"),
     ({"backend": "local", "num_devices": 2}, "exactly 1 device"),
     ({"backend": "mpi"}, "deploy.backend"),
 ])
@@ -101,7 +102,7 @@ def test_separated_mode_syncs_weights_and_learns_steps(ray_session, tmp_path):
         num_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
         assert trainer.actor.weight_sync_bytes == num_bytes and trainer.actor.version == 2
         phases = {d: {s.phase for s in trainer.timeline.spans if s.device == d} for d in ("device0", "device1")}
-        assert phases["device0"] == {"rollout", "transfer"}  # the run timeline has every worker's spans
+        assert phases["device0"] == {"rollout", "switch", "transfer"}  # KV cache in, generate, out; weights in
         assert {"train", "reference", "reward", "transfer"} <= phases["device1"]
         assert 0 < m["utilization_device0"] < 1 and 0 < m["utilization_device1"] < 1
     finally:

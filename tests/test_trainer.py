@@ -34,7 +34,7 @@ def _cfg(base, tmp_path, name, **over) -> TrainConfig:
              "max_steps=4", "checkpoint_every=2", "eval_every=2", "eval_problems=8",
              "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
              "reward=\"reward_fns:length_reward\"", "deterministic=true", "threads=1",
-             "collapse_patience=0"]
+             "collapse_patience=0", "deploy.backend=local"]
     items += [f"{k}={v}" for k, v in over.items()]
     return load_config(TrainConfig, None, items)
 

@@ -71,6 +71,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlfusion.config import load_config, parse_override
     from rlfusion.pretrain import pretrain
     from rlfusion.runtime.report import finish_run
+    from rlfusion.runtime.deployment import DeploymentPlan
     from rlfusion.runtime.train_config import TrainConfig
     from rlfusion.runtime.trainer import RLTrainer, resume
 
@@ -96,9 +97,13 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ValueError(f"run folder {run_dir} already exists; pick another run_name= or "
                              f"continue it with --resume {run_dir}")
         run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"deployment: {DeploymentPlan.build(cfg.deploy).describe()} ({cfg.deploy.backend})")
         trainer = RLTrainer(cfg, run_dir, base)
-    result = trainer.run()
-    print(finish_run(trainer, result))
+    try:
+        result = trainer.run()
+        print(finish_run(trainer, result))
+    finally:
+        trainer.close()
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

@@ -25,6 +25,31 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold right now (0 while released)."""
+        return sum(b.untyped_storage().nbytes() for buffers in self.layers for b in buffers)
+
+    def release(self) -> int:
+        """Give the buffers' memory back (training runs in it); returns the bytes freed."""
+        freed = self.nbytes
+        for buffers in self.layers:
+            for b in buffers:
+                b.untyped_storage().resize_(0)
+        return freed
+
+    def restore(self) -> int:
+        """Reallocate released buffers, zeroed (masked positions must not hold NaN garbage)."""
+        added = 0
+        for buffers in self.layers:
+            for b in buffers:
+                want = b.numel() * b.element_size()
+                if b.untyped_storage().nbytes() < want:
+                    b.untyped_storage().resize_(want)
+                    b.zero_()
+                    added += want
+        return added
+
     def move_slot(self, src: int, dst: int) -> None:
         """Copy every layer's row `src` into row `dst` (used to keep running rows contiguous)."""
         for buffers in self.layers:

@@ -16,6 +16,7 @@ places one Ray actor per device from it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from rlfusion.config import check_fields
@@ -27,30 +28,45 @@ ROLES = ("rollout", "train", "reference", "reward")
 
 @dataclass(frozen=True)
 class DeployConfig:
-    """`backend="local"` runs the same worker classes in the driver process (one device, for
-    debugging); `"ray"` starts one Ray actor per device (`ray_address` "" = a local cluster)."""
+    """`backend="ray"` starts one Ray actor per device (`ray_address` "" = a local cluster, else
+    e.g. "auto" or "10.0.0.1:6379" to join one started with `ray start`); `"local"` runs the
+    stages in the driver process (one device, for debugging). `num_devices` 0 = every device of
+    this machine: its GPUs, else its CPU cores / `threads_per_device`."""
 
     mode: str = "colocated"
-    num_devices: int = 1
+    num_devices: int = 0
     threads_per_device: int = 1
-    backend: str = "local"
+    backend: str = "ray"
     ray_address: str = ""
     bucket_mb: float = 4.0  # weight-sync bucket size
 
     def __post_init__(self) -> None:
         check_fields("deploy", {
             "mode": (self.mode in MODES, f"allowed: {', '.join(MODES)}"),
-            "num_devices": (self.num_devices >= 1, "must be >= 1"),
+            "num_devices": (self.num_devices >= 0, "must be >= 0 (0 = every device of this machine)"),
             "threads_per_device": (self.threads_per_device >= 1, "must be >= 1"),
             "backend": (self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
             "bucket_mb": (self.bucket_mb > 0, "must be > 0"),
         }, self)
-        if self.mode == "separated" and self.num_devices < 2:
-            raise ValueError(f"deploy.num_devices={self.num_devices} is invalid: mode 'separated' "
-                             "needs >= 2 (rollout and training devices are disjoint)")
-        if self.backend == "local" and self.num_devices != 1:
+        if self.backend == "local" and self.num_devices > 1:
             raise ValueError(f"deploy.num_devices={self.num_devices} is invalid: backend 'local' runs "
                              "in one process, so it has exactly 1 device (use backend='ray' for more)")
+        if self.mode == "separated" and self.devices < 2:
+            raise ValueError(f"deploy.num_devices={self.devices} is invalid: mode 'separated' "
+                             "needs >= 2 (rollout and training devices are disjoint)")
+
+    @property
+    def devices(self) -> int:
+        """`num_devices` with 0 resolved for this machine."""
+        if self.num_devices:
+            return self.num_devices
+        if self.backend == "local":
+            return 1
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return max(1, (os.cpu_count() or 1) // self.threads_per_device)
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,7 @@ class DeploymentPlan:
 
     @classmethod
     def build(cls, cfg: DeployConfig) -> "DeploymentPlan":
-        n, devices = cfg.num_devices, tuple(range(cfg.num_devices))
+        n, devices = cfg.devices, tuple(range(cfg.devices))
         if cfg.mode == "separated":
             k = (n + 1) // 2
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:],

@@ -141,8 +141,17 @@ class RLTrainer:
                 step.add_wall(device, phase, s, e, step=self.step)
                 self.timeline.add_wall(device, phase, s, e, step=self.step)
         util = {d: u.fraction for d, u in step.utilization().items()}
-        return {**{f"utilization_{d}": u for d, u in util.items()},
-                "utilization_mean": sum(util.values()) / len(util)}
+        switch_s = max(sum(e - s for phase, s, e in items if phase == "switch") for items in spans.values())
+        out = {**{f"utilization_{d}": u for d, u in util.items()},
+               "utilization_mean": sum(util.values()) / len(util), "time_switch_s": switch_s}
+        if self.devices is not None:
+            memory = self.devices.memory()
+            out["zero_redundancy_ok"] = float(all(m["zero_redundancy"] for m in memory))
+            for phase in ("train", "rollout", "switch"):
+                peaks = [m["peaks"][phase] for m in memory if phase in m["peaks"]]
+                if peaks:
+                    out[f"memory_peak_{phase}_mb"] = max(peaks) / 2**20
+        return out
 
     def _score(self, n: int) -> tuple[list, dict[str, float]]:
         """The stages between rollout and update, each reading its columns from the queue and

@@ -11,7 +11,11 @@ and the driver-side handles that fan stage work out to them.
                               rollout devices in contiguous buckets of `deploy.bucket_mb`
 
 In colocated and fully-shared modes the engine generates from the very tensors the optimizer
-updates, so the switch to rollout moves no weights. `LocalDevices` runs the same `DeviceWorker`
+updates, so the switch to rollout moves no weights: it offloads the optimizer state to host and
+frees the gradients, and allocates the KV cache; the switch back releases the KV cache and
+restores the optimizer state. In fully-shared mode the reference weights also live on host
+except while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
+phase) and checks the zero-redundancy rule: peak during a switch ≤ max(train, rollout peak). `LocalDevices` runs the same `DeviceWorker`
 in the driver process (one device, for debugging and the tests); `RayDevices` starts one Ray
 actor per device in a placement group and joins them in one gloo (CPU) / nccl (CUDA) world.
 
@@ -30,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlfusion.fusion.memory import MemoryLedger
+from rlfusion.fusion.offload import HostPool, optimizer_tensors
 from rlfusion.model.checkpoint import load_checkpoint
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import load_reward_fn
@@ -61,6 +67,13 @@ class DeviceWorker:
         self.actor: ActorStage | None = None
         self.spans: list[tuple[str, float, float]] = []
         self.sync_group = None
+        self.ledger = MemoryLedger(f"device{device}")
+        self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
+        if self.rollout is not None:
+            self.rollout.engine.runner.cache.release()  # allocated only while generating
+        if self.reference is not None and plan.mode == "fully_shared":
+            self.reference_pool.offload(self.reference.model.parameters())
+        self._account()
 
     # ---- wiring ----
 
@@ -93,8 +106,19 @@ class DeviceWorker:
     # ---- stage work ----
 
     def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
-        with self._span("rollout"):
-            return self.rollout.generate(problems, first_group_id, version)
+        with self._span("switch"), self.ledger.phase("switch"):
+            if self.actor is not None:  # train → rollout on the same device
+                self.actor.optimizer.zero_grad(set_to_none=True)  # stale after the step
+                self.optimizer_pool.offload(optimizer_tensors(self.actor.optimizer))
+                self._account()
+            self.rollout.engine.runner.cache.restore()
+            self._account()
+        with self._span("rollout"), self.ledger.phase("rollout"):
+            trajs = self.rollout.generate(problems, first_group_id, version)
+        with self._span("switch"), self.ledger.phase("switch"):
+            self.rollout.engine.runner.cache.release()
+            self._account()
+        return trajs
 
     def score(self, trajs: list[Trajectory]) -> list[tuple[float, float]]:
         with self._span("reward"):
@@ -102,13 +126,49 @@ class DeviceWorker:
             return [(t.reward, t.metrics["correct"]) for t in trajs]
 
     def reference_logprobs(self, trajs: list[Trajectory]) -> list[list[float]]:
-        with self._span("reference"):
+        with self._span("reference"), self.ledger.phase("reference"):
+            if self.reference_pool.entries:  # fully shared: the reference weights come in for this
+                self.reference_pool.restore()
+                self._account()
             self.reference.logprobs(trajs)
+            if self.plan.mode == "fully_shared":
+                self.reference_pool.offload(self.reference.model.parameters())
+                self._account()
             return [t.ref_logprobs for t in trajs]
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        with self._span("train"):
-            return self.actor.update(trajs)
+        if self.optimizer_pool.entries:
+            with self._span("switch"), self.ledger.phase("switch"):
+                self.optimizer_pool.restore()
+                self._account()
+        with self._span("train"), self.ledger.phase("train"):
+            metrics = self.actor.update(trajs)
+            self._account()
+        return metrics
+
+    def memory(self) -> dict[str, Any]:
+        """Per-phase device peaks (bytes) since the last call, and the zero-redundancy check."""
+        peaks = self.ledger.peaks()
+        ok = True
+        if {"switch", "train", "rollout"} <= set(peaks):
+            ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=0)
+        self.ledger = _fresh_ledger(self.ledger)
+        return {"peaks": peaks, "zero_redundancy": ok}
+
+    def _account(self) -> None:
+        """Tracked tensor bytes per category (CPU has no allocator to ask; activations are not
+        counted)."""
+        led = self.ledger
+        led.track("weights", list(self.policy.parameters()))
+        if self.actor is not None:
+            led.track("optimizer", optimizer_tensors(self.actor.optimizer))
+            led.track("grads", [p.grad for p in self.policy.parameters() if p.grad is not None])
+            led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
+        if self.rollout is not None:
+            led.set("kv_cache", self.rollout.engine.runner.cache.nbytes)
+        if self.reference is not None:
+            led.track("weights", list(self.reference.model.parameters()), name="reference")
+            led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
 
     def sync_weights(self) -> int:
         """Separated mode: train device 0 broadcasts every parameter to the rollout devices,
@@ -162,6 +222,16 @@ class DeviceWorker:
             yield
         finally:
             self.spans.append((phase, start, time.time()))
+
+
+def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
+    """A ledger with the same current bytes and no phase peaks yet (peaks are per step)."""
+    new = MemoryLedger(old.device)
+    for location, cats in old.snapshot().items():
+        for category, nbytes in cats.items():
+            if nbytes:
+                new.set(category, nbytes, location=location)
+    return new
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -224,6 +294,9 @@ class RayDevices:
 
     def spans(self) -> dict[int, list[tuple[str, float, float]]]:
         return dict(enumerate(self.call([w.take_spans.remote() for w in self.workers])))
+
+    def memory(self) -> list[dict[str, Any]]:
+        return self.call([w.memory.remote() for w in self.workers])
 
     def pull_weights(self, model: torch.nn.Module) -> None:
         model.load_state_dict(self.call([self.workers[self.plan.train[0]].weights.remote()])[0])
