@@ -148,9 +148,14 @@ class ExpertParallelExperts(nn.Module):
         self.w_up_EDF = nn.Parameter(experts.w_up_EDF.detach()[local].clone())
         self.w_down_EFD = nn.Parameter(experts.w_down_EFD.detach()[local].clone())
         self.counter = CommCounter()
+        # Logical expert id → physical slot after a migration (`parallel/balance.py`); slot s
+        # lives on EP member s // L. None: the identity, as built.
+        self.expert_to_slot_E: torch.Tensor | None = None
 
     def forward(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor,
                 weights_NK: torch.Tensor) -> torch.Tensor:
+        if self.expert_to_slot_E is not None:  # the router's math stays in logical ids
+            topk_ids_NK = self.expert_to_slot_E[topk_ids_NK]
         if self.tp > 1:
             sizes = _row_sizes(len(x_ND), self.tp)
             x_ND = _SliceRows.apply(x_ND, sizes, self.tp_index, self.tp_group)
@@ -243,9 +248,11 @@ class ExpertParallelExperts(nn.Module):
             p.grad.div_(self.dp)
 
     def gather_full(self, p: torch.Tensor) -> torch.Tensor:
-        """All experts of one of this module's parameters (collective over the EP group)."""
+        """All experts of one of this module's parameters, in logical order (collective over the
+        EP group)."""
         if self.ep.size == 1:
             return p.detach().clone()
         parts = [torch.empty_like(p) for _ in range(self.ep.size)]
         dist.all_gather(parts, p.detach().contiguous(), group=self.ep.group)
-        return torch.cat(parts)
+        full = torch.cat(parts)
+        return full if self.expert_to_slot_E is None else full[self.expert_to_slot_E]
