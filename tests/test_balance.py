@@ -138,3 +138,41 @@ def test_migration_keeps_training_identical(world, name):
         assert all(l.after < l.before for l in report.layers if l.migrated), report
         assert r["loss_diff"] <= ATOL and r["weight_diff"] <= ATOL and r["moment_diff"] <= ATOL, r
     assert sum(rank[name]["report"].bytes_moved for rank in world) > 0
+
+
+# ---- DP sequence balancing -----------------------------------------------------------------
+
+def _long_tail(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in (16 + torch.empty(n).exponential_(1 / 120.0, generator=g)).clamp(max=2048)]
+
+
+def test_cost_split_beats_contiguous_and_token_split_on_a_long_tail():
+    from rlfusion.model.config import get_preset
+    from rlfusion.parallel.seq_balance import SeqCost, compare_splits
+    lengths = _long_tail(64)
+    report = compare_splits(lengths, 4, SeqCost.from_config(get_preset("tiny")))
+    assert report.cost <= 1.05 < report.contiguous
+    assert report.cost <= report.tokens
+
+
+def test_split_batch_by_cost_wraps_queue_batches():
+    from rlfusion.queue.client import Batch
+    from rlfusion.parallel.seq_balance import SeqCost, split_batch_by_cost
+    lengths = [3, 40, 5, 5, 6, 38]
+    batch = Batch(list(range(6)), [0] * 6, [0] * 6,
+                  {"prompt": [[1] * 2] * 6, "response": [[1] * (n - 2) for n in lengths]})
+    parts = split_batch_by_cost(batch, 2, ["prompt", "response"], SeqCost(a=1.0, b=1.0))
+    assert sorted(i for p in parts for i in p.row_ids) == list(range(6))
+    assert {1, 5} not in [set(p.row_ids) & {1, 5} for p in parts]  # the two long ones split
+    with pytest.raises(ValueError, match="length column 'x'"):
+        split_batch_by_cost(batch, 2, ["x"], SeqCost())
+
+
+def test_seq_cost_fit_recovers_a_and_b():
+    from rlfusion.parallel.seq_balance import SeqCost
+    lengths = [10, 50, 100, 200, 400]
+    cost = SeqCost.fit(lengths, [2e-3 * n + 1e-5 * n * n for n in lengths])
+    assert abs(cost.a - 2e-3) < 1e-9 and abs(cost.b - 1e-5) < 1e-11
+    with pytest.raises(ValueError, match="seq_cost"):
+        SeqCost(a=0.0, b=0.0)

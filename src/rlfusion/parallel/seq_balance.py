@@ -1,0 +1,115 @@
+"""DP sequence balancing: assign the sequences of a global batch to data-parallel ranks so each
+rank's estimated step cost, not just its token count, is near equal.
+
+A sequence of `n` tokens costs `a·n` (GEMMs: projections, MLP, experts) plus `b·n²` (causal
+attention scores and values), so a rank with one long sequence is slower than a rank with the
+same tokens in short ones. The split reuses the queue's greedy `split_balanced` (longest first
+onto the lightest rank) with costs in place of lengths, and wraps `Batch.split_balanced`'s
+length-column convention, so DistQueue's length-balanced sampling gains a cost function
+without any change to `queue/`.
+
+Owns the cost model and the cost-balanced split. It does not know how rows reach ranks (the
+queue and `ParallelModel.shard_batch`) or how the model computes attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlfusion.model.config import ModelConfig
+from rlfusion.queue.client import Batch
+from rlfusion.queue.packing import split_balanced
+
+
+@dataclass(frozen=True)
+class SeqCost:
+    """Estimated cost of one sequence: `a * tokens + b * tokens**2` (any consistent unit)."""
+
+    a: float = 1.0
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.a < 0 or self.b < 0 or self.a + self.b == 0:
+            raise ValueError(f"seq_cost (a={self.a}, b={self.b}) is invalid: both must be >= 0, "
+                             "not both 0")
+
+    def __call__(self, tokens: int) -> float:
+        return self.a * tokens + self.b * tokens * tokens
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "SeqCost":
+        """Training FLOPs (3x forward): 2 per active weight per token, and per layer 2·n²·H·Dh
+        for scores plus as much for values, halved by the causal mask."""
+        active = cfg.param_counts()["active_non_embedding"]
+        attn_dim = cfg.num_heads * cfg.head_dim
+        return cls(a=3 * 2.0 * active, b=3 * 2.0 * cfg.num_layers * attn_dim)
+
+    @classmethod
+    def fit(cls, lengths: Sequence[int], seconds: Sequence[float]) -> "SeqCost":
+        """Least-squares `a, b` (clamped to >= 0) from measured per-sequence step times."""
+        if len(lengths) != len(seconds) or len(lengths) < 2:
+            raise ValueError(f"fit needs >= 2 (length, time) pairs, got {len(lengths)} and "
+                             f"{len(seconds)}")
+        n = torch.tensor(lengths, dtype=torch.float64)
+        sol = torch.linalg.lstsq(torch.stack([n, n * n], 1),
+                                 torch.tensor(seconds, dtype=torch.float64)[:, None]).solution
+        a, b = (max(float(x), 0.0) for x in sol.flatten())
+        return cls(a, b) if a + b > 0 else cls()
+
+
+def split_by_cost(lengths: Sequence[int], num_ranks: int, cost: SeqCost) -> list[list[int]]:
+    """Indices per rank (ascending), balancing summed `cost(length)`."""
+    return split_balanced([cost(n) for n in lengths], num_ranks)
+
+
+def contiguous_split(num_seqs: int, num_ranks: int) -> list[list[int]]:
+    """The baseline: equal-count contiguous chunks, as `shard_batch` cuts rows."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    sizes = [num_seqs // num_ranks + (r < num_seqs % num_ranks) for r in range(num_ranks)]
+    starts = [sum(sizes[:r]) for r in range(num_ranks)]
+    return [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+
+
+def rank_costs(lengths: Sequence[int], parts: list[list[int]], cost: SeqCost) -> list[float]:
+    return [sum(cost(lengths[i]) for i in part) for part in parts]
+
+
+def max_over_mean(costs: Sequence[float]) -> float:
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean > 0 else 1.0
+
+
+def batch_lengths(batch: Batch, length_columns: Sequence[str]) -> list[int]:
+    """Per-row tokens as `Batch.split_balanced` counts them (summed lengths of the columns)."""
+    for c in length_columns:
+        if c not in batch.columns:
+            raise ValueError(f"length column {c!r} is not in this batch (it has "
+                             f"{sorted(batch.columns)})")
+    return [sum(len(batch.columns[c][i]) for c in length_columns) for i in range(len(batch))]
+
+
+def split_batch_by_cost(batch: Batch, num_ranks: int, length_columns: Sequence[str],
+                        cost: SeqCost) -> list[Batch]:
+    """`Batch.split_balanced` with a cost function: one sub-batch per DP rank."""
+    parts = split_by_cost(batch_lengths(batch, length_columns), num_ranks, cost)
+    return [batch.select(part) for part in parts]
+
+
+@dataclass
+class SeqBalanceReport:
+    """max/mean per-rank cost of the contiguous split, the token-balanced split and the
+    cost-balanced split."""
+
+    contiguous: float
+    tokens: float
+    cost: float
+
+
+def compare_splits(lengths: Sequence[int], num_ranks: int, cost: SeqCost) -> SeqBalanceReport:
+    splits = (contiguous_split(len(lengths), num_ranks), split_balanced(lengths, num_ranks),
+              split_by_cost(lengths, num_ranks, cost))
+    return SeqBalanceReport(*(max_over_mean(rank_costs(lengths, s, cost)) for s in splits))
