@@ -54,7 +54,7 @@ def ray_session():
 
 
 def _cfg(tmp_path, mode: str, **over) -> TrainConfig:
-    items = [f"out_dir=\"{tmp_path}\"", "deploy.backend=ray", "deploy.num_devices=2", f"deploy.mode={mode}",
+    items = [f"out_dir=\"{tmp_path}\"", f"base=\"{find_base()}\"", "deploy.backend=ray", "deploy.num_devices=2", f"deploy.mode={mode}",
              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=60", "max_steps=4",
              "eval_problems=8", "collapse_patience=0", "algo.dynamic_sampling=false"]
     return load_config(TrainConfig, None, items + [f"{k}={v}" for k, v in over.items()])
@@ -117,3 +117,27 @@ def test_killed_worker_names_its_device_and_roles(ray_session, tmp_path):
             trainer.train_step()
     finally:
         trainer.close()
+
+
+def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path):
+    from rlfusion.runtime.trainer import resume
+
+    cfg = _cfg(tmp_path, "colocated", max_steps=2, checkpoint_every=1, eval_every=100, run_name="r")
+    trainer = RLTrainer(cfg, tmp_path / "r", find_base())
+    try:
+        trainer.run(progress=False)  # 2 steps, checkpointed
+        ray.kill(trainer.devices.workers[0])
+        with pytest.raises(WorkerDiedError, match=r"device 0 \(rollout\+train\+reference\+reward\) died"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+    again = resume(tmp_path / "r", {"max_steps": 3})
+    try:
+        assert again.step == 2 and again.actor.version == 2
+        weights = again.devices.call([w.weights.remote() for w in again.devices.workers])
+        saved = again.model.state_dict()  # the driver's copy, loaded from the checkpoint
+        assert all(torch.equal(weights[d][k], saved[k]) for d in (0, 1) for k in saved)
+        result = again.run(progress=False)
+        assert result.steps == 3
+    finally:
+        again.close()
