@@ -38,10 +38,54 @@ def make_trainer(mode: str, out: Path) -> RLTrainer:
     return RLTrainer(cfg, out / mode, find_base())
 
 
+def _matmul_seconds() -> float:
+    import torch
+
+    x, w = torch.randn(512, 512), torch.randn(512, 512)
+    start = time.perf_counter()
+    for _ in range(600):
+        x @ w
+    return time.perf_counter() - start
+
+
+def _timer_loop(conn) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    while conn.recv():
+        conn.send(_matmul_seconds())
+
+
+def two_process_ceiling(reps: int) -> float:
+    """Throughput of two concurrent 1-thread processes over one alone (2.0 = perfect scaling):
+    the most any 2-device mode can gain over a mode that keeps one device busy at a time."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_timer_loop, args=(child,), daemon=True) for _, child in pipes]
+    for proc in procs:
+        proc.start()
+    ends = [parent for parent, _ in pipes]
+
+    def run(which: list) -> float:
+        for conn in which:
+            conn.send(True)
+        return max(conn.recv() for conn in which)
+
+    run(ends)  # warm-up
+    ratios = [2 * run(ends[:1]) / run(ends) for _ in range(reps)]
+    for conn in ends:
+        conn.send(False)
+    return statistics.median(ratios)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     rounds = 2 if parser.parse_args().quick else 5
+    ceiling = two_process_ceiling(5)
+    print(f"two-process throughput ceiling on this machine: {ceiling:.2f}x (2.00 = two independent cores)", flush=True)
     # logical CPUs for three 2-device placement groups; only one mode runs at a time
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
@@ -75,6 +119,7 @@ def main() -> None:
         x = med[m]
         print(f"| {m} | {x['tok_s']:.0f} | {x['step_s']:.2f} | {x['util0']:.0%} | {x['util1']:.0%} | "
               f"{x['util']:.0%} | {x['switch_s']:.3f} | {x['switch_s'] / x['step_s']:.1%} |")
+    print(f"\ntwo-process throughput ceiling (measured before the rounds): {ceiling:.2f}x")
     print("\nseconds per step by phase (median): device0 | device1")
     for m in MODES:
         print(f"  {m}: " + "; ".join(f"{ph} {med[m][f'device0/{ph}']:.2f} | {med[m][f'device1/{ph}']:.2f}"
