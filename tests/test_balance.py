@@ -115,7 +115,9 @@ def migration_world(cases):
             "loss_diff": max(abs(a - b) for a, b in zip(plain[0], moved[0])),
             "weight_diff": max((plain[1][k] - moved[1][k]).abs().max().item() for k in plain[1]),
             "moment_diff": max((plain[2][k] - moved[2][k]).abs().max().item() for k in plain[2]),
-            "report": moved[3], "local_moved": not torch.equal(plain[4], moved[4]), "keys_equal": set(plain[1]) == set(moved[1]),
+            "report": moved[3],
+            "local_moved": not torch.equal(plain[4], moved[4]),
+            "keys_equal": set(plain[1]) == set(moved[1]),
         }
     return out
 
@@ -144,7 +146,8 @@ def test_migration_keeps_training_identical(world, name):
 
 def _long_tail(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in (16 + torch.empty(n).exponential_(1 / 120.0, generator=g)).clamp(max=2048)]
+    lengths = 16 + torch.empty(n).exponential_(1 / 120.0, generator=g)
+    return [int(x) for x in lengths.clamp(max=2048)]
 
 
 def test_cost_split_beats_contiguous_and_token_split_on_a_long_tail():

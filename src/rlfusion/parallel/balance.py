@@ -1,9 +1,9 @@
 """Expert load balancing across EP ranks: count routed tokens, predict the next interval's load,
 plan a placement of experts on ranks, and migrate experts (weights, grads, optimizer state).
 
-    router forward hook ──counts_ME──▶ LoadPredictor (sum over DP, EMA) ──pred_ME──▶
-    plan_placement (LPT, equal experts per rank) ──slot_to_expert──▶ trigger (margin) ──▶
-    migrate_experts (all-to-all of rows over the EP group) ──▶ ExpertParallelExperts.expert_to_slot_E
+    router forward hook ─counts_ME─▶ LoadPredictor (sum over DP, EMA) ─pred_ME─▶
+    plan_placement (LPT, equal experts per rank) ─slot_to_expert─▶ trigger (margin) ─▶
+    migrate_experts (all-to-all of rows, EP group) ─▶ ExpertParallelExperts.expert_to_slot_E
 
 A placement is `slot_to_expert`: physical slot s (on EP member s // C) holds logical expert
 `slot_to_expert[s]`. The router keeps producing logical ids; `ExpertParallelExperts` maps them
@@ -121,7 +121,7 @@ def _lpt_bins(load: list[float], num_ranks: int) -> list[list[int]]:
 
 
 def _bins_to_slots(bins: list[list[int]], current: list[int]) -> list[int]:
-    """Give each bin the rank (and slots) that already hold most of its experts: fewer bytes move."""
+    """Give each bin the rank (and slots) already holding most of its experts: fewer bytes move."""
     P, C = len(bins), len(current) // len(bins)
     on_rank = [set(current[r * C:(r + 1) * C]) for r in range(P)]
     pairs = sorted((-len(on_rank[r] & set(b)), i, r) for i, b in enumerate(bins) for r in range(P))
@@ -179,7 +179,10 @@ def _moving_tensors(module: ExpertParallelExperts, optimizer) -> list[torch.Tens
 def _row_plan(old: list[int], new: list[int], P: int, me: int):
     """Rows this rank sends (old local rows, by destination) and where received rows go."""
     C, old_slot = len(old) // P, inverse(old)
-    send, in_splits, recv, out_splits = [], [], [], []
+    send: list[int] = []
+    recv: list[int] = []
+    in_splits: list[int] = []
+    out_splits: list[int] = []
     for dst in range(P):
         rows = [old_slot[new[s]] % C for s in range(dst * C, (dst + 1) * C)
                 if old_slot[new[s]] // C == me]
