@@ -10,6 +10,7 @@
   cost); `plan_memory` picks, per layer, among keep / recompute / swap of attention, MLP (or
   MoE) and the two norms, or the whole layer, the set that fits a per-device activation budget
   with the least added time (swap time = bytes out and back at a measured copy bandwidth).
+  The planner itself is pure Python in `rlfusion.sim.memory_plan`, shared with `rlfusion plan`.
 
 Both are applied to module instances from outside the model file (`apply_plan` overrides the
 instance's `forward`; `remove()` restores it), so parameter names do not change.
@@ -24,22 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import statistics
 import threading
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlfusion.model.moe import Router
+# the planner is pure Python, shared with the simulator (`rlfusion plan`)
+from rlfusion.sim.memory_plan import (CHILDREN, MemoryPlan, ModuleProfile, _Choice,  # noqa: F401
+                                      _frontier, _layer_choices, plan_memory)
 
 _state = threading.local()
-CHILDREN = ("attn_norm", "attn", "mlp_norm", "mlp")  # per-layer candidates, besides the layer
 
 
 def is_recomputing() -> bool:
@@ -156,18 +157,6 @@ def _swapped(pool: HostPool, forward, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Module names (as in `named_modules()`) to recompute and to swap, and what the planner
-    predicted from measurements: activation bytes saved and seconds added per step."""
-
-    recompute: tuple[str, ...] = ()
-    swap: tuple[str, ...] = ()
-    predicted_saved_bytes: float = 0.0
-    predicted_added_s: float = 0.0
-    fits: bool = True
-
-
 class AppliedPlan:
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
@@ -201,16 +190,6 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, pool: HostPool | None = None)
 
 
 # ---- profiling -----------------------------------------------------------------------------
-
-@dataclass
-class ModuleProfile:
-    """Measured on one forward: saved-tensor bytes (this module and its children), bytes of
-    its tensor inputs (kept alive when it is recomputed) and forward seconds (median)."""
-
-    saved_bytes: int
-    input_bytes: int
-    forward_s: float
-
 
 def candidate_names(model: nn.Module) -> list[str]:
     """Per layer: the layer itself, then its attention, MLP and norms."""
@@ -270,71 +249,3 @@ def measure_copy_bandwidth(nbytes: int = 1 << 24, device: str = "cpu") -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
-
-
-# ---- the planner (pure) --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Choice:
-    recompute: tuple[str, ...]
-    swap: tuple[str, ...]
-    saved: float
-    added_s: float
-
-
-def _layer_choices(layer: str, prof: dict[str, ModuleProfile], bandwidth: float) -> list[_Choice]:
-    """Every keep/recompute/swap combination of the layer's children, plus the whole layer."""
-    def option(name: str, how: str) -> tuple[float, float]:
-        p = prof[name]
-        if how == "recompute":
-            return max(p.saved_bytes - p.input_bytes, 0), p.forward_s
-        return p.saved_bytes, 2 * p.saved_bytes / bandwidth  # out in forward, back in backward
-
-    children = [f"{layer}.{c}" for c in CHILDREN if f"{layer}.{c}" in prof]
-    out = []
-    for hows in itertools.product(("keep", "recompute", "swap"), repeat=len(children)):
-        picked = [(n, h, option(n, h)) for n, h in zip(children, hows) if h != "keep"]
-        out.append(_Choice(tuple(n for n, h, _ in picked if h == "recompute"),
-                           tuple(n for n, h, _ in picked if h == "swap"),
-                           sum(o[0] for *_, o in picked), sum(o[1] for *_, o in picked)))
-    saved, added = option(layer, "recompute")
-    out.append(_Choice((layer,), (), saved, added))
-    saved, added = option(layer, "swap")
-    out.append(_Choice((), (layer,), saved, added))
-    return out
-
-
-def _frontier(choices: list[_Choice]) -> list[_Choice]:
-    """Choices no other beats on both saved bytes and added time, by increasing saving."""
-    best: list[_Choice] = []
-    for c in sorted(choices, key=lambda c: (c.added_s, -c.saved)):
-        if not best or c.saved > best[-1].saved:
-            best.append(c)
-    return best
-
-
-def plan_memory(profiles: dict[str, ModuleProfile], total_bytes: int, budget_bytes: float,
-                swap_bandwidth: float, allow_swap: bool = True) -> MemoryPlan:
-    """Fit `total_bytes` of activations into `budget_bytes` with the least added time: per
-    layer a Pareto frontier of choices, then greedy upgrades by added seconds per saved byte.
-    `fits` is False when even the most aggressive choice does not fit."""
-    if budget_bytes < 0 or swap_bandwidth <= 0:
-        raise ValueError(f"budget_bytes={budget_bytes} and swap_bandwidth={swap_bandwidth} "
-                         "must be >= 0 and > 0")
-    layers = [n for n in profiles if n.count(".") == 1]  # "layers.i"
-    fronts = [_frontier([c for c in _layer_choices(n, profiles, swap_bandwidth)
-                         if allow_swap or not c.swap]) for n in layers]
-    picked = [0] * len(layers)  # index into each frontier; 0 = keep everything
-    need = total_bytes - budget_bytes
-    saved = lambda: sum(f[i].saved for f, i in zip(fronts, picked))
-    while saved() < need:
-        steps = [((f[j].added_s - f[picked[k]].added_s) / (f[j].saved - f[picked[k]].saved), k, j)
-                 for k, f in enumerate(fronts) for j in range(picked[k] + 1, len(f))]
-        if not steps:
-            break
-        _, k, j = min(steps)
-        picked[k] = j
-    chosen = [f[i] for f, i in zip(fronts, picked)]
-    return MemoryPlan(tuple(n for c in chosen for n in c.recompute),
-                      tuple(n for c in chosen for n in c.swap), saved(),
-                      sum(c.added_s for c in chosen), saved() >= need)

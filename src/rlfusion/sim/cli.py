@@ -53,15 +53,45 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if result.ranked else 1
 
 
-_HEADER = (f"{'#':>3}  {'layout':<40} {'step s':>7} {'MFU':>6} {'mem GB':>7} {'comm':>6} "
-           f"{'bubble':>7} {'EP a2a hid':>10}")
+_HEADER = (f"{'#':>3}  {'layout':<42} {'step s':>7} {'MFU':>6} {'mem GB':>7} {'comm':>6} "
+           f"{'bubble':>7} {'EP a2a hid':>10}  recompute/swap")
+_KINDS = ("layer", "attn", "mlp", "attn_norm", "mlp_norm")
+
+
+def _kind_counts(names) -> str:
+    counts = {k: 0 for k in _KINDS}
+    for name in names:
+        counts["layer" if name.count(".") == 1 else name.rsplit(".", 1)[1]] += 1
+    return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none"
+
+
+def memory_choice(est: StepEstimate) -> str:
+    """Which recompute/swap the plan uses; for `planned`, module counts over all stages."""
+    plan = est.plan
+    if plan.recompute != "planned":
+        choice = {"none": "keep all", "selective": "selective recompute",
+                  "full": "full recompute"}[plan.recompute]
+        return choice + (" + swap experts" if plan.swap else "")
+    rec = sum(len(m.recompute) for m in est.memory_plans)
+    swap = sum(len(m.swap) for m in est.memory_plans)
+    return f"planned: {rec} recompute / {swap} swap modules"
+
+
+def planned_details(est: StepEstimate) -> str:
+    """One line: what the planner chose for a `planned` estimate, by module kind."""
+    rec = [n for m in est.memory_plans for n in m.recompute]
+    swap = [n for m in est.memory_plans for n in m.swap]
+    return (f"{est.plan.label()}: recompute {len(rec)} modules ({_kind_counts(rec)}), "
+            f"swap {len(swap)} ({_kind_counts(swap)}); +{est.recompute_s:.2f}s recompute, "
+            f"+{est.swap_exposed_s:.2f}s swap per step, activations "
+            f"{est.memory.activations_GB:.1f} GB of {est.memory.total_GB:.1f} GB")
 
 
 def _row(rank: int, est: StepEstimate) -> str:
     hidden = (1.0 - est.ep_comm_exposed_s / est.ep_comm_total_s) if est.ep_comm_total_s else 1.0
-    return (f"{rank:>3}  {est.plan.label():<40} {est.step_s:>7.2f} {est.mfu:>6.1%} "
+    return (f"{rank:>3}  {est.plan.label():<42} {est.step_s:>7.2f} {est.mfu:>6.1%} "
             f"{est.memory.total_GB:>7.1f} {est.comm_share:>6.1%} "
-            f"{est.bubble_s / est.step_s:>7.1%} {hidden:>10.0%}")
+            f"{est.bubble_s / est.step_s:>7.1%} {hidden:>10.0%}  {memory_choice(est)}")
 
 
 def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResult,
@@ -85,6 +115,11 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
     lines.append(f"best plan memory (GB): weights {mem.weights_GB:.1f}, grads {mem.grads_GB:.1f}, "
                  f"optimizer {mem.optimizer_GB:.1f}, activations {mem.activations_GB:.1f}, "
                  f"buffers {mem.buffers_GB:.1f}, reserved {mem.reserved_GB:.1f}")
+    planned = [(i + 1, e) for i, e in enumerate(result.ranked) if e.plan.recompute == "planned"]
+    acting = [(i, e) for i, e in planned if any(m.recompute or m.swap for m in e.memory_plans)]
+    if planned:  # the fastest planned layout that recomputes or swaps something, if any
+        rank, planned = (acting or planned)[0]
+        lines.append(f"best planned recompute/swap (#{rank}): {planned_details(planned)}")
     return "\n".join(lines)
 
 

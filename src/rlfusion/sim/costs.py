@@ -146,6 +146,19 @@ def head_layer(model: ModelConfig) -> LayerCost:
                      expert_params=0, activation=ActivationBytes(d * BF16, 0.0, 0.0))
 
 
+def module_activations(model: ModelConfig, layer: LayerCost, expert_imbalance: float = 1.0
+                       ) -> dict[str, tuple[float, float]]:
+    """Per-token (saved bytes, input bytes) of a layer's modules in the memory planner's naming
+    (`memory_plan.CHILDREN`), the `ActivationBytes` inventory split by module: each norm saves
+    its input (the residual stream, `d` bf16); attention and the MLP / MoE block save their
+    input (the norm output) and everything else of their part; the `swappable` expert bytes
+    belong to the MoE block, scaled by the busiest EP rank's `expert_imbalance`."""
+    x = model.d_model * BF16
+    attn = _attention_activation(model).total
+    mlp = layer.activation.total - attn + (expert_imbalance - 1.0) * layer.activation.swappable
+    return {"attn_norm": (x, x), "attn": (attn - x, x), "mlp_norm": (x, x), "mlp": (mlp - x, x)}
+
+
 def model_layers(model: ModelConfig, seq_len: int) -> list[LayerCost]:
     """All layers in order, then the head. The embedding (a lookup) is added by the planner."""
     dense, moe = dense_layer(model, seq_len), moe_layer(model, seq_len)

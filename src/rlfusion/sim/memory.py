@@ -9,6 +9,8 @@ Owns `MemoryEstimate` and `stage_memory()`. Formulas (per device, bytes):
   / TP (sequence parallel) x micro-batches in flight (1F1B: PP - stage; interleaved:
   Megatron's warm-up count). Selective recompute drops the `recomputable` part, full
   recompute keeps only each layer's input, swap moves the `swappable` part to host memory;
+  `planned` takes the activation bytes chosen by the memory planner (`step.py` runs
+  `memory_plan.plan_memory` on the stage's per-module bytes and passes them in);
 - buffers: MoE dispatch send+recv buffers for one layer, fp32 logits of one micro-batch on the
   last stage, one layer's full activations when recomputing it, a swap staging layer;
 - reserved: a fixed workspace/fragmentation allowance.
@@ -51,8 +53,11 @@ def _kept_bytes(layer: LayerCost, plan: ParallelPlan) -> float:
 
 
 def stage_memory(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan, stage: int,
-                 num_micro: int) -> tuple[MemoryEstimate, float]:
-    """Memory of pipeline stage `stage` holding `layers`; also returns GB swapped to host."""
+                 num_micro: int, planned: tuple[float, float, bool] | None = None
+                 ) -> tuple[MemoryEstimate, float]:
+    """Memory of pipeline stage `stage` holding `layers`; also returns GB swapped to host.
+    `planned`: (activation bytes, bytes swapped to host, anything recomputed or swapped) of
+    a `recompute="planned"` plan."""
     model = job.model
     dense = sum(x.dense_params for x in layers)
     expert = sum(x.expert_params for x in layers)
@@ -75,6 +80,10 @@ def stage_memory(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan, sta
     activations = per_mb * tokens * flight
     swapped = (sum(x.activation.swappable for x in layers) * tokens * flight
                if plan.swap and plan.recompute != "full" else 0.0)
+    if plan.recompute == "planned":
+        if planned is None:
+            raise ValueError("a planned recompute needs the planner's activation bytes")
+        activations, swapped, staged = planned
 
     buffers = 0.0
     largest = max(x.activation.total for x in layers)
@@ -82,7 +91,7 @@ def stage_memory(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan, sta
         buffers += 2 * tokens * model.top_k * model.d_model * BF16  # dispatch send + recv
     if any(x.kind == "head" for x in layers):
         buffers += plan.micro_batch * job.seq_len * model.vocab_size / plan.tp * FP32
-    if plan.recompute != "none" or plan.swap:
+    if (staged if plan.recompute == "planned" else plan.recompute != "none" or plan.swap):
         buffers += largest * tokens  # the layer being recomputed / swapped back in
     mem = MemoryEstimate(
         weights_GB=held * BF16 / 1e9, grads_GB=held * GRAD_BYTES / 1e9,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from rlfusion.model.config import ModelConfig
 
-RECOMPUTE_CHOICES = ("none", "selective", "full")
+RECOMPUTE_CHOICES = ("none", "selective", "full", "planned")
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ class ParallelPlan:
     ep: int
     dp: int
     micro_batch: int  # sequences per micro-batch
-    recompute: str = "none"  # "none" | "selective" | "full"
-    swap: bool = False  # swap MoE expert activations to host memory
+    recompute: str = "none"  # "none" | "selective" | "full" | "planned" (memory planner)
+    swap: bool = False  # swap MoE expert activations to host memory (planned: may swap)
     distributed_optimizer: bool = True  # shard optimizer states over (E)DP
     hierarchical_a2a: bool = True
     ep_overlap: bool = True  # overlap EP all-to-all with compute of another micro-batch
@@ -51,7 +51,10 @@ class ParallelPlan:
         return self.tp * self.dp // self.ep
 
     def label(self) -> str:
-        extra = f"{self.recompute[:3]}" + ("+swap" if self.swap else "")
+        if self.recompute == "planned":
+            extra = "planned" if self.swap else "planned-noswap"
+        else:
+            extra = f"{self.recompute[:3]}" + ("+swap" if self.swap else "")
         return (f"TP{self.tp} PP{self.pp} VPP{self.vpp} EP{self.ep} DP{self.dp} "
                 f"mb{self.micro_batch} {extra}")
 

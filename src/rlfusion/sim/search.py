@@ -1,7 +1,9 @@
 """Parallel-strategy search: enumerate plans, drop what cannot run or fit, rank by step time.
 
 Owns `SearchSpace`, `SearchResult`, `search_plans()` and `explain()`. Every candidate is
-scored by the cost model in `step.py`; nothing here is fitted to a target MFU.
+scored by the cost model in `step.py`; nothing here is fitted to a target MFU. Recompute /
+swap choices: none, selective, full (each with or without swapping MoE expert activations)
+and `planned` (the memory planner picks keep / recompute / swap per layer module).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class SearchSpace:
     micro_batch: tuple[int, ...] = (1, 2, 4)
     recompute_swap: tuple[tuple[str, bool], ...] = (
         ("none", False), ("none", True), ("selective", False), ("selective", True),
-        ("full", False),
+        ("full", False), ("planned", True),
     )
 
 

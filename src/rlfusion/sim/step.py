@@ -12,17 +12,26 @@ Overlap rules: EP all-to-all hides behind the compute of the same layer of anoth
 micro-batch (exposed = max(0, a2a - compute)) when `ep_overlap`; the DP gradient
 reduce-scatter hides behind the last micro-batch's backward and the parameter all-gather
 behind the first micro-batch's forward; TP collectives and PP sends are fully exposed.
+
+`recompute="planned"`: per stage, `memory_plan.plan_memory` (the planner training uses) picks
+keep / recompute / swap per layer module from these cost terms, per micro-batch: saved bytes
+from `costs.module_activations` x tokens per rank, recompute seconds = the module's forward
+time as `_layer_time` counts it, swap seconds = 2 x bytes / host link bandwidth; budget =
+(device memory - weights, grads, optimizer, buffers, reserve) / micro-batches in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rlfusion.sim import comm
-from rlfusion.sim.costs import BF16, LayerCost, model_flops_per_token, model_layers
+from rlfusion.sim.costs import (BF16, LayerCost, attention_matmul_params, model_flops_per_token,
+                                model_layers, module_activations)
 from rlfusion.sim.hardware import ClusterSpec
 from rlfusion.sim.memory import GRAD_BYTES, MemoryEstimate, stage_memory
-from rlfusion.sim.plan import ParallelPlan, TrainJob, partition
+from rlfusion.sim.memory_plan import MemoryPlan, ModuleProfile, plan_memory
+from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
 
 OPTIMIZER_STEP_BYTES = 32  # bytes touched per locally-updated parameter by fused Adam
 
@@ -64,6 +73,7 @@ class StepEstimate:
     mfu: float
     memory: MemoryEstimate
     fits: bool
+    memory_plans: tuple[MemoryPlan, ...] = ()  # per stage, for recompute="planned"
 
     @property
     def comm_share(self) -> float:
@@ -93,7 +103,7 @@ def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: Cl
     if layer.expert_flops:
         fwd += layer.expert_flops * local * imbalance / (peak * _efficiency(cluster, expert_rows))
     compute = 3.0 * fwd + attn_bwd
-    recompute = {"none": 0.0, "full": fwd,
+    recompute = {"none": 0.0, "full": fwd, "planned": 0.0,  # planned: added per stage later
                  "selective": layer.recompute_flops * local / dense_rate}[plan.recompute]
     tp_comm = 0.0
     if plan.tp > 1 and layer.kind != "head":
@@ -112,6 +122,65 @@ def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: Cl
     return compute, recompute, tp_comm, ep_comm
 
 
+def _module_profiles(index: int, layer: LayerCost, job: TrainJob, plan: ParallelPlan,
+                     cluster: ClusterSpec) -> dict[str, ModuleProfile]:
+    """Per micro-batch profiles of `layers.{index}` and its modules (planner naming): bytes
+    from `costs.module_activations` x tokens per rank, forward seconds as `_layer_time` counts
+    them (attention: projections + core; MLP/MoE: the rest of the matmuls + routed experts;
+    norms: read + write of the residual stream at device memory bandwidth)."""
+    model, chip = job.model, cluster.chip
+    peak = chip.peak_tflops * 1e12
+    tokens = plan.micro_batch * job.seq_len
+    local = tokens / plan.tp
+    dense_rate = peak * _efficiency(cluster, tokens)
+    attn_mm = 2.0 * attention_matmul_params(model)
+    attn_s = (attn_mm * local / dense_rate
+              + layer.attn_core_flops * local / (peak * chip.attention_efficiency))
+    mlp_s = (layer.matmul_flops - attn_mm) * local / dense_rate
+    if layer.expert_flops:
+        expert_rows = local * model.top_k * plan.ep / max(model.num_experts, 1)
+        mlp_s += (layer.expert_flops * local * job.expert_imbalance(plan.ep)
+                  / (peak * _efficiency(cluster, expert_rows)))
+    norm_s = 2 * model.d_model * BF16 * local / (chip.memory_bandwidth_GBps * 1e9)
+    seconds = {"attn_norm": norm_s, "attn": attn_s, "mlp_norm": norm_s, "mlp": mlp_s}
+    name = f"layers.{index}"
+    out = {}
+    for child, (saved, inp) in module_activations(model, layer,
+                                                  job.expert_imbalance(plan.ep)).items():
+        out[f"{name}.{child}"] = ModuleProfile(saved * local, inp * local, seconds[child])
+    out[name] = ModuleProfile(sum(p.saved_bytes for p in out.values()),
+                              model.d_model * BF16 * local, sum(seconds.values()))
+    return out
+
+
+def _plan_stage(indexed: list[tuple[int, LayerCost]], job: TrainJob, plan: ParallelPlan,
+                cluster: ClusterSpec, stage: int, num_micro: int
+                ) -> tuple[MemoryPlan, tuple[float, float, bool], float, float]:
+    """Run the memory planner on one stage: (plan, (activation bytes, bytes swapped to host,
+    staging buffer needed) per device, recompute and swap seconds added per micro-batch).
+    The budget reserves the staging buffer (one layer being recomputed / swapped in)."""
+    layers = [x for _, x in indexed]
+    local = plan.micro_batch * job.seq_len / plan.tp
+    profiles: dict[str, ModuleProfile] = {}
+    for i, layer in indexed:
+        if layer.kind != "head":
+            profiles.update(_module_profiles(i, layer, job, plan, cluster))
+    total = (sum(p.saved_bytes for n, p in profiles.items() if n.count(".") == 1)
+             + sum(x.activation.total * local for x in layers if x.kind == "head"))
+    flight = in_flight(plan, stage, num_micro)
+    static, _ = stage_memory(layers, job, plan, stage, num_micro, planned=(0.0, 0.0, True))
+    budget = (cluster.chip.memory_GB - static.total_GB) * 1e9 / flight * (1 - 1e-9)  # rounding
+    bandwidth = cluster.host.bandwidth_GBps * 1e9
+    if budget < 0:  # weights and optimizer alone do not fit
+        return MemoryPlan(fits=False), (total * flight, 0.0, False), 0.0, 0.0
+    mp = plan_memory(profiles, total, budget, bandwidth, allow_swap=plan.swap)
+    swapped = sum(profiles[n].saved_bytes for n in mp.swap)
+    recompute_s = sum(profiles[n].forward_s for n in mp.recompute)
+    staged = bool(mp.recompute or mp.swap)
+    return (mp, ((total - mp.predicted_saved_bytes) * flight, swapped * flight, staged),
+            recompute_s, 2 * swapped / bandwidth)
+
+
 def _stage_time(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan,
                 cluster: ClusterSpec, chunks_on_stage: int) -> StageTime:
     compute = recompute = tp_comm = ep_comm = ep_exposed = swap_exposed = fwd = 0.0
@@ -122,7 +191,8 @@ def _stage_time(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan,
         compute, recompute, tp_comm, ep_comm = compute + c, recompute + r, tp_comm + t, ep_comm + e
         fwd += c / 3.0
         ep_exposed += max(0.0, e - c) if plan.ep_overlap else e
-        if plan.swap and plan.recompute != "full" and layer.activation.swappable:
+        if (plan.swap and plan.recompute not in ("full", "planned")  # planned: added later
+                and layer.activation.swappable):
             moved = layer.activation.swappable * local / host_rate  # each way
             swap_exposed += 2 * max(0.0, moved - c / 3.0)
     pp_comm = 0.0
@@ -156,6 +226,12 @@ def plan_problem(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> str
 
 
 def _stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> list[list[LayerCost]]:
+    return [[x for _, x in stage] for stage in _indexed_stages(job, plan, cluster)]
+
+
+def _indexed_stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
+                    ) -> list[list[tuple[int, LayerCost]]]:
+    """Per pipeline stage, its (layer index, layer) pairs; the head comes last."""
     layers = model_layers(job.model, job.seq_len)
     times: dict[int, float] = {}
     for layer in layers:  # only three distinct layer kinds: time each once
@@ -163,9 +239,9 @@ def _stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> list[lis
             c, r, t, e = _layer_time(layer, job, plan, cluster)
             times[id(layer)] = c + r + t + (max(0.0, e - c) if plan.ep_overlap else e)
     owner = partition([times[id(x)] for x in layers], plan.pp * plan.vpp)
-    stages: list[list[LayerCost]] = [[] for _ in range(plan.pp)]
-    for layer, chunk in zip(layers, owner):
-        stages[chunk % plan.pp].append(layer)
+    stages: list[list[tuple[int, LayerCost]]] = [[] for _ in range(plan.pp)]
+    for i, (layer, chunk) in enumerate(zip(layers, owner)):
+        stages[chunk % plan.pp].append((i, layer))
     return stages
 
 
@@ -201,18 +277,32 @@ def estimate_step(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> St
     if problem:
         raise ValueError(f"plan {plan.label()} is invalid: {problem}")
     num_micro = job.global_batch // (plan.micro_batch * plan.dp)
-    stages = _stages(job, plan, cluster)
+    indexed = _indexed_stages(job, plan, cluster)
+    stages = [[x for _, x in stage] for stage in indexed]
     times = [_stage_time(layers, job, plan, cluster, plan.vpp) for layers in stages]
+    planned = [None] * plan.pp
+    memory_plans: tuple[MemoryPlan, ...] = ()
+    if plan.recompute == "planned":
+        results = [_plan_stage(indexed[s], job, plan, cluster, s, num_micro)
+                   for s in range(plan.pp)]
+        memory_plans = tuple(r[0] for r in results)
+        planned = [r[1] for r in results]
+        times = [dataclasses.replace(t, recompute_s=t.recompute_s + r[2],
+                                     swap_exposed_s=t.swap_exposed_s + r[3])
+                 for t, r in zip(times, results)]
     slow = max(range(plan.pp), key=lambda s: times[s].total_s)
     st = times[slow]
     bubble = (plan.pp - 1) / plan.vpp * st.total_s
     dp_exposed = max(_dp_exposed(stages[s], plan, cluster, times[s]) for s in range(plan.pp))
     optimizer = max(_optimizer_s(layers, plan, cluster) for layers in stages)
     step = num_micro * st.total_s + bubble + dp_exposed + optimizer
-    memories = [stage_memory(stages[s], job, plan, s, num_micro) for s in range(plan.pp)]
+    memories = [stage_memory(stages[s], job, plan, s, num_micro, planned[s])
+                for s in range(plan.pp)]
     memory, swapped = max(memories, key=lambda m: m[0].total_GB)
     fits = (memory.total_GB <= cluster.chip.memory_GB
-            and swapped <= cluster.host_memory_GB_per_chip)
+            and swapped <= cluster.host_memory_GB_per_chip
+            and all(mp.fits and m[1] <= cluster.host_memory_GB_per_chip
+                    for mp, m in zip(memory_plans, memories)))
     model_flops = model_flops_per_token(job.model, job.seq_len) * job.seq_len * job.global_batch
     mfu = model_flops / (step * cluster.num_chips * cluster.chip.peak_tflops * 1e12)
     return StepEstimate(
@@ -222,5 +312,5 @@ def estimate_step(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> St
         ep_comm_exposed_s=num_micro * st.ep_exposed_s, ep_comm_total_s=num_micro * st.ep_comm_s,
         pp_comm_s=num_micro * st.pp_comm_s, dp_comm_exposed_s=dp_exposed,
         swap_exposed_s=num_micro * st.swap_exposed_s, optimizer_s=optimizer, mfu=mfu,
-        memory=memory, fits=fits,
+        memory=memory, fits=fits, memory_plans=memory_plans,
     )
