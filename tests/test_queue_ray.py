@@ -28,6 +28,8 @@ NAMESPACE = "rlfusion-tests"
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    if ray.is_initialized():  # an earlier module's Ray, started with other settings
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
              configure_logging=False)
     yield ray.get_runtime_context().gcs_address

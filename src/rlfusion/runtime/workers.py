@@ -261,7 +261,8 @@ class RayDevices:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
+        self.owns_ray = not ray.is_initialized()  # then `shutdown` stops the Ray it started
+        if self.owns_ray:
             ray.init(address=cfg.deploy.ray_address or None, include_dashboard=False, log_to_driver=False,
                      configure_logging=False,
                      **({} if cfg.deploy.ray_address else {"num_cpus": plan.num_devices * cfg.deploy.threads_per_device}))
@@ -305,6 +306,8 @@ class RayDevices:
         for w in self.workers:
             self.ray.kill(w)
         self.ray.util.remove_placement_group(self.pg)
+        if self.owns_ray:
+            self.ray.shutdown()
 
 
 class WorkerDiedError(RuntimeError):
