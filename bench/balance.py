@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -31,6 +32,7 @@ from rlfusion.parallel import ParallelLayout, lm_loss, parallelize
 from rlfusion.parallel.balance import (BalanceConfig, ExpertBalancer, LoadPredictor, imbalance,
                                        plan_placement)
 from rlfusion.parallel.launch import run_world
+from rlfusion.parallel.seq_balance import SeqCost, compare_splits
 from rlfusion.parallel.recompute import (HostPool, SavedTensorMeter, apply_plan, candidate_names,
                                          measure_copy_bandwidth, plan_memory, profile_modules)
 
@@ -179,6 +181,13 @@ def main() -> None:
               f"kept ({1 - r['kept'] / r['total']:.0%} saved, {r['host'] / 1e6:.1f} MB to host), "
               f"{len(p.recompute)} recomputed / {len(p.swap)} swapped modules, step time "
               f"{r['overhead']:+.1%} (planner predicted +{p.predicted_added_s * 1e3:.1f} ms)")
+
+    rng = random.Random(0)
+    lengths = [min(4096, int(rng.lognormvariate(5.5, 0.9))) for _ in range(64)]  # long tail
+    split = compare_splits(lengths, 4, SeqCost.from_config(get_preset("tiny")))
+    print(f"DP sequence balancing (64 long-tail lengths, 4 ranks, a*tokens + b*len^2 cost): max/mean "
+          f"per-rank cost contiguous {split.contiguous:.3f}, token-balanced {split.tokens:.3f}, "
+          f"cost-balanced {split.cost:.3f}")
 
     saved = 1 - results[0]["kept"] / results[0]["total"]
     print(f"target expert_load_max_over_mean_after: {after:.2f} (goal <= 1.1)")

@@ -15,6 +15,7 @@ from rlfusion.model.config import get_preset
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import lm_loss
 from rlfusion.parallel.balance import ExpertLoadTracker
+from rlfusion.fusion.memory import MemoryLedger
 from rlfusion.parallel.recompute import (HostPool, MemoryPlan, ModuleProfile, SavedTensorMeter,
                                          apply_plan, candidate_names, plan_memory,
                                          profile_modules)
@@ -29,7 +30,8 @@ def _grads_and_counts(plan: MemoryPlan | None):
     torch.manual_seed(0)
     model = MoETransformer(cfg).train()
     tracker = ExpertLoadTracker(model.routers())
-    pool = HostPool(model)
+    ledger = MemoryLedger("cpu:0")
+    pool = HostPool(model, ledger)
     applied = apply_plan(model, plan, pool) if plan else None
     tokens = make_batches(cfg, 1, 4, 16)[0]
     lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -37,6 +39,7 @@ def _grads_and_counts(plan: MemoryPlan | None):
     counts = torch.stack([r.tokens_per_expert for r in model.routers()])
     if applied:
         applied.remove()
+    assert ledger.snapshot()["host"]["activations"] == pool.bytes_out  # swaps show in the memory ledger
     return grads, counts, tracker.take(), pool.bytes_out, model
 
 

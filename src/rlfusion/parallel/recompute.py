@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import nn
@@ -92,14 +93,20 @@ class HostPool:
     """Swapped-out activations. `bytes_out`: bytes moved to host since `reset()`; a tensor
     saved by several ops (one input to q, k and v projections) moves once."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ledger: Any = None):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.bytes_out = 0
+        self.ledger = ledger  # a `fusion.memory.MemoryLedger`: host "activations" follow bytes_out
         self._moved: dict[int, tuple[weakref.ref, tuple]] = {}
 
     def reset(self) -> None:
         self.bytes_out = 0
         self._moved.clear()
+        self._account()
+
+    def _account(self) -> None:
+        if self.ledger is not None:
+            self.ledger.set("activations", self.bytes_out, location="host", name="swap")
 
     def pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() in self.param_ptrs:
@@ -111,6 +118,7 @@ class HostPool:
         host.copy_(t, non_blocking=t.is_cuda)
         self.bytes_out += host.numel() * host.element_size()
         self._moved[id(t)] = (weakref.ref(t), (t.device, host))
+        self._account()
         return t.device, host
 
     @staticmethod
