@@ -124,3 +124,13 @@ def compare_a2a(cfg_changes: list[dict], ep: int, ranks_per_node: int, rows: int
 def layouts_and_a2a(cases, a2a_args) -> dict:
     """One world for everything: the layout comparisons, then the all-to-all comparison."""
     return {"layouts": train_and_compare(cases), "a2a": compare_a2a(*a2a_args)}
+
+
+def run_world_checked(fn, world_size: int, *args, timeout: float = 240) -> list[dict]:
+    """`run_world`, failing the test with the first rank's error if any rank raised."""
+    from rlfusion.parallel.launch import run_world
+
+    ranks = run_world(fn, world_size, *args, timeout=timeout)
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, errors[0]
+    return ranks

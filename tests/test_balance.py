@@ -13,12 +13,11 @@ top-2 combine sums of two terms do not depend on order.
 import pytest
 import torch
 
-from parallel_helpers import make_batches, small_config
+from parallel_helpers import make_batches, run_world_checked, small_config
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, parallelize
 from rlfusion.parallel.balance import (BalanceConfig, ExpertBalancer, ExpertLoadTracker,
                                        _row_plan, imbalance, inverse, plan_placement)
-from rlfusion.parallel.launch import run_world
 
 ATOL = 1e-5
 CASES = [("ep4", dict(dp=4, ep=4)), ("dp4×ep2", dict(dp=4, ep=2))]
@@ -124,10 +123,7 @@ def migration_world(cases):
 
 @pytest.fixture(scope="module")
 def world():
-    ranks = run_world(migration_world, 4, CASES, timeout=240)
-    errors = [r["error"] for r in ranks if "error" in r]
-    assert not errors, errors[0]
-    return ranks
+    return run_world_checked(migration_world, 4, CASES, timeout=240)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

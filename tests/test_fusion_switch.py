@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_helpers import make_batches, small_config
+from parallel_helpers import make_batches, run_world_checked, small_config
 from rlfusion.fusion.buckets import TensorSpec, pack, plan_buckets, unpack
 from rlfusion.fusion.offload import HostPool, device_bytes, grad_tensors, optimizer_tensors
 from rlfusion.fusion.reshard import (SwitchCounter, build_inference_model, infer_to_train,
@@ -27,7 +27,6 @@ from rlfusion.fusion.reshard import (SwitchCounter, build_inference_model, infer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, parallelize
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
-from rlfusion.parallel.launch import run_world
 
 LOGIT_ATOL = 1e-5
 BUCKET_SIZES = (4096, 65536)
@@ -183,10 +182,7 @@ def switch_layouts(cases) -> dict:
 
 @pytest.fixture(scope="module")
 def world():
-    ranks = run_world(switch_layouts, 4, CASES, timeout=240)
-    errors = [r["error"] for r in ranks if "error" in r]
-    assert not errors, errors[0]
-    return ranks
+    return run_world_checked(switch_layouts, 4, CASES, timeout=240)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

@@ -12,8 +12,7 @@ carved out of dp×tp (tp2×ep2 = tp2 ranks × 2 data-parallel ranks splitting ex
 
 import pytest
 
-from parallel_helpers import layouts_and_a2a
-from rlfusion.parallel.launch import run_world
+from parallel_helpers import layouts_and_a2a, run_world_checked
 
 ATOL = 1e-5
 CASES = [
@@ -36,10 +35,7 @@ A2A_ARGS = ([dict(num_experts=16, top_k=2), dict(num_experts=16, top_k=8)], 4, 2
 
 @pytest.fixture(scope="module")
 def world():
-    ranks = run_world(layouts_and_a2a, 4, CASES, A2A_ARGS, timeout=240)
-    errors = [r["error"] for r in ranks if "error" in r]
-    assert not errors, errors[0]
-    return ranks
+    return run_world_checked(layouts_and_a2a, 4, CASES, A2A_ARGS, timeout=240)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
