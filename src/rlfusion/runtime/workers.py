@@ -105,7 +105,18 @@ class DeviceWorker:
 
     # ---- stage work ----
 
-    def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
+    def generate(self, problems: list[Problem], first_group_id: int, version: int,
+                 score_here: bool = False) -> list[Trajectory]:
+        """Rollout; with `score_here` (reward and reference live on this device too) the new
+        trajectories are also scored and given reference logprobs before they leave the device."""
+        trajs = self._generate(problems, first_group_id, version)
+        if score_here:
+            self.score(trajs)
+            if self.reference is not None:
+                self.reference_logprobs(trajs)
+        return trajs
+
+    def _generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
         with self._span("switch"), self.ledger.phase("switch"):
             if self.actor is not None:  # train → rollout on the same device
                 self.actor.optimizer.zero_grad(set_to_none=True)  # stale after the step
@@ -278,6 +289,7 @@ class RayDevices:
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
         ip, port = self.call([self.workers[0].address.remote()])[0]
         self.call([w.connect.remote(f"tcp://{ip}:{port}" if plan.num_devices > 1 else None) for w in self.workers])
+        self.scored: dict[tuple, tuple] = {}  # this step's on-device reward / reference results
         self.rollout = _RolloutProxy(self)
         self.reward = _RewardProxy(self)
         self.reference = _ReferenceProxy(self) if cfg.algo.kl_coef else None
@@ -325,17 +337,35 @@ def _split(items: list, num_parts: int) -> list[list]:
     return out
 
 
+def _key(t: Trajectory) -> tuple:
+    """Identifies a sample's reward and reference logprobs (equal responses have equal ones)."""
+    return t.group_id, tuple(t.prompt_ids), tuple(t.response_ids)
+
+
 class _RolloutProxy:
+    """When every rollout device also hosts reward and reference, each device scores its own
+    samples right after generating them (no trajectories travel for it, and a device that
+    finishes its rollout early goes on at once); the reward and reference proxies then hand
+    out those results."""
+
     def __init__(self, devices: RayDevices):
         self.d = devices
+        plan = devices.plan
+        self.score_here = all(dev in plan.reward and dev in plan.reference for dev in plan.rollout)
 
     def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
         parts, refs, offset = _split(problems, len(self.d.plan.rollout)), [], first_group_id
         for dev, part in zip(self.d.plan.rollout, parts):
             if part:
-                refs.append(self.d.workers[dev].generate.remote(part, offset, version))
+                refs.append(self.d.workers[dev].generate.remote(part, offset, version, self.score_here))
             offset += len(part)
-        return [t for chunk in self.d.call(refs) for t in chunk]
+        trajs = [t for chunk in self.d.call(refs) for t in chunk]
+        self.d.scored = {_key(t): (t.reward, t.metrics.get("correct"), t.ref_logprobs)
+                         for t in trajs} if self.score_here else {}
+        for t in trajs:  # the queue's reward and reference stages write these fields
+            t.reward, t.ref_logprobs = 0.0, None
+            t.metrics.pop("correct", None)
+        return trajs
 
     def rng_state(self) -> list[torch.Tensor]:
         return self.d.call([self.d.workers[dev].rng_state.remote() for dev in self.d.plan.rollout])
@@ -349,7 +379,10 @@ class _RewardProxy:
         self.d = devices
 
     def score(self, trajs: list[Trajectory]) -> None:
-        scores = self.d.call([self.d.workers[self.d.plan.reward[0]].score.remote(trajs)])[0]
+        if all(_key(t) in self.d.scored for t in trajs):
+            scores = [self.d.scored[_key(t)][:2] for t in trajs]
+        else:
+            scores = self.d.call([self.d.workers[self.d.plan.reward[0]].score.remote(trajs)])[0]
         for t, (reward, correct) in zip(trajs, scores):
             t.reward, t.metrics["correct"] = reward, correct
 
@@ -359,6 +392,10 @@ class _ReferenceProxy:
         self.d = devices
 
     def logprobs(self, trajs: list[Trajectory]) -> None:
+        if all(_key(t) in self.d.scored and self.d.scored[_key(t)][2] is not None for t in trajs):
+            for t in trajs:
+                t.ref_logprobs = self.d.scored[_key(t)][2]
+            return
         parts = _split(trajs, len(self.d.plan.reference))
         refs = [self.d.workers[dev].reference_logprobs.remote(part)
                 for dev, part in zip(self.d.plan.reference, parts) if part]
