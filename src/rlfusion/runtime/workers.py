@@ -338,8 +338,9 @@ def _split(items: list, num_parts: int) -> list[list]:
 
 
 def _key(t: Trajectory) -> tuple:
-    """Identifies a sample's reward and reference logprobs (equal responses have equal ones)."""
-    return t.group_id, tuple(t.prompt_ids), tuple(t.response_ids)
+    """Identifies a sample's reward and reference logprobs: a group shares one prompt, and equal
+    responses to it have equal ones. (The reward stage's rows carry no prompt ids.)"""
+    return t.group_id, tuple(t.response_ids)
 
 
 class _RolloutProxy:
