@@ -141,3 +141,27 @@ def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path)
         assert result.steps == 3
     finally:
         again.close()
+
+
+def test_worker_dying_before_a_collective_is_reported_at_once(ray_session, tmp_path):
+    """Device 0 would wait in the update's all-reduce for a peer that is gone; the driver must
+    report the dead device instead of waiting with it."""
+    import time
+
+    base = find_base()
+    cfg = _cfg(tmp_path, "colocated")
+    trainer = RLTrainer(cfg, tmp_path / "run", base)
+    try:
+        model, tokenizer, _ = load_checkpoint(base)
+        rng = random.Random(3)
+        task = ArithmeticTask(cfg.task)
+        trajs = RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate([task.sample(rng) for _ in range(2)], 0, 0)
+        for i, t in enumerate(trajs):
+            t.advantage = 1.0 if i % 2 else -1.0
+        ray.kill(trainer.devices.workers[1])
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"device 1 \("):
+            trainer.actor.update(trajs)
+        assert time.monotonic() - start < 30
+    finally:
+        trainer.close()

@@ -296,8 +296,14 @@ class RayDevices:
         self.actor = _ActorProxy(self)
 
     def call(self, refs: list[Any]) -> list[Any]:
-        """`ray.get` that names the role and device of a worker that died."""
+        """`ray.get` that names the role and device of a worker that died. Results are checked
+        as they arrive, so a dead worker is reported at once, not after its peers give up
+        waiting for it in a collective."""
         try:
+            pending = list(refs)
+            while pending:
+                ready, pending = self.ray.wait(pending, num_returns=1)
+                self.ray.get(ready)  # raises if that worker failed
             return self.ray.get(refs)
         except self.ray.exceptions.RayActorError as e:
             dead = [d for d, w in enumerate(self.workers) if w._actor_id.hex() in str(e)]
