@@ -165,3 +165,31 @@ def test_worker_dying_before_a_collective_is_reported_at_once(ray_session, tmp_p
         assert time.monotonic() - start < 30
     finally:
         trainer.close()
+
+
+def test_skipped_update_keeps_versions_and_checkpoints_with_offloaded_optimizer(ray_session, tmp_path):
+    """A step whose groups all carry no signal skips the update while the optimizer state is
+    still on host: the versions must move on everywhere and a checkpoint must still be whole."""
+    from rlfusion.runtime import run_state
+
+    trainer = RLTrainer(_cfg(tmp_path, "colocated", run_name="skip"), tmp_path / "skip", find_base())
+    try:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        trainer.train_step()  # the optimizer now has state
+        rng = random.Random(5)
+        problems = [trainer.task.sample(rng) for _ in range(2)]
+        trajs = trainer.rollout.generate(problems, 100, trainer.actor.version)  # offloads it
+        trainer.actor.skip_update()
+        run_state.save(trainer)
+        state = torch.load(trainer.run_dir / "checkpoint" / run_state.STATE, weights_only=False)
+        moments = [v["exp_avg"] for v in state["optimizer"]["optimizer"]["state"].values()]
+        assert moments and all(m.untyped_storage().nbytes() > 0 for m in moments)
+        versions = trainer.devices.call([w.state.remote() for w in trainer.devices.workers])
+        assert [v["version"] for v in versions] == [2, 2] == [trainer.actor.version] * 2
+        trainer.rollout.generate(problems, 200, trainer.actor.version)  # offload again, twice in a row
+        for t in trajs:
+            t.advantage = 1.0
+        trainer.actor.update(trajs)  # restores the optimizer state and trains
+        assert trainer.actor.version == 3
+    finally:
+        trainer.close()

@@ -256,6 +256,11 @@ class ActorStage:
         self.version += 1
         return {k: v / max(num_updates, 1) for k, v in totals.items()}
 
+    def skip_update(self) -> None:
+        """No sample carried signal this step: the policy is unchanged, its version moves on
+        (so the learning-rate schedule and token versions stay in step with the loop)."""
+        self.version += 1
+
     @torch.no_grad()
     def _set_proximal(self, trajs: list[Trajectory]) -> None:
         for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens):

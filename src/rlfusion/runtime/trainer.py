@@ -103,7 +103,7 @@ class RLTrainer:
         if train_trajs:
             metrics.update(self.actor.update(train_trajs))
         else:
-            self.actor.version += 1  # nothing to learn from; the policy is unchanged
+            self.actor.skip_update()  # nothing to learn from; the policy is unchanged
         t_update = time.perf_counter() - t1
         gen_tokens = sum(len(t.response_ids) for t in trajs)
         lengths = [len(t.response_ids) for t in trajs]

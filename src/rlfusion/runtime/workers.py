@@ -15,9 +15,9 @@ updates, so the switch to rollout moves no weights: it offloads the optimizer st
 frees the gradients, and allocates the KV cache; the switch back releases the KV cache and
 restores the optimizer state. In fully-shared mode the reference weights also live on host
 except while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
-phase) and checks the zero-redundancy rule: peak during a switch ≤ max(train, rollout peak). `LocalDevices` runs the same `DeviceWorker`
-in the driver process (one device, for debugging and the tests); `RayDevices` starts one Ray
-actor per device in a placement group and joins them in one gloo (CPU) / nccl (CUDA) world.
+phase) and checks the zero-redundancy rule: peak during a switch ≤ max(train, rollout peak).
+`RayDevices` starts one Ray actor per device in a placement group and joins them in one gloo
+(CPU) / nccl (CUDA) world; `deploy.backend=local` keeps the stages in the driver instead.
 
 Not here: the order of stages (the trainer) and which columns flow (`dataflow.py`).
 """
@@ -118,7 +118,7 @@ class DeviceWorker:
 
     def _generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
         with self._span("switch"), self.ledger.phase("switch"):
-            if self.actor is not None:  # train → rollout on the same device
+            if self.actor is not None and not self.optimizer_pool.entries:  # train → rollout
                 self.actor.optimizer.zero_grad(set_to_none=True)  # stale after the step
                 self.optimizer_pool.offload(optimizer_tensors(self.actor.optimizer))
                 self._account()
@@ -207,6 +207,9 @@ class DeviceWorker:
 
     def state(self) -> dict[str, Any]:
         """The policy weights and optimizer state (train devices hold identical replicas)."""
+        if self.optimizer_pool.entries:  # offloaded for a rollout whose update was skipped
+            self.optimizer_pool.restore()
+            self._account()
         return {"model": self.policy.state_dict(), "optimizer": self.actor.optimizer.state_dict(),
                 "version": self.actor.version}
 
@@ -215,6 +218,10 @@ class DeviceWorker:
         if self.actor is not None:
             self.actor.optimizer.load_state_dict(state["optimizer"])
             self.actor.version = state["version"]
+
+    def skip_update(self) -> None:
+        """No sample carried signal this step: the policy is unchanged, its version moves on."""
+        self.actor.skip_update()
 
     def rng_state(self) -> torch.Tensor:
         return self.rollout.rng_state()
@@ -427,10 +434,17 @@ class _ActorProxy:
         metrics = self.d.call([self.d.workers[dev].update.remote([trajs[i] for i in part])
                                for dev, part in zip(train, parts)])[0]
         self.version += 1
-        if not self.d.plan.colocated_actor:
-            group = sorted({train[0], *self.d.plan.rollout})
-            self.weight_sync_bytes = self.d.call([self.d.workers[dev].sync_weights.remote() for dev in group])[0]
+        self._sync_rollout_weights()
         return metrics
+
+    def skip_update(self) -> None:
+        self.d.call([self.d.workers[dev].skip_update.remote() for dev in self.d.plan.train])
+        self.version += 1
+
+    def _sync_rollout_weights(self) -> None:
+        if not self.d.plan.colocated_actor:
+            group = sorted({self.d.plan.train[0], *self.d.plan.rollout})
+            self.weight_sync_bytes = self.d.call([self.d.workers[dev].sync_weights.remote() for dev in group])[0]
 
 
 class _RemoteOptimizer:
