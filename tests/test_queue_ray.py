@@ -205,3 +205,39 @@ def test_hierarchical_read_gives_every_rank_identical_data(ray_cluster):
     assert sorted(results[r][4] == [0, 1, 2] for r in range(4)) == [True] * 4
     assert q.get("check", ["reward"], 6).columns["reward"] == [0.0 + 1 + 2, 3.0 + 4 + 5]  # written by rank 2
     q.shutdown()
+
+
+def test_ray_failed_shard_write_or_read_loses_and_blocks_nothing(ray_cluster, monkeypatch):
+    q = RayDistQueue(QueueConfig(COLUMNS, capacity=2), num_shards=1)
+    ids = q.put({"prompt": [[1], [2]]})
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("shard unreachable")
+
+    monkeypatch.setattr(RayDistQueue, "_write_shards", broken)
+    with pytest.raises(ConnectionError):
+        q.put({"reward": [1.0]}, row_ids=[ids[0]])  # existing rows: the cells are not left pending
+    monkeypatch.undo()
+    q.put({"reward": [1.0]}, row_ids=[ids[0]])  # the retry is accepted
+    q.retire([ids[1]])
+    monkeypatch.setattr(RayDistQueue, "_write_shards", broken)
+    with pytest.raises(ConnectionError):
+        q.put({"prompt": [[3]]})  # new rows: retired, capacity given back
+    monkeypatch.undo()
+    assert len(q) == 1
+    q.put({"prompt": [[4]]}, timeout=1)
+    real_get = ray.get
+    calls = {"n": 0}
+
+    def failing_read(refs, *a, **kw):  # the shard read (the second ray.get of a get) fails once
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConnectionError("shard unreachable")
+        return real_get(refs, *a, **kw)
+
+    monkeypatch.setattr(ray, "get", failing_read)
+    with pytest.raises(ConnectionError):
+        q.get("actor", ["prompt"], 5)
+    monkeypatch.undo()
+    assert q.get("actor", ["prompt"], 5).columns["prompt"] == [[1], [4]]  # nothing lost for "actor"
+    q.shutdown()

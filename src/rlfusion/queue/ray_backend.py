@@ -163,6 +163,27 @@ class QueueControllerActor:
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         self.controller.load_state_dict(state)
+        self.reading, self.drop_after_read = {}, set()  # leases of the old state mean nothing now
+        await self._notify()
+
+    async def abort_write(self, row_ids: list[int], columns: list[str], created: bool) -> None:
+        """A write whose shard step failed: its cells stop being pending (rows it created are
+        retired), so they neither block capacity nor refuse a retry."""
+        if created:
+            self._drop(self.controller.retire(row_ids))
+        else:
+            for r in row_ids:
+                if r in self.controller.rows:
+                    self.controller.rows[r].pending.difference_update(columns)
+        await self._notify()
+
+    async def unacquire(self, consumer: str, row_ids: list[int]) -> None:
+        """A get whose shard read failed: the rows become available to `consumer` again."""
+        for r in row_ids:
+            meta = self.controller.rows.get(r)
+            if meta is not None:
+                meta.consumed.discard(consumer)
+        self.stats.rows_served -= len(row_ids)
         await self._notify()
 
 
@@ -300,15 +321,23 @@ class RayDistQueue:
         else:
             ids = list(row_ids)
             _call(self.controller.begin_write.remote(ids, names))
-        if names:
-            pos = {r: i for i, r in enumerate(ids)}
-            refs = []
-            for k, rows in _by_shard(ids, self.num_shards).items():
-                part = {c: [vals[pos[r]] for r in rows] for c, vals in columns.items()}
-                refs.append(self.shards[k].write.remote(rows, pack_columns(self.schema, part, len(rows))))
-            ray.get(refs)
+        try:
+            self._write_shards(ids, columns)
+        except BaseException:
+            ray.get(self.controller.abort_write.remote(ids, names, row_ids is None))
+            raise
         _call(self.controller.commit.remote(ids, names))
         return ids
+
+    def _write_shards(self, ids: list[int], columns: dict[str, list[Any]]) -> None:
+        if not columns:
+            return
+        pos = {r: i for i, r in enumerate(ids)}
+        refs = []
+        for k, rows in _by_shard(ids, self.num_shards).items():
+            part = {c: [vals[pos[r]] for r in rows] for c, vals in columns.items()}
+            refs.append(self.shards[k].write.remote(rows, pack_columns(self.schema, part, len(rows))))
+        ray.get(refs)
 
     # ---- reads ----
 
@@ -321,6 +350,9 @@ class RayDistQueue:
         by_shard = _by_shard(rows, self.num_shards)
         try:
             wires = ray.get([self.shards[k].read.remote(rs, list(columns)) for k, rs in by_shard.items()])
+        except BaseException:  # nothing reached the consumer: it may take these rows again
+            ray.get(self.controller.unacquire.remote(consumer, rows))
+            raise
         finally:
             if rows:
                 self.controller.release.remote(rows)
