@@ -225,3 +225,10 @@ def test_batch_split_balanced_across_dp_ranks():
         assert all(len(r) == lengths[rid] for rid, r in zip(p.row_ids, p.columns["response"]))
     with pytest.raises(ValueError, match="length column 'reward'"):
         batch.split_balanced(2, ["reward"])
+
+
+def test_float32_cells_are_stored_as_they_travel():
+    q = make_queue()
+    q.put({"reward": [0.1], "prompt": [[1]]})
+    got = q.get("a", ["reward"], 1).columns["reward"][0]
+    assert got == torch.tensor(0.1, dtype=torch.float32).item() != 0.1  # what the Ray wire returns too

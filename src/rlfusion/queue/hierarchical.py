@@ -49,12 +49,17 @@ class GroupQueue:
         """The same `Batch` on every rank of the group, read from the queue once."""
         header: list[Any] = [None]
         if self.rank == self.reader:
-            batch = self.queue.get(consumer, columns, count, policy, block=block, timeout=timeout)
-            self.requests += 1
-            wire = pack_columns(self.schema, batch.columns, len(batch))
-            payload, layout = _flatten(wire)
-            header[0] = (batch.row_ids, batch.group_ids, batch.versions, wire.objects, layout, payload.numel())
+            try:
+                batch = self.queue.get(consumer, columns, count, policy, block=block, timeout=timeout)
+                self.requests += 1
+                wire = pack_columns(self.schema, batch.columns, len(batch))
+                payload, layout = _flatten(wire)
+                header[0] = (batch.row_ids, batch.group_ids, batch.versions, wire.objects, layout, payload.numel())
+            except Exception as e:  # every rank raises it, rather than the others waiting forever
+                header[0] = e
         dist.broadcast_object_list(header, src=self.reader, group=self.group)
+        if isinstance(header[0], Exception):
+            raise header[0]
         row_ids, group_ids, versions, objects, layout, nbytes = header[0]
         if self.rank != self.reader:
             payload = torch.empty(nbytes, dtype=torch.uint8)

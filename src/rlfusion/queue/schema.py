@@ -59,7 +59,8 @@ class ColumnSpec:
         return self._check_scalars(list(value))
 
     def _check_scalars(self, xs: list[Any]) -> list[Any]:
-        """`xs` checked against the dtype; ints in a float column become floats."""
+        """`xs` checked against the dtype; ints in a float column become floats, and float32
+        values are rounded to float32 (what the wire format carries)."""
         types = set(map(type, xs))  # exact types: bool is not accepted as a number
         if self.dtype in INT_RANGES:
             if not types <= {int}:
@@ -70,12 +71,12 @@ class ColumnSpec:
                 x = min(xs) if min(xs) < lo else max(xs)
                 raise ValueError(f"column {self.name!r}: value {x} is outside the {self.dtype} range [{lo}, {hi}]")
             return xs
-        if types <= {float}:
-            return xs
         if not types <= {float, int}:
             bad = next(x for x in xs if type(x) not in (float, int))
             raise ValueError(f"column {self.name!r}: expected {self.dtype}, got {type(bad).__name__} {bad!r}")
-        return [float(x) for x in xs]
+        if self.dtype == "float32":  # stored as it travels, so every backend returns equal values
+            return torch.tensor(xs, dtype=torch.float32).tolist()
+        return xs if types <= {float} else [float(x) for x in xs]
 
 
 @dataclass(frozen=True)
