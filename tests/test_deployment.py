@@ -65,9 +65,10 @@ def _worker_params(trainer, device):
 
 
 def test_colocated_data_parallel_update_equals_one_process(ray_session, tmp_path):
-    """Two train devices, each with half the samples, take exactly the full-batch step."""
+    """Two train devices, each with half the samples, take exactly the full-batch step (the
+    routers' expert-bias update included: it sees the whole batch's load on every replica)."""
     base = find_base()
-    cfg = _cfg(tmp_path, "colocated")
+    cfg = _cfg(tmp_path, "colocated", **{"optim.router_bias_update": "true"})
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
         model, tokenizer, _ = load_checkpoint(base)
@@ -82,6 +83,8 @@ def test_colocated_data_parallel_update_equals_one_process(ray_session, tmp_path
         got = trainer.actor.update(copy.deepcopy(trajs))
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         replicas = [_worker_params(trainer, d) for d in (0, 1)]
+        bias = [k for k in replicas[0] if k.endswith("expert_bias")]
+        assert bias and any(replicas[0][k].abs().sum() > 0 for k in bias)  # the bias did move
         for name, p in model.state_dict().items():
             assert torch.equal(replicas[0][name], replicas[1][name]), name  # replicas stay identical
             torch.testing.assert_close(replicas[0][name], p, rtol=0, atol=1e-6)
@@ -99,7 +102,7 @@ def test_separated_mode_syncs_weights_and_learns_steps(ray_session, tmp_path):
         rollout, train = _worker_params(trainer, 0), _worker_params(trainer, 1)
         assert all(torch.equal(rollout[k], train[k]) for k in train)  # the rollout device got the update
         assert any(not torch.equal(before[k], train[k]) for k in train)
-        num_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        num_bytes = sum(p.numel() * p.element_size() for p in trainer.model.state_dict().values())
         assert trainer.actor.weight_sync_bytes == num_bytes and trainer.actor.version == 2
         phases = {d: {s.phase for s in trainer.timeline.spans if s.device == d} for d in ("device0", "device1")}
         assert phases["device0"] == {"rollout", "switch", "transfer"}  # KV cache in, generate, out; weights in
@@ -191,5 +194,24 @@ def test_skipped_update_keeps_versions_and_checkpoints_with_offloaded_optimizer(
             t.advantage = 1.0
         trainer.actor.update(trajs)  # restores the optimizer state and trains
         assert trainer.actor.version == 3
+    finally:
+        trainer.close()
+
+
+def test_non_finite_loss_on_one_train_device_stops_both(ray_session, tmp_path):
+    """A NaN on one data-parallel rank raises on every rank instead of leaving its peer waiting
+    in the gradient sum."""
+    base = find_base()
+    cfg = _cfg(tmp_path, "colocated")
+    trainer = RLTrainer(cfg, tmp_path / "run", base)
+    try:
+        model, tokenizer, _ = load_checkpoint(base)
+        rng = random.Random(3)
+        trajs = RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate(
+            [ArithmeticTask(cfg.task).sample(rng) for _ in range(4)], 0, 0)
+        for i, t in enumerate(trajs):
+            t.advantage = float("nan") if i == 0 else 1.0  # only the first device's share is bad
+        with pytest.raises(Exception, match="loss became nan"):
+            trainer.actor.update(trajs)
     finally:
         trainer.close()

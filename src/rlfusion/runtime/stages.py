@@ -288,13 +288,19 @@ class ActorStage:
         if num_tokens == 0:
             return None
         metrics: dict[str, float] = {}
+        bad_loss = None
         for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []:
             loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
             if not math.isfinite(loss.item()):
-                raise NonFiniteLossError(f"loss became {loss.item()} at policy version {self.version}")
+                bad_loss = loss.item()
+                break  # with a DP group the peers learn of it below instead of hanging in the sum
             loss.backward()
             for k, v in m.items():  # token-weighted average over micro-batches
                 metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+        if self.dp_group is not None and self._any_rank(bad_loss is not None) and bad_loss is None:
+            bad_loss = float("nan")  # another rank's loss
+        if bad_loss is not None:
+            raise NonFiniteLossError(f"loss became {bad_loss} at policy version {self.version}")
         if self.dp_group is not None:
             metrics = self._sync(metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
@@ -302,6 +308,8 @@ class ActorStage:
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
         if self.optim_cfg.router_bias_update:
+            if self.dp_group is not None:  # every replica sees the load of the whole batch
+                self._sum_router_loads()
             self.model.update_router_bias()
         else:
             for router in self.model.routers():
@@ -317,6 +325,20 @@ class ActorStage:
             dist.all_reduce(t, group=self.dp_group)
             counts = t.tolist()
         return counts[0], counts[1]
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return bool(t.item())
+
+    def _sum_router_loads(self) -> None:
+        routers = self.model.routers()
+        if not routers:
+            return
+        flat = torch.cat([r.tokens_per_expert for r in routers])
+        dist.all_reduce(flat, group=self.dp_group)
+        for r, load in zip(routers, flat.split([r.tokens_per_expert.numel() for r in routers])):
+            r.tokens_per_expert.copy_(load)
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
         """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group."""

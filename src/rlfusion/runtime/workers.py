@@ -124,11 +124,13 @@ class DeviceWorker:
                 self._account()
             self.rollout.engine.runner.cache.restore()
             self._account()
-        with self._span("rollout"), self.ledger.phase("rollout"):
-            trajs = self.rollout.generate(problems, first_group_id, version)
-        with self._span("switch"), self.ledger.phase("switch"):
-            self.rollout.engine.runner.cache.release()
-            self._account()
+        try:
+            with self._span("rollout"), self.ledger.phase("rollout"):
+                trajs = self.rollout.generate(problems, first_group_id, version)
+        finally:  # the cache never outlives the rollout, even a failed one
+            with self._span("switch"), self.ledger.phase("switch"):
+                self.rollout.engine.runner.cache.release()
+                self._account()
         return trajs
 
     def score(self, trajs: list[Trajectory]) -> list[tuple[float, float]]:
@@ -182,12 +184,13 @@ class DeviceWorker:
             led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
 
     def sync_weights(self) -> int:
-        """Separated mode: train device 0 broadcasts every parameter to the rollout devices,
-        packed into contiguous buckets of `deploy.bucket_mb`. Returns bytes sent or received."""
+        """Separated mode: train device 0 broadcasts every parameter and persistent buffer (the
+        routers' expert biases) to the rollout devices, packed into contiguous buckets of
+        `deploy.bucket_mb`. Returns bytes sent or received."""
         if self.device not in self.plan.rollout and self.device != self.plan.train[0]:
             return 0
         with self._span("transfer"):
-            params = [p.data for p in self.policy.parameters()]
+            params = list(self.policy.state_dict().values())
             limit = int(self.cfg.deploy.bucket_mb * 2**20)
             moved = 0
             for bucket in _buckets(params, limit):
