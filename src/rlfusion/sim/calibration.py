@@ -5,11 +5,13 @@ honesty rule of the simulator lives here: every field is a *measured microbenchm
 (decode step time vs batch size, train tokens/s, switch time, transfer bandwidth) — never a
 value fitted to the RL throughput the simulator is asked to predict.
 
-Until the engine and fusion benchmarks write a measured file, `cpu_default()` starts from the
-figures in CALIBRATION.md (decode 1 -> 3.0 ms, 8 -> 5.5, 32 -> 7.7, 128 -> 13.4,
-256 -> 19.1 ms per step; RL update 7-9K tokens/s). Fields CALIBRATION.md does not give are
-marked `placeholder` in `source_notes`. Deriving the same record for accelerator clusters from
-hardware specs (for the 718B supernode projections) is not written yet.
+Three sources write one: `measure.measure_calibration()` times the real engine, actor update,
+reference forward, switch, weight broadcast and two-process contention on this machine
+(`rlfusion simulate --calibrate PATH`); `cluster_calibration.calibration_from_hardware()`
+derives one for an accelerator cluster from the training cost model and hardware specs (for
+projections, every assumption listed in `source_notes`); `cpu_default()` holds the figures in
+CALIBRATION.md (decode 1 -> 3.0 ms, 8 -> 5.5, 32 -> 7.7, 128 -> 13.4, 256 -> 19.1 ms per step;
+RL update 7-9K tokens/s), with the fields it does not give marked `placeholder`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ class Calibration:
     weight_GB: float  # actor weights moved by one weight sync (separated mode), 1e9 B
     devices_per_engine: int = 1  # devices one rollout engine instance spans
     forward_fraction: float = 1.0 / 3.0  # forward-only (ref/reward) cost / train cost per token
+    prefill_fixed_ms: float = 0.0  # fixed cost of one prefill pass (any rows), ms
+    reference_tokens_per_s_per_device: float = 0.0  # measured ref forward rate; 0: use fraction
+    reference_overhead_s: float = 0.0  # fixed cost of one reference pass over a batch, s
+    reference_switch_s: float | None = None  # bring the offloaded reference in and out (shared
+    #                                          mode); None: same as switch_s
+    concurrent_speed: float = 1.0  # per-device speed while every device of a host is busy,
+    #                                relative to one busy device alone (CPU cores that share
+    #                                caches and memory bandwidth: < 1; accelerators: 1)
+    grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across
+    #                            the train devices (data-parallel replicas); 0: in the train rate
     source: str = "unspecified"  # where the numbers come from
     source_notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -48,6 +60,14 @@ class Calibration:
         for key in ("train_tokens_per_s_per_device", "transfer_GBps", "devices_per_engine"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be > 0")
+        if not 0.0 < self.concurrent_speed <= 1.0:
+            raise ValueError(f"calibration.concurrent_speed={self.concurrent_speed} must be "
+                             "in (0, 1]")
+        for key in ("prefill_ms_per_token", "prefill_fixed_ms", "train_step_overhead_s",
+                    "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
+                    "reference_overhead_s", "grad_sync_GB"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
 
     def decode_step_s(self, batch: int) -> float:
         """Step time at `batch` active sequences: piecewise linear between measured points,
@@ -60,6 +80,23 @@ class Calibration:
         i = min(bisect_left(sizes, batch), len(sizes) - 1)
         x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
         return (y0 + (y1 - y0) * (batch - x0) / (x1 - x0)) / 1e3
+
+    def prefill_s(self, tokens: int) -> float:
+        """One prefill pass over `tokens` prompt (or resumed-context) tokens."""
+        if tokens <= 0:
+            return 0.0
+        return (self.prefill_fixed_ms + tokens * self.prefill_ms_per_token) / 1e3
+
+    def reference_s(self, tokens: int, devices: int) -> float:
+        """Reference (or reward-model) forward over `tokens` split across `devices`."""
+        if self.reference_tokens_per_s_per_device > 0:
+            return (self.reference_overhead_s
+                    + tokens / (self.reference_tokens_per_s_per_device * devices))
+        return tokens / (self.train_tokens_per_s_per_device * devices) * self.forward_fraction
+
+    @property
+    def reference_switch(self) -> float:
+        return self.switch_s if self.reference_switch_s is None else self.reference_switch_s
 
     def replace(self, **changes) -> "Calibration":
         return dataclasses.replace(self, **changes)

@@ -29,6 +29,11 @@ class RLSimConfig:
     response_median: float = 24.0  # tokens, median of the log-normal length distribution
     response_p99_over_median: float = 3.75  # long tail (CALIBRATION.md: 3.5-4)
     max_response_len: int = 128
+    # Measured lengths, used in order (sample i gets response_lengths[i % len]) instead of the
+    # log-normal: replays a real run's response-length distribution. Empty = log-normal.
+    response_lengths: tuple[int, ...] = ()
+    train_fraction: float = 1.0  # share of a batch's tokens the update trains on (DAPO dynamic
+    #                              sampling drops groups whose rewards are all equal; measured)
     max_batch_per_engine: int = 256  # continuous-batching slots per engine instance
     staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
     partial_rollout: bool = False  # co-located: end rollout at N finished, resume the rest
@@ -52,6 +57,10 @@ class RLSimConfig:
         if not 0.0 < self.rollout_fraction < 1.0:
             raise ValueError(f"simulate.rollout_fraction={self.rollout_fraction} must be "
                              "in (0, 1)")
+        if not 0.0 < self.train_fraction <= 1.0:
+            raise ValueError(f"simulate.train_fraction={self.train_fraction} must be in (0, 1]")
+        if any(n < 1 for n in self.response_lengths):
+            raise ValueError("simulate.response_lengths must all be >= 1")
         if self.response_p99_over_median < 1.0 or self.response_median <= 0:
             raise ValueError("simulate.response_p99_over_median must be >= 1 and "
                              "response_median > 0")
@@ -82,4 +91,9 @@ def load_rl_config(path: str | Path) -> RLSimConfig:
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: "
                          f"{', '.join(sorted(allowed))}")
-    return RLSimConfig(**data)
+    if "response_lengths" in data:
+        data["response_lengths"] = tuple(data["response_lengths"])
+    try:
+        return RLSimConfig(**data)
+    except TypeError as exc:  # a value of the wrong type (e.g. a string for a number)
+        raise ValueError(f"{path}: {exc}") from None

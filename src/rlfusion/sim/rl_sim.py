@@ -9,14 +9,23 @@ Owns `simulate()` and its `SimResult`/`TimelineEvent` outputs. Modes:
 - separated: `rollout_fraction` of devices generate, the rest train; both run at once. New
   weights reach the engines after a weight transfer and a load (`switch_s`); in-flight samples
   continue under the new weights (their *oldest* token version is what staleness checks).
-- colocated: all devices generate, then switch to training, then switch back. With
-  `partial_rollout` (and s >= 1) a rollout phase ends once N samples are ready and every
-  in-flight sample that would exceed the bound has finished; the rest is aborted and resumed
-  (re-prefilling prompt + generated tokens) in the next phase.
-- shared: colocated plus reference and reward models on the same devices (two more switches
-  and their forward passes per step).
+- colocated: all devices generate; each engine computes reference logprobs of the samples it
+  finished right after its own rollout ends (resident reference weights); then all switch to
+  training, train data-parallel, and switch back. With `partial_rollout` (and s >= 1) a
+  rollout phase ends once N samples are ready and every in-flight sample that would exceed
+  the bound has finished; the rest is aborted and resumed (re-prefilling prompt + generated
+  tokens) in the next phase.
+- shared: colocated with the reference weights offloaded while unused (each engine brings them
+  in and out around its reference pass), plus an optional reward model (one more switch and
+  forward pass per step).
 Staleness s = 0 therefore reproduces synchronous RL in every mode. Costs come only from a
 `Calibration` (measured inputs); nothing is fitted to throughput.
+
+Contention: while more than one device works at once, every compute cost is divided by
+`Calibration.concurrent_speed` (measured; < 1 for worker processes sharing a CPU, 1 for
+accelerators). Devices work at once in colocated and shared modes with 2+ devices, in
+separated mode among 2+ engines or 2+ trainers, and between engines and trainers when s >= 1
+(they overlap). An engine that finishes its share early is still charged the slower rate.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ class SimResult:
     dropped_samples: int  # finished but too stale to train on
     max_staleness: int  # largest (update version - sample min_version) trained on
     updates: int
+    update_end_s: tuple[float, ...] = ()  # when each update's new weights exist
 
 
 @dataclass
@@ -68,6 +78,8 @@ class _Engine:
     version: int = 0
     clock: float = 0.0
     active: list[Sample] = field(default_factory=list)
+    finished_tokens: int = 0  # prompt + response tokens of samples finished since last reset
+    last_work: float = 0.0  # end of its latest prefill or decode step
 
 
 class _Sim:
@@ -85,6 +97,11 @@ class _Sim:
         self.trained_tokens = 0
         engines = self._num_engines()
         self.engines = [_Engine(f"engine{i}") for i in range(engines)]
+        self.update_end: list[float] = []
+        slow = 1.0 / cal.concurrent_speed
+        overlap = cfg.mode == "separated" and cfg.staleness > 0
+        self.engine_slow = slow if (engines > 1 or overlap) else 1.0
+        self.train_slow = slow if (self.train_devices() > 1 or overlap) else 1.0
 
     # ---- setup ------------------------------------------------------------------------
     def _num_engines(self) -> int:
@@ -101,7 +118,10 @@ class _Sim:
 
     def _new_sample(self) -> Sample:
         cfg = self.cfg
-        length = round(cfg.response_median * math.exp(self.rng.gauss(0.0, cfg.length_sigma)))
+        if cfg.response_lengths:
+            length = cfg.response_lengths[self.next_idx % len(cfg.response_lengths)]
+        else:
+            length = round(cfg.response_median * math.exp(self.rng.gauss(0.0, cfg.length_sigma)))
         sample = Sample(self.next_idx, self.next_idx // self.n, cfg.prompt_len,
                         min(max(length, 1), cfg.max_response_len))
         self.next_idx += 1
@@ -130,16 +150,20 @@ class _Sim:
             if s.needs_prefill:
                 prefill_tokens += s.prompt_len + s.generated
                 s.needs_prefill = False
-        cost = prefill_tokens * self.cal.prefill_ms_per_token / 1e3
+        cost = self.cal.prefill_s(prefill_tokens) * self.engine_slow
         self.record(eng.name, "prefill", eng.clock, eng.clock + cost, eng.version)
         eng.clock += cost
+        eng.last_work = eng.clock
         eng.active.extend(added)
 
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
             return math.inf
         left = min(s.length - s.generated for s in eng.active)
-        return eng.clock + left * self.cal.decode_step_s(len(eng.active))
+        return eng.clock + left * self.decode_step_s(eng)
+
+    def decode_step_s(self, eng: _Engine) -> float:
+        return self.cal.decode_step_s(len(eng.active)) * self.engine_slow
 
     def advance(self, eng: _Engine, until: float) -> list[Sample]:
         """Run decode steps up to `until` (finishing the step in progress); return finished."""
@@ -148,15 +172,17 @@ class _Sim:
             return []
         if eng.clock >= until:  # already past `until` (finishing a step or a prefill)
             return []
-        step = self.cal.decode_step_s(len(eng.active))
+        step = self.decode_step_s(eng)
         left = min(s.length - s.generated for s in eng.active)
         steps = min(left, math.ceil((until - eng.clock) / step - 1e-9))
         self.record(eng.name, "rollout", eng.clock, eng.clock + steps * step, eng.version)
         eng.clock += steps * step
+        eng.last_work = eng.clock
         for s in eng.active:
             s.generated += steps
         done = [s for s in eng.active if s.generated >= s.length]
         eng.active = [s for s in eng.active if s.generated < s.length]
+        eng.finished_tokens += sum(s.prompt_len + s.length for s in done)
         return done
 
     # ---- training ---------------------------------------------------------------------
@@ -175,28 +201,52 @@ class _Sim:
         return batch
 
     def train_phases(self, batch: list[Sample]) -> list[tuple[str, float]]:
-        """(role, seconds) of everything between 'batch ready' and 'new weights exist'."""
+        """(role, seconds) of everything between 'batch ready' and 'new weights exist'. In the
+        colocated modes the reference pass already ran on the engines (`reference_phases`)."""
         cfg, cal = self.cfg, self.cal
         tokens = sum(s.prompt_len + s.length for s in batch)
         queued = tokens if cfg.padding_free else len(batch) * (cfg.prompt_len
                                                                + cfg.max_response_len)
-        rate = cal.train_tokens_per_s_per_device * self.train_devices()
-        forward = tokens / rate * cal.forward_fraction
+        devices = self.train_devices()
+        rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9))]
-        if cfg.mode == "shared":
-            phases.append(("switch", cal.switch_s))
-        phases.append(("ref", forward))
+        if cfg.mode == "separated":
+            phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
         if cfg.mode == "shared" and cfg.reward_model:
-            phases += [("switch", cal.switch_s), ("reward", forward)]
-        phases.append(("train", tokens / rate + cal.train_step_overhead_s + self.grad_sync_s()))
+            phases += [("switch", cal.switch_s),
+                       ("reward", cal.reference_s(tokens, devices) * self.train_slow)]
+        train = (tokens * cfg.train_fraction / rate + cal.train_step_overhead_s) * self.train_slow
+        phases.append(("train", train + self.dp_sync_s(devices) + self.grad_sync_s()))
         return phases
+
+    def reference_phases(self, tokens: int) -> list[tuple[str, float]]:
+        """One engine's reference pass over the `tokens` it generated (colocated modes)."""
+        cal = self.cal
+        forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine) * self.engine_slow)
+        if self.cfg.mode != "shared":
+            return [forward]
+        return [("switch", cal.reference_switch / 2), forward,
+                ("switch", cal.reference_switch / 2)]
+
+    def dp_sync_s(self, devices: int) -> float:
+        """Ring all-reduce of each train device's gradients across the train devices."""
+        if devices <= 1 or not self.cal.grad_sync_GB:
+            return 0.0
+        return (2.0 * (devices - 1) / devices * self.cal.grad_sync_GB
+                / self.cal.transfer_GBps)
 
     def grad_sync_s(self) -> float:
         n, bw = self.cfg.num_supernodes, self.cfg.inter_supernode_GBps
         if n <= 1 or bw <= 0:
             return 0.0  # ideal network (or one supernode: inside the measured train rate)
+        # weights travel in bf16 (weight_GB); gradients reduce in fp32 (2x), sharded over the
+        # devices of a supernode
         per_device = 2.0 * self.cal.weight_GB * 1e9 / self.cfg.devices_per_supernode
         return 2.0 * (n - 1) / n * per_device / (bw * 1e9)
+
+    def weight_sync_s(self) -> float:
+        """New weights to the engines: each engine device receives its shard in parallel."""
+        return self.cal.weight_GB / (self.cal.transfer_GBps * self.cal.devices_per_engine)
 
     def record(self, lane: str, role: str, start: float, end: float, version: int) -> None:
         if end > start:
@@ -221,7 +271,7 @@ def _run_colocated(sim: _Sim) -> float:
     for update in range(cfg.num_steps):
         limit = update + cfg.staleness if partial else update
         for eng in sim.engines:
-            eng.version, eng.clock = update, now
+            eng.version, eng.clock, eng.finished_tokens = update, now, 0
             sim.admit(eng, limit, now)
         t = now
         while not _colocated_phase_done(sim, update, partial):
@@ -236,14 +286,22 @@ def _run_colocated(sim: _Sim) -> float:
                 s.needs_prefill = True
             sim.resume = sorted(sim.resume + eng.active, key=lambda s: s.idx)
             eng.active = []
+            eng.clock = max(eng.last_work, now)  # its own rollout's end: it scores right away
+            for role, seconds in sim.reference_phases(eng.finished_tokens):
+                sim.record(eng.name, role, eng.clock, eng.clock + seconds, update)
+                eng.clock += seconds
         now = max([t] + [e.clock for e in sim.engines])
         batch = sim.take_batch(update)
         assert batch is not None
-        phases = [("switch", cal.switch_s)] + sim.train_phases(batch) + [("switch", cal.switch_s)]
+        phases = [("switch", cal.switch_s)] + sim.train_phases(batch)
         for role, seconds in phases:
             for eng in sim.engines:
                 sim.record(eng.name, role, now, now + seconds, update)
             now += seconds
+        sim.update_end.append(now)
+        for eng in sim.engines:  # back to the rollout layout for the next phase
+            sim.record(eng.name, "switch", now, now + cal.switch_s, update + 1)
+        now += cal.switch_s
         sim.version = update + 1
     return now
 
@@ -270,7 +328,8 @@ def _run_separated(sim: _Sim) -> float:
         assert now < math.inf, "separated pipeline deadlocked"
         if now == training_until:
             sim.version, training_until = sim.version + 1, math.inf
-            sync = cal.weight_GB / cal.transfer_GBps
+            sim.update_end.append(now)
+            sync = sim.weight_sync_s()
             sim.record("train", "weight_sync", now, now + sync, sim.version)
             arrivals.append((now + sync, sim.version))
         elif now == t_weights:
@@ -308,6 +367,7 @@ def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
         utilization={lane: min(1.0, b / makespan) for lane, b in busy.items()},
         lane_devices=lanes, timeline=sim.timeline, dropped_samples=sim.dropped,
         max_staleness=sim.max_staleness, updates=sim.version,
+        update_end_s=tuple(sim.update_end),
     )
 
 

@@ -1,0 +1,336 @@
+"""Microbenchmarks of the real RL components on this machine -> a measured `Calibration`.
+
+Each number the RL simulator needs is timed on the component that does that work in a real
+run, one device (worker process, `threads` threads) at a time, with the shipped tiny base model:
+
+    decode_step_ms(b)        LLMEngine.step() with b rows decoding (continuous batching, the
+                             rollout's max_num_seqs), median over the steps of a fixed-length run
+    prefill                  the engine's first step of a 1-row and of a 128-row run (a line
+                             through the two: fixed + per-token cost)
+    train tokens/s, overhead ActorStage.update() (GRPO loss, KL to the reference, AdamW) on 64 and
+                             on 256 synthetic samples: a line through the two
+    reference tokens/s       ReferenceStage.logprobs() on the same samples, the same way
+    switch_s                 the colocated switch: optimizer state to host + KV cache in, and
+                             back (HostPool, KVCache), half the round trip
+    reference_switch_s       fully shared mode: reference weights to host and back
+    transfer_GBps            two processes in a gloo world: bucketed weight broadcast (what a
+                             separated-mode weight sync does), bytes / seconds
+    concurrent_speed         the same two processes run a rollout + update workload alone and
+                             then both at once: time alone / time together (two busy 1-thread
+                             processes on this VM do not get two full cores)
+
+Nothing here sees an RL step's throughput: the simulator predicts that from these numbers.
+torch and the model are imported inside the functions so `rlfusion.sim` stays torch-free.
+
+    python -m rlfusion.sim.measure calibration.json [--quick]
+    rlfusion simulate --calibrate calibration.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlfusion.sim.calibration import Calibration, save_calibration
+
+DECODE_BATCHES = (1, 4, 16, 32, 64, 128)
+MAX_NUM_SEQS = 128  # the rollout's default max_num_seqs (RolloutConfig)
+BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    base: str
+    threads: int
+    quick: bool
+
+
+def _load(setup: _Setup):
+    import torch
+
+    from rlfusion.model.checkpoint import load_checkpoint
+
+    torch.set_num_threads(setup.threads)
+    torch.manual_seed(0)
+    model, tokenizer, _ = load_checkpoint(setup.base)
+    return model, tokenizer
+
+
+def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    from rlfusion.evaluate import encode_prompt
+    from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+
+    task, rng = ArithmeticTask(ArithmeticConfig()), random.Random(seed)
+    return [encode_prompt(tokenizer, task.sample(rng).prompt) for _ in range(n)]
+
+
+# ---- rollout engine ----------------------------------------------------------------------
+
+def _engine_run(model, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Seconds of every engine step of one run where each prompt generates `new_tokens`."""
+    from rlfusion.engine.engine import EngineConfig, LLMEngine
+    from rlfusion.engine.types import Request, SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=0))
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)  # no stop ids
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", list(ids), params))
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_engine(model, tokenizer, quick: bool) -> dict:
+    """Decode step time per batch size, and the prefill line."""
+    new_tokens = 24 if quick else 48
+    model.eval()
+    _engine_run(model, _prompts(tokenizer, 32), 8)  # warm-up
+    decode, prefill = {}, {}
+    for b in DECODE_BATCHES:
+        prompts = _prompts(tokenizer, b, seed=b)
+        runs = [_engine_run(model, prompts, new_tokens) for _ in range(1 if quick else 2)]
+        decode[b] = statistics.median(t for run in runs for t in run[1:]) * 1e3
+        padded = b * max(len(p) for p in prompts)
+        prefill[padded] = statistics.median(run[0] for run in runs) * 1e3
+    (t_small, ms_small), (t_big, ms_big) = min(prefill.items()), max(prefill.items())
+    per_token = max(0.0, (ms_big - ms_small) / (t_big - t_small))
+    return {"decode_batch_sizes": tuple(decode), "decode_step_ms": tuple(decode.values()),
+            "prefill_ms_per_token": per_token,
+            "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small)}
+
+
+# ---- trainer, reference, switch ------------------------------------------------------------
+
+def synthetic_trajectories(tokenizer, n: int, vocab: int, seed: int = 0) -> list:
+    """`n` samples shaped like the task's: real prompts, log-normal response lengths (median 24,
+    p99/median ~4), random tokens, GRPO-like advantages, behaviour and reference logprobs."""
+    from rlfusion.rl.trajectory import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i, prompt in enumerate(_prompts(tokenizer, n, seed)):
+        length = min(160, max(2, round(24 * rng.lognormvariate(0.0, 0.57))))
+        response = [rng.randrange(1, vocab) for _ in range(length)]
+        out.append(Trajectory(i // 8, None, prompt, response, [-1.0] * length, [0] * length,
+                              "stop", advantage=rng.choice((-1.0, 1.0)),
+                              ref_logprobs=[-1.0] * length))
+    return out
+
+
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """(fixed seconds, tokens per second) of the line through the smallest and largest point."""
+    (x0, y0), (x1, y1) = min(points.items()), max(points.items())
+    slope = (y1 - y0) / (x1 - x0)
+    if slope <= 0:  # noise swamped the difference: no fixed cost, mean rate of the big run
+        return 0.0, x1 / y1
+    return max(0.0, y0 - slope * x0), 1.0 / slope
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_train_and_reference(model, tokenizer, quick: bool) -> dict:
+    from rlfusion.runtime.stages import ActorStage, ReferenceStage
+    from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
+
+    reps = 2 if quick else 3
+    vocab = model.config.vocab_size
+    actor = ActorStage(copy.deepcopy(model), AlgoConfig(), OptimConfig(), temperature=1.0)
+    reference = ReferenceStage(copy.deepcopy(model), 1.0, OptimConfig().microbatch_tokens)
+    train, ref = {}, {}
+    for n in (64, 256):
+        trajs = synthetic_trajectories(tokenizer, n, vocab, seed=n)
+        tokens = sum(t.num_tokens for t in trajs)
+        train[tokens] = _median_time(lambda: actor.update(trajs), reps)
+        ref[tokens] = _median_time(lambda: reference.logprobs(trajs), reps)
+    train_fixed, train_rate = _line(train)
+    ref_fixed, ref_rate = _line(ref)
+    switch_s, ref_switch_s = _measure_switches(actor, reference, model, reps)
+    return {"train_tokens_per_s_per_device": train_rate, "train_step_overhead_s": train_fixed,
+            "reference_tokens_per_s_per_device": ref_rate, "reference_overhead_s": ref_fixed,
+            "switch_s": switch_s, "reference_switch_s": ref_switch_s}
+
+
+def _measure_switches(actor, reference, model, reps: int) -> tuple[float, float]:
+    """(one actor switch, one reference offload + restore), as the device workers do them."""
+    from rlfusion.fusion.offload import HostPool, optimizer_tensors
+
+    cache = model.new_kv_cache(MAX_NUM_SEQS, model.config.max_seq_len)
+    cache.release()
+    pool, ref_pool = HostPool(), HostPool()
+
+    def round_trip() -> None:
+        actor.optimizer.zero_grad(set_to_none=True)
+        pool.offload(optimizer_tensors(actor.optimizer))
+        cache.restore()
+        cache.release()
+        pool.restore()
+
+    def reference_round_trip() -> None:
+        ref_pool.offload(reference.model.parameters())
+        ref_pool.restore()
+
+    return _median_time(round_trip, reps) / 2, _median_time(reference_round_trip, reps)
+
+
+# ---- two processes: weight broadcast bandwidth, contention -----------------------------------
+
+def _mixed_workload(model, tokenizer, actor, trajs) -> None:
+    model.eval()
+    _engine_run(model, _prompts(tokenizer, 64), 24)
+    actor.update(trajs)
+
+
+def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rlfusion.runtime.stages import ActorStage
+    from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
+
+    model, tokenizer = _load(setup)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    params = [p.data for p in model.parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    limit = int(BUCKET_MB * 2**20)
+
+    def broadcast() -> None:  # DeviceWorker.sync_weights: contiguous buckets from rank 0
+        bucket, size = [], 0
+        for p in params + [None]:
+            if p is None or (bucket and size + p.numel() * p.element_size() > limit):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.broadcast(flat, src=0)
+                if rank:
+                    torch.cat([t.reshape(-1) for t in bucket]).copy_(flat)  # the copy-back
+                bucket, size = [], 0
+            if p is not None:
+                bucket.append(p)
+                size += p.numel() * p.element_size()
+
+    dist.barrier()
+    bcast_s = _median_time(broadcast, 3 if setup.quick else 5)
+    actor = ActorStage(copy.deepcopy(model), AlgoConfig(), OptimConfig(), temperature=1.0)
+    trajs = synthetic_trajectories(tokenizer, 64, model.config.vocab_size, seed=rank)
+    work = lambda: _mixed_workload(model, tokenizer, actor, trajs)  # noqa: E731
+    work()  # warm-up
+    alone, together = [], []
+    for _ in range(2 if setup.quick else 3):
+        for turn in (0, 1):  # one process works, the other waits at the barrier
+            dist.barrier()
+            if rank == turn:
+                start = time.perf_counter()
+                work()
+                alone.append(time.perf_counter() - start)
+            dist.barrier()
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        together.append(time.perf_counter() - start)
+    dist.barrier()
+    out.put((rank, nbytes, bcast_s, alone, together))
+    dist.destroy_process_group()
+
+
+def measure_pair(setup: _Setup) -> dict:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_pair_worker, args=(r, setup, f"tcp://127.0.0.1:{port}", out),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    nbytes = results[0][1]
+    bcast_s = max(r[2] for r in results)
+    alone = statistics.median(t for r in results for t in r[3])
+    together = statistics.median(t for r in results for t in r[4])
+    return {"transfer_GBps": nbytes / bcast_s / 1e9, "weight_GB": nbytes / 1e9,
+            "grad_sync_GB": nbytes / 1e9,  # fp32 grads, one per parameter, same bytes
+            "concurrent_speed": min(1.0, alone / together),
+            "_pair": (bcast_s, alone, together)}
+
+
+# ---- the whole calibration -----------------------------------------------------------------
+
+def measure_calibration(path: str | Path | None = None, threads: int = 1, quick: bool = False,
+                        base: str | Path | None = None, log=print) -> Calibration:
+    """Run every microbenchmark (about 30 s; `quick` about 15 s) and save the calibration."""
+    if base is None:
+        from rlfusion.cli import find_base
+
+        base = find_base()
+        if base is None:
+            raise ValueError("no tiny base model found: run `rlfusion pretrain` first")
+    setup = _Setup(str(base), threads, quick)
+    t0 = time.perf_counter()
+    model, tokenizer = _load(setup)
+    engine = measure_engine(model, tokenizer, quick)
+    log(f"  engine: decode ms {dict(zip(engine['decode_batch_sizes'], (round(x, 2) for x in engine['decode_step_ms'])))}, "
+        f"prefill {engine['prefill_fixed_ms']:.2f} ms + {engine['prefill_ms_per_token'] * 1e3:.1f} us/token")
+    train = measure_train_and_reference(model, tokenizer, quick)
+    log(f"  train {train['train_tokens_per_s_per_device']:,.0f} tok/s + {train['train_step_overhead_s'] * 1e3:.1f} ms, "
+        f"reference {train['reference_tokens_per_s_per_device']:,.0f} tok/s + "
+        f"{train['reference_overhead_s'] * 1e3:.1f} ms, switch {train['switch_s'] * 1e3:.1f} ms, "
+        f"reference switch {train['reference_switch_s'] * 1e3:.1f} ms")
+    pair = measure_pair(setup)
+    bcast_s, alone, together = pair.pop("_pair")
+    log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
+        f"({pair['transfer_GBps']:.2f} GB/s); mixed workload alone {alone:.3f} s, both at once "
+        f"{together:.3f} s -> concurrent speed {pair['concurrent_speed']:.2f}")
+    cal = Calibration(
+        **engine, **train, **pair, devices_per_engine=1,
+        source=f"measured on this machine by rlfusion.sim.measure ({threads} thread(s) per "
+               f"device, {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s)",
+        source_notes=(
+            "decode_step_ms / prefill: LLMEngine steps of the shipped base model, fixed-length runs",
+            "train / reference: ActorStage.update / ReferenceStage.logprobs on 64 and 256 "
+            "synthetic task-shaped samples (line through the two)",
+            "switch_s: optimizer offload + KV cache restore and back, / 2; reference_switch_s: "
+            "reference weights to host and back",
+            "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
+            "concurrent_speed: 2 processes, rollout+update workload, alone vs both at once",
+            "not measured (small here): reward rule scoring, Ray calls and driver queue traffic",
+        ),
+    )
+    if path is not None:
+        save_calibration(cal, path)
+    return cal
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="calibration JSON to write")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    parser.add_argument("--threads", type=int, default=1, help="threads per device process")
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads={args.threads} must be >= 1")
+    measure_calibration(args.out, threads=args.threads, quick=args.quick)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
