@@ -1,7 +1,7 @@
 """Checkpoints: safetensors weights plus a JSON file with the model config (and tokenizer).
 
 `save_checkpoint(dir, model, tokenizer)` writes `model.safetensors` and `config.json`;
-`load_checkpoint(dir)` rebuilds both with one call.
+`load_checkpoint(dir)` rebuilds both with one call; `load_base(dir)` also reads Hugging Face folders.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlfusion.model.config import MLAConfig, ModelConfig
-from rlfusion.model.tokenizer import CharTokenizer
+from rlfusion.model.hf_tokenizer import tokenizer_from_dict
+from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
 
 WEIGHTS = "model.safetensors"
@@ -36,7 +37,7 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: CharTokenizer | None = None,
+def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: Tokenizer | None = None,
                     extra: dict | None = None) -> Path:
     """Write weights and config atomically enough for our use: files go to a temp name first."""
     path = Path(path)
@@ -54,7 +55,7 @@ def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: CharToke
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
-                    ) -> tuple[MoETransformer, CharTokenizer | None, dict]:
+                    ) -> tuple[MoETransformer, Tokenizer | None, dict]:
     """Returns `(model, tokenizer, extra)`; errors name the file and what is wrong."""
     path = Path(path)
     for name in (WEIGHTS, CONFIG):
@@ -79,5 +80,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS} does not match its config: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")
-    tok = CharTokenizer.from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None
+    tok = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None
     return model.to(device), tok, meta.get("extra", {})
+
+
+def load_base(path: str | Path, device: str | torch.device = "cpu"
+              ) -> tuple[MoETransformer, Tokenizer | None, dict]:
+    """The one place a base model is read: an rlfusion checkpoint, or a local Hugging Face
+    folder (`config.json` with a `model_type`, see `model/hf.py`)."""
+    from rlfusion.model.hf import is_hf_checkpoint, load_hf
+
+    if is_hf_checkpoint(path):
+        model, tokenizer, meta = load_hf(path)
+        return model.to(device), tokenizer, meta
+    return load_checkpoint(path, device)

@@ -56,12 +56,20 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    # Family features of imported checkpoints (model/hf.py); all off for the native presets.
+    qkv_bias: bool = False  # GQA: biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # GQA: RMSNorm over each head's q and k before RoPE (Qwen3)
+    shared_expert_gate: bool = False  # shared experts scaled by sigmoid(w . x) (Qwen2-MoE)
     # Router
     score_func: str = "softmax"
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     aux_loss_coef: float = 0.0  # switch-style load-balancing loss; 0 disables it
     bias_update_rate: float = 1e-3  # aux-loss-free expert-bias step; 0 disables it
+    # Group-limited routing (DeepSeek-V3): experts form `num_expert_groups` equal groups, a group
+    # scores the sum of its two best experts, and only the best `topk_groups` groups are eligible.
+    num_expert_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,12 +95,28 @@ class ModelConfig:
             need(0 < self.top_k <= self.num_experts, "top_k", self.top_k,
                  f"must be in [1, num_experts={self.num_experts}]")
             need(self.expert_ffn_dim > 0, "expert_ffn_dim", self.expert_ffn_dim, "must be > 0")
+            need(self.num_expert_groups >= 1 and self.num_experts % self.num_expert_groups == 0,
+                 "num_expert_groups", self.num_expert_groups,
+                 f"must be >= 1 and divide num_experts={self.num_experts}")
+            need(1 <= self.topk_groups <= self.num_expert_groups, "topk_groups", self.topk_groups,
+                 f"must be in [1, num_expert_groups={self.num_expert_groups}]")
+            if self.num_expert_groups > 1:
+                per_group = self.num_experts // self.num_expert_groups
+                need(per_group >= 2, "num_expert_groups", self.num_expert_groups,
+                     "must leave >= 2 experts per group (a group scores its two best)")
+                need(self.top_k <= self.topk_groups * per_group, "top_k", self.top_k,
+                     f"must be <= topk_groups * experts per group = {self.topk_groups * per_group}")
         if self.num_dense_layers:
             need(self.dense_ffn_dim > 0, "dense_ffn_dim", self.dense_ffn_dim, "must be > 0")
         if self.attention == "mla" and self.mla.qk_rope_head_dim % 2:
             raise ValueError("model.mla.qk_rope_head_dim must be even (RoPE rotates pairs)")
         if self.attention == "gqa" and self.head_dim % 2:
             raise ValueError("model.head_dim must be even (RoPE rotates pairs)")
+        for key in ("qkv_bias", "qk_norm"):
+            need(not getattr(self, key) or self.attention == "gqa", key, getattr(self, key),
+                 "only with attention='gqa'")
+        need(not self.shared_expert_gate or self.num_shared_experts > 0, "shared_expert_gate",
+             self.shared_expert_gate, "needs num_shared_experts >= 1")
 
     @property
     def num_moe_layers(self) -> int:
@@ -108,7 +132,9 @@ class ModelConfig:
         if self.attention == "gqa":
             q = d * h * self.head_dim
             kv = 2 * d * self.num_kv_heads * self.head_dim
-            return q + kv + h * self.head_dim * d
+            bias = (h + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
+            qk_norm = 2 * self.head_dim if self.qk_norm else 0
+            return q + kv + bias + qk_norm + h * self.head_dim * d
         m = self.mla
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
@@ -139,6 +165,8 @@ class ModelConfig:
         expert = self.swiglu_params(self.expert_ffn_dim)
         routed = self.num_moe_layers * self.num_experts * expert
         shared = self.num_moe_layers * self.num_shared_experts * expert
+        if self.shared_expert_gate:
+            shared += self.num_moe_layers * self.d_model
         router = self.num_moe_layers * self.router_params()
         embedding = self.vocab_size * self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model

@@ -24,6 +24,7 @@ class Router(nn.Module):
         self.score_func, self.norm_topk_prob = cfg.score_func, cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
         self.aux_loss_coef = cfg.aux_loss_coef
+        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_groups
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         # Tokens routed to each expert since the last bias update (training only).
@@ -33,7 +34,10 @@ class Router(nn.Module):
         """Returns `(topk_ids_NK, topk_weights_NK, aux_loss)`."""
         logits_NE = F.linear(x_ND.float(), self.weight.float())
         scores_NE = logits_NE.softmax(-1) if self.score_func == "softmax" else logits_NE.sigmoid()
-        topk_ids_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1).indices
+        choice_NE = scores_NE + self.expert_bias
+        if self.num_groups > 1:
+            choice_NE = self._best_groups_only(choice_NE)
+        topk_ids_NK = torch.topk(choice_NE, self.top_k, dim=-1).indices
         weights_NK = scores_NE.gather(-1, topk_ids_NK)
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True).clamp_min(1e-20)
@@ -45,6 +49,16 @@ class Router(nn.Module):
             if self.aux_loss_coef > 0:
                 aux = self._aux_loss(scores_NE, counts_E)
         return topk_ids_NK, weights_NK.to(x_ND.dtype), aux
+
+    def _best_groups_only(self, choice_NE: torch.Tensor) -> torch.Tensor:
+        """Experts outside the `topk_groups` best groups (a group scores the sum of its two best
+        experts, DeepSeek-V3 style) get -inf, so top-k picks only inside the best groups."""
+        N, E = choice_NE.shape
+        choice_NGe = choice_NE.view(N, self.num_groups, E // self.num_groups)
+        group_scores_NG = choice_NGe.topk(2, dim=-1).values.sum(-1)
+        best_NG = torch.topk(group_scores_NG, self.topk_groups, dim=-1).indices
+        keep_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool).scatter_(1, best_NG, True)
+        return choice_NGe.masked_fill(~keep_NG.unsqueeze(-1), float("-inf")).view(N, E)
 
     def _aux_loss(self, scores_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         # Switch-Transformer loss E * sum_i f_i * P_i: f = routed fraction, P = mean router prob.
@@ -97,6 +111,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.d_model, cfg.expert_ffn_dim)
         self.shared = (SwiGLU(cfg.d_model, cfg.num_shared_experts * cfg.expert_ffn_dim)
                        if cfg.num_shared_experts else None)
+        # Qwen2-MoE scales the shared experts by a learned per-token sigmoid gate.
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.aux_loss = torch.zeros(())
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -104,5 +120,8 @@ class MoE(nn.Module):
         topk_ids, weights, self.aux_loss = self.router(x_ND)
         y_ND = self.experts(x_ND, topk_ids, weights)
         if self.shared is not None:
-            y_ND = y_ND + self.shared(x_ND)
+            shared_ND = self.shared(x_ND)
+            if self.shared_gate is not None:
+                shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
+            y_ND = y_ND + shared_ND
         return y_ND.view_as(x_BTD)

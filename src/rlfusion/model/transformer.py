@@ -96,7 +96,9 @@ class MoETransformer(nn.Module):
         std = 0.02
         out_std = std / math.sqrt(2 * self.config.num_layers)  # residual branches (GPT-2 style)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)  # q/k/v biases (qkv_bias)
+            elif p.dim() == 1:
                 nn.init.ones_(p)  # norm weights
             elif name.endswith(("wo.weight", "down.weight", "w_down_EFD")):
                 nn.init.normal_(p, std=out_std)

@@ -1,0 +1,460 @@
+"""Hugging Face checkpoints <-> the native MoE decoder, by a documented name mapping.
+
+Owns reading a local HF checkpoint folder (`config.json`, `model.safetensors` or a sharded
+`model.safetensors.index.json`, tokenizer files) into `MoETransformer`, and writing a native
+model back as an HF folder that `transformers` loads. Needs only safetensors (and `tokenizers`
+for the tokenizer), not `transformers`. Knows nothing about training or parallelism.
+
+Families (`config.json` `model_type`) and the native features they switch on:
+
+    llama        dense; GQA
+    qwen2        dense; GQA with q/k/v biases (`qkv_bias`)
+    qwen3        dense; GQA with per-head q/k RMSNorm (`qk_norm`)
+    qwen2_moe    MoE with softmax router, gated shared expert (`shared_expert_gate`), q/k/v biases
+    qwen3_moe    MoE with softmax router, no shared expert, `qk_norm`
+    deepseek_v3  MLA; MoE with sigmoid router, `e_score_correction_bias`, group-limited routing
+
+Name mapping (HF names left, native right; i = layer, e = expert):
+
+    model.embed_tokens.weight / model.norm.weight / lm_head.weight  embed / norm / lm_head
+    model.layers.i.input_layernorm.weight            layers.i.attn_norm.weight
+    model.layers.i.post_attention_layernorm.weight   layers.i.mlp_norm.weight
+    self_attn.{q,k,v,o}_proj.{weight,bias}           attn.{wq,wk,wv,wo}.{weight,bias}   (GQA)
+    self_attn.{q,k}_norm.weight                      attn.{q,k}_norm.weight             (GQA)
+    self_attn.q_proj                                 attn.wq                            (MLA)
+    self_attn.q_a_proj / q_a_layernorm / q_b_proj    attn.wq.0 / attn.wq.1 / attn.wq.2  (MLA)
+    self_attn.kv_a_proj_with_mqa / kv_a_layernorm    attn.wkv_a / attn.kv_norm          (MLA)
+    self_attn.kv_b_proj                              attn.wkv_b                         (MLA)
+    mlp.{gate,up,down}_proj.weight                   mlp.{gate,up,down}.weight          (dense)
+    mlp.gate.weight                                  mlp.router.weight
+    mlp.gate.e_score_correction_bias                 mlp.router.expert_bias             (DSv3)
+    mlp.experts.e.{gate,up}_proj.weight  [F, D]      mlp.experts.w_{gate,up}_EDF[e] = W^T
+    mlp.experts.e.down_proj.weight       [D, F]      mlp.experts.w_down_EFD[e] = W^T
+    mlp.shared_expert(s).{gate,up,down}_proj.weight  mlp.shared.{gate,up,down}.weight
+    mlp.shared_expert_gate.weight                    mlp.shared_gate.weight             (Qwen2-MoE)
+
+Transformers 5's fused in-memory expert layout (`mlp.experts.gate_up_proj`, `down_proj`) is read
+too. DeepSeek-V3 stores RoPE dims interleaved (`rope_interleave`); loading permutes the RoPE rows
+of `q` and `kv_a_proj_with_mqa` to the native half-split layout (evens, then odds), which gives
+identical attention scores; export undoes it. Its multi-token-prediction layers (index >=
+`num_hidden_layers`) are not used and are skipped. A config field the native model does not
+implement (RoPE scaling, sliding windows, o_proj / MLP biases, quantized weights, ...) is
+refused with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlfusion.model.config import MLAConfig, ModelConfig
+from rlfusion.model.transformer import MoETransformer
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+DEFAULT_MAX_SEQ_LEN = 4096  # RoPE tables are precomputed per layer; RL contexts rarely need more
+
+
+# ---- config.json -> ModelConfig ------------------------------------------------------------
+
+def _refuse(where: str, key: str, value, why: str) -> None:
+    raise ValueError(f"{where}: {key}={value!r} is not supported: {why}")
+
+
+def config_from_hf(hf: dict, where: str = "config.json",
+                   max_seq_len: int | None = None) -> ModelConfig:
+    """The native config of an HF `config.json`; `ValueError` naming the first unsupported field."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        _refuse(where, "model_type", family, f"allowed: {', '.join(FAMILIES)}")
+    _check_common(hf, where, family)
+    positions = int(hf.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
+    common = dict(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(hf, where), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=max_seq_len or min(positions, DEFAULT_MAX_SEQ_LEN),
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+    )
+    no_moe = dict(num_dense_layers=hf["num_hidden_layers"], dense_ffn_dim=hf["intermediate_size"],
+                  num_experts=0, top_k=0, expert_ffn_dim=0, num_shared_experts=0)
+    if family == "llama":
+        return ModelConfig(**common, **no_moe)
+    if family == "qwen2":
+        return ModelConfig(**common, **no_moe, qkv_bias=True)
+    if family == "qwen3":
+        return ModelConfig(**common, **no_moe, qk_norm=True)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        return ModelConfig(**common, **_qwen_moe(hf, where, family))
+    return ModelConfig(**{**common, **_deepseek_v3(hf, where)})
+
+
+def _check_common(hf: dict, where: str, family: str) -> None:
+    if hf.get("quantization_config"):
+        _refuse(where, "quantization_config", hf["quantization_config"].get("quant_method"),
+                "load a dequantized (bf16/fp32) checkpoint")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(where, "hidden_act", hf["hidden_act"], "only 'silu' (SwiGLU) is implemented")
+    for key in ("use_sliding_window", "mlp_bias"):
+        if hf.get(key):
+            _refuse(where, key, hf[key], "not implemented by the native model")
+    if "sliding_attention" in (hf.get("layer_types") or []):
+        _refuse(where, "layer_types", "sliding_attention", "sliding-window attention is not implemented")
+    if family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") and hf.get("attention_bias"):
+        _refuse(where, "attention_bias", True, "the native model has no o_proj bias")
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        _refuse(where, "rope_parameters.rope_type", rope_type,
+                "only plain RoPE ('default') is implemented (no yarn/llama3/linear scaling)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _first(hf: dict, *keys: str):
+    """The first present key: hub configs and transformers 5 name some fields differently."""
+    for key in keys:
+        if hf.get(key) is not None:
+            return hf[key]
+    raise ValueError(f"config.json has none of {', '.join(keys)}")
+
+
+def _dense_first(hf: dict, where: str, dense: list[int]) -> int:
+    """Native MoE models have their dense layers first: `mlp_only_layers` must be 0..k-1."""
+    if dense != list(range(len(dense))):
+        _refuse(where, "mlp_only_layers", dense, "dense layers must be the first ones (0..k-1)")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        _refuse(where, "decoder_sparse_step", hf["decoder_sparse_step"], "only 1 (every layer MoE)")
+    return len(dense)
+
+
+def _qwen_moe(hf: dict, where: str, family: str) -> dict:
+    num_dense = _dense_first(hf, where, sorted(hf.get("mlp_only_layers") or []))
+    out = dict(num_dense_layers=num_dense, dense_ffn_dim=hf.get("intermediate_size", 0),
+               num_experts=_first(hf, "num_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+               expert_ffn_dim=hf["moe_intermediate_size"],
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)), num_shared_experts=0)
+    if family == "qwen3_moe":
+        return {**out, "qk_norm": True}
+    shared, width = hf.get("shared_expert_intermediate_size", 0), hf["moe_intermediate_size"]
+    if shared % width or not shared:
+        _refuse(where, "shared_expert_intermediate_size", shared,
+                f"must be a positive multiple of moe_intermediate_size={width}")
+    return {**out, "num_shared_experts": shared // width, "shared_expert_gate": True,
+            "qkv_bias": bool(hf.get("qkv_bias", True))}
+
+
+def _deepseek_v3(hf: dict, where: str) -> dict:
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, want) != want:
+            _refuse(where, key, hf[key], f"only {want!r} is implemented")
+    if not hf.get("n_shared_experts"):
+        _refuse(where, "n_shared_experts", hf.get("n_shared_experts"), "must be >= 1")
+    heads = hf["num_attention_heads"]
+    return dict(
+        attention="mla", num_kv_heads=heads,
+        head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        mla=MLAConfig(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                      v_head_dim=hf["v_head_dim"]),
+        num_dense_layers=hf.get("first_k_dense_replace", 0), dense_ffn_dim=hf["intermediate_size"],
+        num_experts=_first(hf, "n_routed_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+        expert_ffn_dim=hf["moe_intermediate_size"], num_shared_experts=hf["n_shared_experts"],
+        score_func="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1)
+
+
+# ---- ModelConfig -> config.json ------------------------------------------------------------
+
+def infer_family(cfg: ModelConfig) -> str:
+    """The HF family a native config exports to by default."""
+    if cfg.attention == "mla":
+        return "deepseek_v3"
+    if cfg.num_moe_layers:
+        return "qwen3_moe" if cfg.qk_norm else "qwen2_moe"
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
+def config_to_hf(cfg: ModelConfig, family: str, special_ids: dict[str, int] | None = None) -> dict:
+    """The HF `config.json` of `cfg` as `family`; `ValueError` for what that family cannot hold."""
+    _check_exportable(cfg, family)
+    out = {"architectures": [_ARCHITECTURES[family]], "model_type": family,
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+           "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+           "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
+           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+           "attention_dropout": 0.0, "use_cache": True, "dtype": "float32",
+           **(special_ids or {})}
+    if family in ("llama", "qwen2", "qwen3"):
+        return {**out, "intermediate_size": cfg.dense_ffn_dim}
+    moe = {"num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_ffn_dim,
+           "norm_topk_prob": cfg.norm_topk_prob,
+           "intermediate_size": cfg.dense_ffn_dim if cfg.num_dense_layers else cfg.expert_ffn_dim}
+    if family in ("qwen2_moe", "qwen3_moe"):
+        out |= moe | {"num_experts": cfg.num_experts, "decoder_sparse_step": 1,
+                      "mlp_only_layers": list(range(cfg.num_dense_layers)),
+                      "use_sliding_window": False, "router_aux_loss_coef": cfg.aux_loss_coef}
+        if family == "qwen2_moe":
+            out |= {"qkv_bias": cfg.qkv_bias,
+                    "shared_expert_intermediate_size": cfg.num_shared_experts * cfg.expert_ffn_dim}
+        return out
+    m = cfg.mla
+    return out | moe | {
+        "n_routed_experts": cfg.num_experts, "n_shared_experts": cfg.num_shared_experts,
+        "first_k_dense_replace": cfg.num_dense_layers, "routed_scaling_factor": cfg.routed_scaling_factor,
+        "n_group": cfg.num_expert_groups, "topk_group": cfg.topk_groups,
+        "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim, "rope_interleave": True,
+        "num_key_value_heads": cfg.num_heads, "num_nextn_predict_layers": 0}
+
+
+def _check_exportable(cfg: ModelConfig, family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is unknown; allowed: {', '.join(FAMILIES)}")
+    mla, moe, qwen3 = family == "deepseek_v3", family.endswith("_moe") or family == "deepseek_v3", "qwen3" in family
+    checks = {
+        "attention": (cfg.attention == ("mla" if mla else "gqa"), f"{family} uses {'MLA' if mla else 'GQA'}"),
+        "num_moe_layers": ((cfg.num_moe_layers > 0) == moe,
+                           f"{family} is {'an MoE' if moe else 'a dense'} family"),
+        "qk_norm": (cfg.qk_norm == qwen3, f"{family} {'always has' if qwen3 else 'has no'} q/k norms"),
+        "qkv_bias": (not cfg.qkv_bias or family in ("qwen2", "qwen2_moe"), f"{family} has no q/k/v biases"),
+        "score_func": (not moe or cfg.score_func == ("sigmoid" if mla else "softmax"),
+                       f"{family} routes with {'sigmoid' if mla else 'softmax'} scores"),
+        "num_expert_groups": (mla or cfg.num_expert_groups == 1, f"{family} has no group-limited routing"),
+        "shared_expert_gate": (not cfg.shared_expert_gate or family == "qwen2_moe",
+                               f"{family} has no shared-expert gate"),
+        "num_shared_experts": (not moe or (cfg.num_shared_experts > 0) == (family != "qwen3_moe"),
+                               f"{family} {'has no' if family == 'qwen3_moe' else 'needs a'} shared expert"),
+    }
+    if family == "qwen2" and not cfg.qkv_bias:
+        checks["qkv_bias"] = (False, "qwen2 always has q/k/v biases")
+    for key, (ok, why) in checks.items():
+        if not ok:
+            value = cfg.num_moe_layers if key == "num_moe_layers" else getattr(cfg, key)
+            raise ValueError(f"model.{key}={value!r} cannot be exported as {family}: {why}")
+
+
+# ---- weights -------------------------------------------------------------------------------
+
+def name_pairs(cfg: ModelConfig, family: str) -> list[tuple[str, str]]:
+    """`(native, hf)` names of every tensor that maps one to one (routed experts are stacked
+    separately, see `_expert_names`)."""
+    pairs = [("embed.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    if not cfg.tie_embeddings:
+        pairs.append(("lm_head.weight", "lm_head.weight"))
+    for i in range(cfg.num_layers):
+        n, h = f"layers.{i}.", f"model.layers.{i}."
+        pairs += [(n + "attn_norm.weight", h + "input_layernorm.weight"),
+                  (n + "mlp_norm.weight", h + "post_attention_layernorm.weight")]
+        pairs += [(n + "attn." + a, h + "self_attn." + b) for a, b in _attn_names(cfg)]
+        pairs += [(n + "mlp." + a, h + "mlp." + b) for a, b in _mlp_names(cfg, family, i)]
+    return pairs
+
+
+def _attn_names(cfg: ModelConfig) -> list[tuple[str, str]]:
+    if cfg.attention == "gqa":
+        out = [(f"w{x}.weight", f"{x}_proj.weight") for x in "qkvo"]
+        out += [(f"w{x}.bias", f"{x}_proj.bias") for x in "qkv"] if cfg.qkv_bias else []
+        return out + ([("q_norm.weight", "q_norm.weight"), ("k_norm.weight", "k_norm.weight")]
+                      if cfg.qk_norm else [])
+    q = ([("wq.0.weight", "q_a_proj.weight"), ("wq.1.weight", "q_a_layernorm.weight"),
+          ("wq.2.weight", "q_b_proj.weight")] if cfg.mla.q_lora_rank else [("wq.weight", "q_proj.weight")])
+    return q + [("wkv_a.weight", "kv_a_proj_with_mqa.weight"), ("kv_norm.weight", "kv_a_layernorm.weight"),
+                ("wkv_b.weight", "kv_b_proj.weight"), ("wo.weight", "o_proj.weight")]
+
+
+def _mlp_names(cfg: ModelConfig, family: str, layer: int) -> list[tuple[str, str]]:
+    if layer < cfg.num_dense_layers:
+        return [(f"{x}.weight", f"{x}_proj.weight") for x in ("gate", "up", "down")]
+    out = [("router.weight", "gate.weight")]
+    if family == "deepseek_v3":
+        out.append(("router.expert_bias", "gate.e_score_correction_bias"))
+    if cfg.num_shared_experts:
+        shared = "shared_experts" if family == "deepseek_v3" else "shared_expert"
+        out += [(f"shared.{x}.weight", f"{shared}.{x}_proj.weight") for x in ("gate", "up", "down")]
+    if cfg.shared_expert_gate:
+        out.append(("shared_gate.weight", "shared_expert_gate.weight"))
+    return out
+
+
+def _rope_perm(cfg: ModelConfig) -> torch.Tensor:
+    """Native RoPE row j holds interleaved HF row perm[j] (evens first, then odds)."""
+    p = cfg.mla.qk_rope_head_dim
+    return torch.cat([torch.arange(0, p, 2), torch.arange(1, p, 2)])
+
+
+def _permute_rope_rows(native: str, w: torch.Tensor, cfg: ModelConfig, to_native: bool) -> torch.Tensor:
+    m, perm = cfg.mla, _rope_perm(cfg)
+    if native.endswith(("attn.wq.weight", "attn.wq.2.weight")):
+        w_HQI = w.reshape(cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, -1).clone()
+        rope = w_HQI[:, m.qk_nope_head_dim:]
+        w_HQI[:, m.qk_nope_head_dim:] = rope[:, perm] if to_native else rope[:, torch.argsort(perm)]
+        return w_HQI.reshape(w.shape)
+    if native.endswith("attn.wkv_a.weight"):
+        w = w.clone()
+        rope = w[m.kv_lora_rank:]
+        w[m.kv_lora_rank:] = rope[perm] if to_native else rope[torch.argsort(perm)]
+    return w
+
+
+def state_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig, family: str,
+                  rope_interleave: bool = True, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Native state dict from HF tensors; `ValueError` naming missing or unused tensors."""
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf_sd:
+            raise ValueError(f"{where}: tensor {name!r} is missing (model_type={family})")
+        used.add(name)
+        return hf_sd[name]
+
+    if cfg.tie_embeddings and "lm_head.weight" in hf_sd:
+        used.add("lm_head.weight")  # a tied copy some exporters write anyway
+    out = {}
+    for native, hf_name in name_pairs(cfg, family):
+        w = take(hf_name)
+        if family == "deepseek_v3" and rope_interleave:
+            w = _permute_rope_rows(native, w, cfg, to_native=True)
+        out[native] = w
+    for i in range(cfg.num_dense_layers, cfg.num_layers):
+        h, n = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp.experts."
+        if h + "gate_up_proj" in hf_sd:  # transformers 5 fused layout: [E, 2F, D] and [E, D, F]
+            gate_EFD, up_EFD = take(h + "gate_up_proj").chunk(2, dim=1)
+            down_EDF = take(h + "down_proj")
+        else:
+            stack = lambda x: torch.stack([take(f"{h}{e}.{x}_proj.weight") for e in range(cfg.num_experts)])
+            gate_EFD, up_EFD, down_EDF = stack("gate"), stack("up"), stack("down")
+        out[n + "w_gate_EDF"] = gate_EFD.transpose(1, 2)
+        out[n + "w_up_EDF"] = up_EFD.transpose(1, 2)
+        out[n + "w_down_EFD"] = down_EDF.transpose(1, 2)
+    unused = sorted(k for k in set(hf_sd) - used if not _is_mtp(k, cfg))
+    if unused:
+        raise ValueError(f"{where}: {len(unused)} tensors have no native counterpart, e.g. {unused[0]!r} "
+                         f"(model_type={family})")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """DeepSeek-V3's multi-token-prediction layers sit after the last decoder layer."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_layers
+
+
+def state_to_hf(model: MoETransformer, family: str) -> dict[str, torch.Tensor]:
+    """HF tensors (per-expert hub layout) of a native model. Folds `routed_scaling_factor` into
+    the expert down projections for the Qwen families (they have no such factor); a Qwen2-MoE
+    export of a model without a shared-expert gate writes a zero gate (sigmoid(0) = 1/2) and
+    doubles the shared down projection."""
+    cfg, sd = model.config, model.state_dict()
+    _check_exportable(cfg, family)
+    bias = max((float(r.expert_bias.abs().max()) for r in model.routers()), default=0.0)
+    if family != "deepseek_v3" and bias:
+        raise ValueError(f"router expert_bias is non-zero (max |bias| = {bias:.3g}) and {family} has "
+                         f"no expert bias: the export would route differently; zero it first")
+    out = {}
+    for native, hf_name in name_pairs(cfg, family):
+        w = sd[native]
+        if family == "deepseek_v3":
+            w = _permute_rope_rows(native, w, cfg, to_native=False)
+        out[hf_name] = w
+    scale = 1.0 if family == "deepseek_v3" else cfg.routed_scaling_factor
+    for i in range(cfg.num_dense_layers, cfg.num_layers):
+        h, n = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        for e in range(cfg.num_experts):
+            out[f"{h}experts.{e}.gate_proj.weight"] = sd[n + "experts.w_gate_EDF"][e].T
+            out[f"{h}experts.{e}.up_proj.weight"] = sd[n + "experts.w_up_EDF"][e].T
+            out[f"{h}experts.{e}.down_proj.weight"] = sd[n + "experts.w_down_EFD"][e].T * scale
+        if family == "qwen2_moe" and not cfg.shared_expert_gate:
+            out[h + "shared_expert_gate.weight"] = torch.zeros(1, cfg.d_model)
+            out[h + "shared_expert.down_proj.weight"] = sd[n + "shared.down.weight"] * 2.0
+    return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
+
+
+# ---- folders -------------------------------------------------------------------------------
+
+def is_hf_checkpoint(path: str | Path) -> bool:
+    """An HF folder has a `config.json` with a `model_type` (rlfusion's has a `model` table)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        meta = json.loads(config.read_text())
+    except json.JSONDecodeError:
+        return False
+    return isinstance(meta, dict) and "model_type" in meta and "model" not in meta
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json "
+                                f"(only safetensors HF checkpoints are supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path}: shard {name} named by the index is missing")
+        tensors.update(load_file(str(path / name)))
+    return tensors
+
+
+def load_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype = torch.float32):
+    """`(model, tokenizer or None, meta)` from a local HF folder; `meta` keeps the family and the
+    original `config.json`. `max_seq_len` defaults to min(max_position_embeddings, 4096)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json (not an HF checkpoint folder)")
+    hf = json.loads((path / "config.json").read_text())
+    where = str(path / "config.json")
+    cfg = config_from_hf(hf, where, max_seq_len)
+    state = state_from_hf(read_safetensors(path), cfg, hf["model_type"],
+                          rope_interleave=bool(hf.get("rope_interleave", True)), where=str(path))
+    model = MoETransformer(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Families without an expert bias keep the native zero bias (it only shifts selection).
+    missing = [k for k in missing if not k.endswith("router.expert_bias")]
+    assert not missing and not unexpected, (missing, unexpected)  # name_pairs covers the model
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from rlfusion.model.hf_tokenizer import HFTokenizer
+
+        eos = hf.get("eos_token_id")
+        tokenizer = HFTokenizer.from_dir(path, eos[0] if isinstance(eos, list) else eos)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                             f"vocab_size is {cfg.vocab_size}")
+    return model.to(dtype).eval(), tokenizer, {"family": hf["model_type"], "hf_config": hf}
+
+
+def save_hf(model: MoETransformer, path: str | Path, tokenizer=None, family: str | None = None) -> Path:
+    """Write `config.json`, `model.safetensors` and (for an `HFTokenizer`) the tokenizer files,
+    a folder `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+    path = Path(path)
+    family = family or infer_family(model.config)
+    tensors = state_to_hf(model, family)
+    special = {}
+    if tokenizer is not None:
+        special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+                   "pad_token_id": tokenizer.pad_id}
+    config = config_to_hf(model.config, family, special)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer is not None and hasattr(tokenizer, "save"):
+        tokenizer.save(path)
+    return path
