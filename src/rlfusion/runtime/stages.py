@@ -67,6 +67,62 @@ class RolloutStage:
                            c.logprobs, c.versions, c.finish_reason)
                 for k, c in enumerate(completions)]
 
+    def run_groups(self, groups: list[tuple[int, Problem, list[Trajectory]]], version: int, quota: int,
+                   must_finish: set[int], drop_overdue: bool = False) -> dict[str, Any]:
+        """Partial rollout over prompt groups `(group_id, problem, open samples)`: a group with no
+        open samples starts `group_size` new ones, else its open (aborted) samples resume with
+        the current weights. Steps the engine until every request is done, or until `quota` of
+        these groups have finished and every group in `must_finish` has (with `drop_overdue`
+        the unfinished `must_finish` groups are given up instead). The rest is aborted.
+
+        Returns finished and unfinished (aborted, partial) samples in request order, the ids of
+        the groups it gave up, and how many tokens it generated."""
+        self.engine.policy_version = version
+        model = self.engine.runner.model
+        was_training = model.training
+        model.eval()
+        owner: dict[str, tuple[int, Problem, int]] = {}
+        open_count: dict[int, int] = {}
+        order: list[str] = []
+        before = 0
+        for gid, problem, partial in groups:
+            if partial:
+                requests = [Request(f"{gid}/{t.metrics['sample']}", list(t.prompt_ids), self.params,
+                                    list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
+                            for t in partial]
+                before += sum(len(t.response_ids) for t in partial)
+            else:
+                prompt = encode_prompt(self.tokenizer, problem.prompt)
+                requests = [Request(f"{gid}/{i}", prompt, self.params) for i in range(self.cfg.group_size)]
+            for r in requests:
+                owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
+                order.append(r.request_id)
+                self.engine.add_request(r)
+            open_count[gid] = len(requests)
+        done: dict[str, Any] = {}
+        finished_groups: set[int] = set()
+        while self.engine.has_unfinished():
+            if len(finished_groups) >= quota and (drop_overdue or must_finish <= finished_groups):
+                break
+            for c in self.engine.step():
+                done[c.request_id] = c
+                gid = owner[c.request_id][0]
+                open_count[gid] -= 1
+                if open_count[gid] == 0:
+                    finished_groups.add(gid)
+        aborted = {c.request_id: c for c in self.engine.abort(set(owner) - set(done))}
+        model.train(was_training)
+        dropped = sorted(must_finish - finished_groups) if drop_overdue else []
+        finished, unfinished, generated = [], [], -before
+        for rid in order:
+            c = done.get(rid) or aborted[rid]
+            gid, problem, i = owner[rid]
+            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
+            t.metrics["sample"] = i
+            generated += len(c.output_ids)
+            (finished if rid in done else unfinished).append(t)
+        return {"finished": finished, "unfinished": unfinished, "dropped": dropped,
+                "generated_tokens": generated, "engine_steps": self.engine.num_steps}
 
     def rng_state(self) -> torch.Tensor:
         return self.engine.runner.generator.get_state()

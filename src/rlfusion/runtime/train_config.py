@@ -13,6 +13,7 @@ from rlfusion.config import check_fields
 from rlfusion.pretrain import PretrainConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 from rlfusion.runtime.deployment import DeployConfig
+from rlfusion.runtime.stalesync import StaleSyncConfig
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")
@@ -138,6 +139,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
+    stalesync: StaleSyncConfig = field(default_factory=StaleSyncConfig)
 
     def __post_init__(self) -> None:
         check_fields("train", {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -38,7 +39,11 @@ from rlfusion.runtime.stages import (ActorStage, CollapseError, CriticStage, Non
                                      apply_kl_reward_penalty, compute_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.workers import RayDevices
+from rlfusion.runtime.stalesync import StalenessBook
+from rlfusion.runtime.workers import RayDevices, _split
+
+
+_EMPTY_ROLLOUT = {"finished": [], "unfinished": [], "dropped": [], "generated_tokens": 0}
 
 
 @dataclass
@@ -83,15 +88,33 @@ class RLTrainer:
         self.elapsed = 0.0  # RL seconds of earlier segments of a resumed run
         self.base_accuracy: float | None = None
         self.bad_steps = 0  # consecutive steps that look like a collapse
+        self.stale = (StalenessBook(cfg.stalesync, cfg.rollout.prompts_per_step, cfg.rollout.group_size)
+                      if cfg.stalesync.enabled else None)
+        # separated devices with s >= 1: the next update's rollout runs alongside this update
+        self.overlap = bool(self.stale and self.devices is not None and not self.devices.plan.colocated_actor
+                            and cfg.stalesync.max_staleness >= 1)
+        self.pending = None  # (batch, stats) the next update trains, when overlapping
 
     # ---- one RL step ----------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float]:
+        if self.stale is not None:
+            return self._stalesync_step()
         wall0 = time.time()
         t0 = time.perf_counter()
         problems = [self.task.sample(self.prompt_rng) for _ in range(self.cfg.rollout.prompts_per_step)]
         trajs = self.rollout.generate(problems, self.step * len(problems), self.actor.version)
         t_rollout = time.perf_counter() - t0
+        gen_tokens = sum(len(t.response_ids) for t in trajs)
+        metrics, t1 = self._learn(trajs)
+        metrics.update(self._step_metrics(trajs, gen_tokens, t0, t_rollout, t1, metrics))
+        metrics.update(self._record_timeline(wall0, wall0 + t_rollout, wall0 + (t1 - t0), time.time()))
+        self.step += 1
+        return metrics
+
+    def _learn(self, trajs: list) -> tuple[dict[str, float], float]:
+        """Reward, reference, advantages and the update for `trajs`, through the queue. Returns
+        the metrics and when the update began (perf_counter)."""
         queue_s = self.flow.overhead_s
         self.flow.put_rollouts(trajs)
         scored, metrics = self._score(len(trajs))
@@ -105,26 +128,89 @@ class RLTrainer:
         else:
             self.actor.skip_update()  # nothing to learn from; the policy is unchanged
         t_update = time.perf_counter() - t1
-        gen_tokens = sum(len(t.response_ids) for t in trajs)
-        lengths = [len(t.response_ids) for t in trajs]
         metrics.update({
             "reward_mean": sum(t.reward for t in scored) / len(scored),
             "correct_mean": sum(t.metrics["correct"] for t in scored) / len(scored),
+            "kept_fraction": len(train_trajs) / len(trajs),
+            "time_queue_s": self.flow.overhead_s - queue_s,
+            "update_tokens_per_s": sum(t.num_tokens for t in train_trajs) / max(t_update, 1e-9),
+            "time_update_s": t_update,
+        })
+        return metrics, t1
+
+    @staticmethod
+    def _step_metrics(trajs: list, gen_tokens: int, t0: float, t_rollout: float, t1: float,
+                      metrics: dict[str, float]) -> dict[str, float]:
+        lengths = [len(t.response_ids) for t in trajs]
+        return {
             "response_length_mean": sum(lengths) / len(lengths),
             "response_length_max": max(lengths),
             "truncated_fraction": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
-            "kept_fraction": len(train_trajs) / len(trajs),
-            "time_queue_s": self.flow.overhead_s - queue_s,
-            "rollout_tokens_per_s": gen_tokens / t_rollout,
-            "update_tokens_per_s": sum(t.num_tokens for t in train_trajs) / max(t_update, 1e-9),
+            "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
             "time_rollout_s": t_rollout,
-            "time_update_s": t_update,
             "time_step_s": time.perf_counter() - t0,
             "generated_tokens": gen_tokens,
-        })
+        }
+
+    # ---- StaleSync (runtime/stalesync.py) ----
+
+    def _stalesync_step(self) -> dict[str, float]:
+        """One update under the staleness bound: partial rollout until the threshold (co-located),
+        or the next update's rollout alongside this update (separated, s >= 1)."""
+        wall0, t0 = time.time(), time.perf_counter()
+        book, k = self.stale, self.actor.version
+        rolled: dict[str, float] = {"generated_tokens": 0, "dropped_groups": 0}
+        if self.overlap and self.pending is None:  # pipeline fill: nothing to learn from yet
+            self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
+            self.pending = book.take_batch(k)
+        if self.overlap:
+            batch, stats = self.pending
+            wait = self._start_rollout(k, update_version=k + 1)
+            t_rollout = time.perf_counter() - t0
+        else:
+            self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
+            batch, stats = book.take_batch(k)
+            t_rollout = time.perf_counter() - t0
+        if self.devices is not None:
+            self.devices.rollout.stash_scores(batch)
+        metrics, t1 = self._learn(batch)
+        if self.overlap:
+            self._finish_rollout(wait, rolled)
+            self.pending = book.take_batch(k + 1)
+        metrics.update(stats)
+        metrics.update({"dropped_groups": rolled["dropped_groups"],
+                        "dropped_tokens_total": float(book.stats["dropped_tokens"])})
+        metrics.update(self._step_metrics(batch, int(rolled["generated_tokens"]), t0, t_rollout, t1, metrics))
         metrics.update(self._record_timeline(wall0, wall0 + t_rollout, wall0 + (t1 - t0), time.time()))
         self.step += 1
         return metrics
+
+    def _start_rollout(self, version: int, update_version: int):
+        """Admit new groups and launch a partial rollout of every unfinished group with weights
+        `version`, for the update of `update_version`. Returns (wait function, group ids)."""
+        book = self.stale
+        book.admit(version, lambda: self.task.sample(self.prompt_rng))
+        groups = book.runnable()
+        items = [(g.group_id, g.problem, g.open) for g in groups]
+        due = book.due(update_version) & {g.group_id for g in groups}
+        remaining = max(0, book.quota - book.finished_count())
+        drop = book.cfg.overdue == "drop"
+        ids = [g.group_id for g in groups]
+        if self.devices is None:
+            out = self.rollout.run_groups(items, version, remaining, due, drop) if items else _EMPTY_ROLLOUT
+            return (lambda: out), ids
+        parts = _split(items, len(self.devices.plan.rollout))
+        quotas = [math.ceil(remaining * len(p) / len(items)) if items else 0 for p in parts]
+        return self.devices.rollout.start_groups(parts, version, quotas, due, drop), ids
+
+    def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
+        wait, ids = started
+        out = wait()
+        self.stale.record(out["finished"], out["unfinished"], ids)
+        if out["dropped"]:
+            self.stale.drop(set(out["dropped"]))
+        rolled["generated_tokens"] += out["generated_tokens"]
+        rolled["dropped_groups"] += len(out["dropped"])
 
     def _record_timeline(self, start: float, rollout_end: float, update_start: float, end: float) -> dict[str, float]:
         """Add this step's spans to the run timeline; returns per-device utilization of the step

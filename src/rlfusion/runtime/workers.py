@@ -116,7 +116,23 @@ class DeviceWorker:
                 self.reference_logprobs(trajs)
         return trajs
 
+    def rollout_groups(self, groups: list, version: int, quota: int, must_finish: set[int],
+                       drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:
+        """StaleSync's partial rollout (`RolloutStage.run_groups`) inside the same switch as
+        `generate`; finished samples are scored here when reward and reference live here."""
+        out = self._switched(lambda: self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue))
+        if score_here and out["finished"]:
+            self.score(out["finished"])
+            if self.reference is not None:
+                self.reference_logprobs(out["finished"])
+        return out
+
     def _generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
+        return self._switched(lambda: self.rollout.generate(problems, first_group_id, version))
+
+    def _switched(self, rollout):
+        """Run `rollout()` in the inference layout: optimizer state to host and grads freed, KV
+        cache in; the cache goes again afterwards, even if the rollout fails."""
         with self._span("switch"), self.ledger.phase("switch"):
             if self.actor is not None and not self.optimizer_pool.entries:  # train → rollout
                 self.actor.optimizer.zero_grad(set_to_none=True)  # stale after the step
@@ -126,7 +142,7 @@ class DeviceWorker:
             self._account()
         try:
             with self._span("rollout"), self.ledger.phase("rollout"):
-                trajs = self.rollout.generate(problems, first_group_id, version)
+                trajs = rollout()
         finally:  # the cache never outlives the rollout, even a failed one
             with self._span("switch"), self.ledger.phase("switch"):
                 self.rollout.engine.runner.cache.release()
@@ -383,6 +399,34 @@ class _RolloutProxy:
             t.reward, t.ref_logprobs = 0.0, None
             t.metrics.pop("correct", None)
         return trajs
+
+    def start_groups(self, parts: list[list], version: int, quotas: list[int], due: set[int],
+                     drop_overdue: bool):
+        """Launch a partial rollout of `parts[i]` on rollout device i (non-blocking); the returned
+        function waits for it and merges the devices' results."""
+        refs = []
+        for dev, part, quota in zip(self.d.plan.rollout, parts, quotas):
+            if part:
+                mine = due & {gid for gid, _, _ in part}
+                refs.append(self.d.workers[dev].rollout_groups.remote(part, version, quota, mine, drop_overdue,
+                                                                     self.score_here))
+
+        def wait() -> dict[str, Any]:
+            outs = self.d.call(refs)
+            return {"finished": [t for o in outs for t in o["finished"]],
+                    "unfinished": [t for o in outs for t in o["unfinished"]],
+                    "dropped": [g for o in outs for g in o["dropped"]],
+                    "generated_tokens": sum(o["generated_tokens"] for o in outs)}
+        return wait
+
+    def stash_scores(self, trajs: list[Trajectory]) -> None:
+        """Samples scored on their device (possibly in an earlier rollout) hand their reward and
+        reference logprobs to the reward and reference proxies, like `generate` does."""
+        self.d.scored = {_key(t): (t.reward, t.metrics.get("correct"), t.ref_logprobs)
+                         for t in trajs} if self.score_here else {}
+        for t in trajs:
+            t.reward, t.ref_logprobs = 0.0, None
+            t.metrics.pop("correct", None)
 
     def rng_state(self) -> list[torch.Tensor]:
         return self.d.call([self.d.workers[dev].rng_state.remote() for dev in self.d.plan.rollout])

@@ -1,0 +1,206 @@
+"""StaleSync: RL stages run in parallel under a bound on policy staleness (MISSION.md §2).
+
+Policy version v = number of actor updates so far; every generated token carries the version of
+the weights that produced it. A sample's staleness at the update that trains version v is
+v − (oldest version among its tokens). With `max_staleness` s no sample with staleness > s is
+ever used for an update.
+
+How the bound is kept — admission control plus a deadline, never silent waste:
+
+  * a prompt group is admitted (its rollout may start) only while the rollout pool — groups
+    admitted and not yet taken for an update, carried-over partial ones included — holds fewer
+    than B groups (B = groups per update), so a rollout never starts work that no update within
+    the bound has room for (with separated devices the batch taken for the next update is
+    outside the pool: one update's worth in training, one in rollout);
+  * a group admitted when the rollout weights were version a is *due* at update a + s: that
+    update's rollout does not stop before the due groups finish (`overdue="wait"`), or it stops
+    on the threshold and the due groups that have not finished are dropped — their tokens are
+    discarded and counted — and their prompts requeued as fresh groups (`overdue="drop"`);
+  * `take_batch` checks every sample against the bound and raises if one ever exceeded it.
+
+Partial rollout: a rollout stops once `rollout_finish_threshold` of the update's B groups have
+finished (a fraction in (0, 1] or a count > 1) and the due groups are done; the unfinished
+requests are aborted with their partial outputs and resumed in the next rollout with the newer
+weights, so their tokens carry mixed versions (within the bound).
+
+    co-located (actor trains and generates on the same devices), s ≥ 0:
+
+      devices  │ rollout v_k ─ stop at threshold ─┐ ref+reward │ update k │ rollout v_k+1 ...
+               │  (pool: B groups; the unfinished tail is paused, resumed next with v_k+1)
+
+    separated (rollout devices ≠ train devices), s ≥ 1: rollout for update k+1 overlaps update k
+
+      rollout  │ rollout v_0 (for u1) │ rollout v_1 (for u2) │ rollout v_2 (for u3) │
+      train    │                      │ ref+reward+update 1  │ ref+reward+update 2  │
+                                      ▲ weights v_1 broadcast ▲ weights v_2 broadcast
+
+s = 0 admits exactly B groups, runs them to completion and trains them at once: the synchronous
+run, with the same random draws in the same order (tested: equal per-step metrics). Reward,
+reference and advantage read ready rows from the DistQueue as each rollout returns; on the
+co-located devices reward and reference run right after the device's own rollout.
+
+Off-policy correction is the actor loss's decoupled ratio (proximal = the pre-update policy,
+recomputed) with importance weights π_prox / π_behaviour truncated at `algo.behaviour_weight_cap`,
+which is always on; with s = 0 the weights are 1.
+
+This module holds the bookkeeping (`StalenessBook`, no torch); the trainer drives it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfusion.config import check_fields
+
+OVERDUE = ("wait", "drop")
+
+
+@dataclass(frozen=True)
+class StaleSyncConfig:
+    """`enabled=false` runs the plain synchronous loop. `enabled=true` with `max_staleness=0` and
+    threshold 1 reproduces it through the StaleSync machinery."""
+
+    enabled: bool = False
+    max_staleness: int = 1
+    rollout_finish_threshold: float = 1.0  # (0, 1]: fraction of the update's groups; > 1: a count
+    overdue: str = "wait"  # what happens to a group that reaches its deadline unfinished
+
+    def __post_init__(self) -> None:
+        t = self.rollout_finish_threshold
+        check_fields("stalesync", {
+            "max_staleness": (self.max_staleness >= 0, "must be >= 0 (0 = synchronous)"),
+            "rollout_finish_threshold": (0 < t <= 1 or (t > 1 and float(t).is_integer()),
+                                         "allowed: a fraction in (0, 1] or a whole count > 1"),
+            "overdue": (self.overdue in OVERDUE, f"allowed: {', '.join(OVERDUE)}"),
+        }, self)
+
+
+@dataclass
+class Group:
+    """One prompt's samples while in flight. `done` are finished samples, `open` the partial ones
+    (aborted, to be resumed); a new group has neither until its first rollout."""
+
+    group_id: int
+    problem: Any
+    admitted_version: int
+    done: list = field(default_factory=list)
+    open: list = field(default_factory=list)
+    started: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.started and not self.open
+
+
+class StalenessViolation(AssertionError):
+    """A sample was about to train with staleness above the bound (a bug, never expected)."""
+
+
+class StalenessBook:
+    """Which groups are in flight, which are due, what the next update trains.
+
+    Samples are any objects with `versions` (per-token policy versions) and `response_ids`;
+    groups are identified by `group_id`."""
+
+    def __init__(self, cfg: StaleSyncConfig, batch_groups: int, group_size: int):
+        self.cfg, self.B, self.G = cfg, batch_groups, group_size
+        self.s = cfg.max_staleness
+        t = cfg.rollout_finish_threshold
+        self.quota = min(batch_groups, math.ceil(t * batch_groups) if t <= 1 else int(t))
+        self.groups: dict[int, Group] = {}  # in flight, in admission order
+        self.requeued: deque = deque()  # problems of dropped groups, admitted again first
+        self.next_group_id = 0
+        self.stats = {"admitted": 0, "trained_groups": 0, "dropped_groups": 0, "dropped_tokens": 0,
+                      "waited_for_due": 0}
+
+    # ---- admission ----
+
+    def admit(self, version: int, sample_problem: Callable[[], Any]) -> list[Group]:
+        """New groups, generated from weights `version`, until the rollout pool (carried-over
+        groups included) holds one update's worth: B groups."""
+        new = []
+        while len(self.groups) < self.B:
+            problem = self.requeued.popleft() if self.requeued else sample_problem()
+            g = Group(self.next_group_id, problem, version)
+            self.next_group_id += 1
+            self.groups[g.group_id] = g
+            new.append(g)
+        self.stats["admitted"] += len(new)
+        return new
+
+    def due(self, update_version: int) -> set[int]:
+        """Groups that must be in the update of `update_version` (their last chance)."""
+        return {g.group_id for g in self.groups.values() if g.admitted_version + self.s <= update_version}
+
+    def runnable(self) -> list[Group]:
+        """Groups with samples still to generate, oldest first."""
+        return [g for g in self.groups.values() if not g.finished]
+
+    def finished_count(self) -> int:
+        return sum(g.finished for g in self.groups.values())
+
+    # ---- results of a rollout ----
+
+    def record(self, finished: list, unfinished: list, started: list[int]) -> None:
+        """A rollout's output: finished and partial (aborted) samples, and the ids of the groups
+        it ran (their open samples are replaced by what came back)."""
+        for gid in started:
+            g = self.groups[gid]
+            g.started, g.open = True, []
+        for t in finished:
+            self.groups[t.group_id].done.append(t)
+        for t in unfinished:
+            self.groups[t.group_id].open.append(t)
+
+    def drop(self, group_ids: set[int]) -> int:
+        """Discard these groups' samples and requeue their prompts; returns tokens discarded."""
+        tokens = 0
+        for gid in sorted(group_ids):
+            g = self.groups.pop(gid)
+            tokens += sum(len(t.response_ids) for t in g.done + g.open)
+            self.requeued.append(g.problem)
+        self.stats["dropped_groups"] += len(group_ids)
+        self.stats["dropped_tokens"] += tokens
+        return tokens
+
+    # ---- the update ----
+
+    def take_batch(self, update_version: int) -> tuple[list, dict[str, float]]:
+        """The finished groups the update of `update_version` trains: every due group, then the
+        oldest others, up to B groups (more only if more are due). Samples in group order."""
+        finished = [g for g in self.groups.values() if g.finished]
+        due = [g for g in finished if g.admitted_version + self.s <= update_version]
+        overdue = self.due(update_version) - {g.group_id for g in due}
+        if overdue:
+            raise StalenessViolation(f"groups {sorted(overdue)} are due at version {update_version} "
+                                     "but unfinished")
+        others = [g for g in finished if g.admitted_version + self.s > update_version]
+        take = due + others[:max(0, self.B - len(due))]
+        take.sort(key=lambda g: g.group_id)
+        batch = []
+        for g in take:
+            del self.groups[g.group_id]
+            batch.extend(g.done)
+        staleness = [update_version - min(t.versions, default=update_version) for t in batch]
+        if staleness and max(staleness) > self.s:
+            raise StalenessViolation(f"a sample has staleness {max(staleness)} > max_staleness {self.s}")
+        self.stats["trained_groups"] += len(take)
+        return batch, {"staleness_max": float(max(staleness, default=0)),
+                       "staleness_mean": sum(staleness) / max(len(staleness), 1),
+                       "groups_in_update": float(len(take)), "groups_in_flight": float(len(self.groups))}
+
+    # ---- checkpoint ----
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"groups": list(self.groups.values()), "requeued": list(self.requeued),
+                "next_group_id": self.next_group_id, "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.groups = {g.group_id: g for g in state["groups"]}
+        self.requeued = deque(state["requeued"])
+        self.next_group_id = state["next_group_id"]
+        self.stats = dict(state["stats"])
