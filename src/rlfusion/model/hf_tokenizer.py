@@ -6,8 +6,9 @@ the special ids the engine needs, chat-template rendering and the JSON form kept
 checkpoints. Needs the `tokenizers` and `jinja2` packages (the `hf` extra), not `transformers`.
 
 Special ids: the project's convention (`evaluate.encode_prompt`) puts `bos_id` before every
-prompt. Tokenizers without a BOS token (the Qwen families) use their end-of-text token as the
-document start, the separator their pretraining data put between documents. `encode` adds no
+prompt. Tokenizers without a BOS token (the Qwen families) use their pad token, else eos, as the
+document start: for Qwen that is `<|endoftext|>`, the separator its pretraining data put between
+documents. `encode` adds no
 specials, and a rendered chat template drops a leading BOS string, so BOS is never doubled.
 """
 
@@ -45,11 +46,10 @@ class HFTokenizer:
             raise ValueError("HF tokenizer has no eos_token (set it in tokenizer_config.json); "
                              "generation needs a stop token")
         self.eos_id = eos
-        self.bos_id = self._id(special.get("bos_token"), "bos_token")
-        if self.bos_id is None:
-            self.bos_id = eos  # see the module docstring
         pad = self._id(special.get("pad_token"), "pad_token")
         self.pad_id = eos if pad is None else pad
+        bos = self._id(special.get("bos_token"), "bos_token")
+        self.bos_id = self.pad_id if bos is None else bos  # see the module docstring
 
     def _id(self, token: str | None, key: str) -> int | None:
         if token is None:
@@ -102,14 +102,14 @@ class HFTokenizer:
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat_template (tokenizer_config.json or "
                              "chat_template.jinja); set data.chat_template=false")
-        import jinja2
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str):
             raise ValueError(f"chat template: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
         text = env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,

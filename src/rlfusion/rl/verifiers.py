@@ -1,7 +1,9 @@
-"""Final-answer verification for math prompt sets (GSM8K, MATH-style `\\boxed{}` answers).
+"""Final-answer verification: math prompt sets (GSM8K, MATH-style `\\boxed{}` answers),
+multiple choice (a letter) and exact match.
 
-Owns answer extraction, number normalization and the 0/1 reward. Grades only the final
-answer, never the reasoning, and knows nothing about tokenizers or where problems come from.
+Owns answer extraction, number normalization and the 0/1 rewards; `VERIFIERS` names them for
+`data.verifier`. Grades only the final answer, never the reasoning, and knows nothing about
+tokenizers or where problems come from.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from decimal import Decimal
 _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
 _NUMERIC = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
 _BOXED = "\\boxed{"
+# "the answer is (B)", "Answer: B", "answer is B." -- a capital letter closed by a bracket,
+# punctuation or the end of a line, so "Answer: I think" and "answer is a guess" do not count.
+_CHOICE_PHRASE = re.compile(r"(?i:answer)\s*(?:(?i:is)|:)?\s*[(\[]?([A-Z])(?=[)\].,:;]|\s*$)",
+                            re.MULTILINE)
+_BARE_CHOICE = re.compile(r"\(?([A-Z])[).:]?")
 
 
 def extract_answer(text: str) -> str | None:
     """The last `\\boxed{...}`, else the text after the last `####`, else the last number."""
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed
     if "####" in text:
@@ -50,7 +57,8 @@ def math_reward(response: str, answer: str) -> float:
     return 1.0 if got == want else 0.0
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (nested braces allowed), None if there is none."""
     start = text.rfind(_BOXED)
     if start < 0:
         return None
@@ -60,3 +68,31 @@ def _last_boxed(text: str) -> str | None:
         if depth == 0:
             return text[i:j].strip()
     return None  # unbalanced braces: no usable boxed answer
+
+
+def extract_choice(text: str) -> str | None:
+    """The chosen letter: the last `\\boxed{B}`, else the last "answer is B" / "Answer: (B)",
+    else a response that is only a letter ("B", "(B)", "B."). A letter elsewhere in the text
+    ("I think A is wrong") is not taken as the choice."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        m = _BARE_CHOICE.fullmatch(boxed.strip())
+        return m.group(1) if m else None
+    phrases = _CHOICE_PHRASE.findall(text)
+    if phrases:
+        return phrases[-1]
+    m = _BARE_CHOICE.fullmatch(text.strip())
+    return m.group(1) if m else None
+
+
+def choice_reward(response: str, answer: str) -> float:
+    """1.0 iff the response's chosen letter is `answer` (case-insensitive)."""
+    return 1.0 if extract_choice(response) == answer.strip().upper() else 0.0
+
+
+def exact_reward(response: str, answer: str) -> float:
+    """1.0 iff the whole response, stripped, equals `answer` stripped."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+VERIFIERS = {"math": math_reward, "choice": choice_reward, "exact": exact_reward}
