@@ -130,6 +130,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(json.dumps(result.__dict__))
 
 
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    from rlfusion.model.checkpoint import load_checkpoint
+    from rlfusion.model.hf import save_hf
+
+    model, tokenizer, _ = load_checkpoint(args.ckpt)
+    out = save_hf(model, args.out, tokenizer, family=args.family)
+    print(f"wrote Hugging Face folder {out} (model_type "
+          f"{json.loads((out / 'config.json').read_text())['model_type']})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfusion", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export-hf", help="write an rlfusion checkpoint as a Hugging Face folder")
+    p.add_argument("ckpt", help="rlfusion checkpoint folder, e.g. RUN_DIR/final")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--family", help="llama, qwen2, qwen3, qwen2_moe, qwen3_moe or deepseek_v3 "
+                                    "(default: inferred from the model config)")
+    p.set_defaults(func=cmd_export_hf)
 
     _register_optional(sub)
     return parser

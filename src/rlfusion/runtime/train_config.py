@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from rlfusion.config import check_fields
 from rlfusion.pretrain import PretrainConfig
+from rlfusion.rl.datasets import DataConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 from rlfusion.runtime.deployment import DeployConfig
 from rlfusion.runtime.stalesync import StaleSyncConfig
@@ -118,7 +119,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    base: str = ""  # base checkpoint folder; "" = the cached base model (pretrained if missing)
+    base: str = ""  # rlfusion or Hugging Face checkpoint folder; "" = the cached base model (pretrained if missing)
     out_dir: str = "runs"
     run_name: str = ""  # "" = a timestamped name
     seed: int = 0
@@ -134,6 +135,7 @@ class TrainConfig:
     # responses hit max_new_tokens (the failure CALIBRATION.md saw with a too-high lr). 0 = off.
     collapse_patience: int = 10
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # data.path set: train on that prompt set
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 from rlfusion.config import from_dict
 from rlfusion.evaluate import EvalResult, evaluate
-from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
+from rlfusion.model.checkpoint import load_base, save_checkpoint
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.obs.timeline import Timeline
 from rlfusion.rl.rewards import load_reward_fn
-from rlfusion.rl.tasks.arithmetic import ArithmeticTask
+from rlfusion.rl.tasks import make_task
 from rlfusion.queue import DistQueue
 from rlfusion.runtime import run_state
 from rlfusion.runtime.dataflow import QueueDataflow, queue_config
@@ -62,11 +62,11 @@ class RLTrainer:
         torch.use_deterministic_algorithms(cfg.deterministic)
         torch.manual_seed(cfg.seed)
         self.cfg, self.run_dir = cfg, run_dir
-        model, tokenizer, _ = load_checkpoint(base_path)
+        model, tokenizer, _ = load_base(base_path)
         if tokenizer is None:
             raise ValueError(f"base checkpoint {base_path} has no tokenizer")
         self.tokenizer, self.model = tokenizer, model
-        self.task = ArithmeticTask(cfg.task)
+        self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         self.devices = None
         if cfg.deploy.backend == "ray":  # the stages run on device workers; `model` mirrors the policy
             self.devices = RayDevices(cfg, DeploymentPlan.build(cfg.deploy), base_path)

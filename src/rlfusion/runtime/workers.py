@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from rlfusion.fusion.memory import MemoryLedger
 from rlfusion.fusion.offload import HostPool, optimizer_tensors
-from rlfusion.model.checkpoint import load_checkpoint
+from rlfusion.model.checkpoint import load_base
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import load_reward_fn
-from rlfusion.rl.tasks.arithmetic import ArithmeticTask
+from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stages import ActorStage, ReferenceStage, RewardStage, RolloutStage
@@ -54,11 +54,11 @@ class DeviceWorker:
         torch.manual_seed(cfg.seed)
         self.device, self.plan, self.cfg = device, plan, cfg
         roles = plan.roles(device)
-        model, tokenizer, _ = load_checkpoint(base_path)
+        model, tokenizer, _ = load_base(base_path)
         self.policy = model
         self.rollout = (RolloutStage(model, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
                         if "rollout" in roles else None)
-        task = ArithmeticTask(cfg.task)
+        task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         reward_fn = task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
         self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
                        if "reward" in roles else None)
