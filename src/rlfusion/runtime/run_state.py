@@ -1,5 +1,5 @@
-"""Checkpoint and resume of an RL run: model, optimizer, RNG states, data position, step and
-the DistQueue's rows (including partially filled ones).
+"""Checkpoint and resume of an RL run: model, optimizer, RNG states, data position, step, the
+DistQueue's rows (including partially filled ones) and StaleSync's in-flight partial rollouts.
 
 Written to `run_dir/checkpoint.tmp`; the previous checkpoint is renamed to `checkpoint.old`
 before the new one takes its place, so a run killed at any moment of a save leaves a complete
@@ -35,6 +35,10 @@ def save(trainer) -> Path:
         "torch_rng": torch.get_rng_state(),
         "bad_steps": trainer.bad_steps,
         "queue": trainer.flow.queue.state_dict(),  # empty between synchronous steps
+        # StaleSync: groups in flight (partial samples with their token versions) and the batch
+        # already taken for the next update, so a resumed run keeps the staleness bound
+        "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
+                                                         "pending": trainer.pending},
         "critic": (None if trainer.critic is None else
                    {"model": trainer.critic.model.state_dict(),
                     "optimizer": trainer.critic.optimizer.state_dict()}),
@@ -71,6 +75,13 @@ def load(trainer) -> None:
     trainer.bad_steps = state.get("bad_steps", 0)
     if "queue" in state:
         trainer.flow.queue.load_state_dict(state["queue"])
+    if trainer.stale is not None and state.get("stalesync"):
+        trainer.stale.load_state_dict(state["stalesync"]["book"])
+        trainer.pending = state["stalesync"]["pending"]
+    elif trainer.stale is not None and trainer.step:
+        raise ValueError(f"{path / STATE} was written without StaleSync; resume it with stalesync.enabled=false")
+    elif trainer.stale is None and state.get("stalesync"):
+        raise ValueError(f"{path / STATE} holds StaleSync rollouts in flight; resume it with stalesync.enabled=true")
     if trainer.critic is not None and state.get("critic"):
         trainer.critic.model.load_state_dict(state["critic"]["model"])
         trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])

@@ -143,6 +143,25 @@ class StalenessBook:
     def finished_count(self) -> int:
         return sum(g.finished for g in self.groups.values())
 
+    # ---- one rollout ----
+
+    def plan(self, version: int, update_version: int, sample_problem: Callable[[], Any]) -> dict[str, Any]:
+        """Admit new groups and describe the next rollout (weights `version`, for the update of
+        `update_version`): every unfinished group as `(group_id, problem, open samples)`, the
+        due ones it must finish, and how many more finished groups the threshold asks for."""
+        self.admit(version, sample_problem)
+        groups = self.runnable()
+        return {"items": [(g.group_id, g.problem, g.open) for g in groups],
+                "due": self.due(update_version) & {g.group_id for g in groups},
+                "quota": max(0, self.quota - self.finished_count()),
+                "drop": self.cfg.overdue == "drop"}
+
+    def collect(self, plan: dict[str, Any], out: dict[str, Any]) -> None:
+        """Take in a rollout's result (`RolloutStage.run_groups`' dict) for `plan`."""
+        self.record(out["finished"], out["unfinished"], [gid for gid, _, _ in plan["items"]])
+        if out["dropped"]:
+            self.drop(set(out["dropped"]))
+
     # ---- results of a rollout ----
 
     def record(self, finished: list, unfinished: list, started: list[int]) -> None:

@@ -186,29 +186,22 @@ class RLTrainer:
         return metrics
 
     def _start_rollout(self, version: int, update_version: int):
-        """Admit new groups and launch a partial rollout of every unfinished group with weights
-        `version`, for the update of `update_version`. Returns (wait function, group ids)."""
-        book = self.stale
-        book.admit(version, lambda: self.task.sample(self.prompt_rng))
-        groups = book.runnable()
-        items = [(g.group_id, g.problem, g.open) for g in groups]
-        due = book.due(update_version) & {g.group_id for g in groups}
-        remaining = max(0, book.quota - book.finished_count())
-        drop = book.cfg.overdue == "drop"
-        ids = [g.group_id for g in groups]
+        """Launch the partial rollout the book plans (weights `version`, for the update of
+        `update_version`). Returns (plan, wait function)."""
+        plan = self.stale.plan(version, update_version, lambda: self.task.sample(self.prompt_rng))
+        items = plan["items"]
         if self.devices is None:
-            out = self.rollout.run_groups(items, version, remaining, due, drop) if items else _EMPTY_ROLLOUT
-            return (lambda: out), ids
+            out = (self.rollout.run_groups(items, version, plan["quota"], plan["due"], plan["drop"])
+                   if items else _EMPTY_ROLLOUT)
+            return plan, (lambda: out)
         parts = _split(items, len(self.devices.plan.rollout))
-        quotas = [math.ceil(remaining * len(p) / len(items)) if items else 0 for p in parts]
-        return self.devices.rollout.start_groups(parts, version, quotas, due, drop), ids
+        quotas = [math.ceil(plan["quota"] * len(p) / len(items)) if items else 0 for p in parts]
+        return plan, self.devices.rollout.start_groups(parts, version, quotas, plan["due"], plan["drop"])
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
-        wait, ids = started
+        plan, wait = started
         out = wait()
-        self.stale.record(out["finished"], out["unfinished"], ids)
-        if out["dropped"]:
-            self.stale.drop(set(out["dropped"]))
+        self.stale.collect(plan, out)
         rolled["generated_tokens"] += out["generated_tokens"]
         rolled["dropped_groups"] += len(out["dropped"])
 
