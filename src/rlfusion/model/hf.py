@@ -357,29 +357,49 @@ def state_to_hf(model: MoETransformer, family: str) -> dict[str, torch.Tensor]:
     the expert down projections for the Qwen families (they have no such factor); a Qwen2-MoE
     export of a model without a shared-expert gate writes a zero gate (sigmoid(0) = 1/2) and
     doubles the shared down projection."""
-    cfg, sd = model.config, model.state_dict()
+    cfg = model.config
     _check_exportable(cfg, family)
     bias = max((float(r.expert_bias.abs().max()) for r in model.routers()), default=0.0)
     if family != "deepseek_v3" and bias:
         raise ValueError(f"router expert_bias is non-zero (max |bias| = {bias:.3g}) and {family} has "
                          f"no expert bias: the export would route differently; zero it first")
+    to_hf = HFNames(cfg, family)
     out = {}
-    for native, hf_name in name_pairs(cfg, family):
-        w = sd[native]
-        if family == "deepseek_v3":
-            w = _permute_rope_rows(native, w, cfg, to_native=False)
-        out[hf_name] = w
-    scale = 1.0 if family == "deepseek_v3" else cfg.routed_scaling_factor
-    for i in range(cfg.num_dense_layers, cfg.num_layers):
-        h, n = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
-        for e in range(cfg.num_experts):
-            out[f"{h}experts.{e}.gate_proj.weight"] = sd[n + "experts.w_gate_EDF"][e].T
-            out[f"{h}experts.{e}.up_proj.weight"] = sd[n + "experts.w_up_EDF"][e].T
-            out[f"{h}experts.{e}.down_proj.weight"] = sd[n + "experts.w_down_EFD"][e].T * scale
-        if family == "qwen2_moe" and not cfg.shared_expert_gate:
-            out[h + "shared_expert_gate.weight"] = torch.zeros(1, cfg.d_model)
-            out[h + "shared_expert.down_proj.weight"] = sd[n + "shared.down.weight"] * 2.0
+    for native, w in model.state_dict().items():
+        out.update(to_hf.tensors(native, w))
+    if family == "qwen2_moe" and not cfg.shared_expert_gate:
+        for i in range(cfg.num_dense_layers, cfg.num_layers):
+            out[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = torch.zeros(1, cfg.d_model)
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
+
+
+class HFNames:
+    """Native tensor -> HF tensors, one tensor at a time (what a streamed weight update needs)."""
+
+    def __init__(self, cfg: ModelConfig, family: str):
+        self.cfg, self.family = cfg, family
+        self.pairs = dict(name_pairs(cfg, family))
+
+    def tensors(self, native: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """`[(hf_name, tensor)]` for one native tensor; [] for tensors HF does not hold (the
+        zero expert bias of the Qwen families)."""
+        cfg, family = self.cfg, self.family
+        if native in self.pairs:
+            if family == "deepseek_v3":
+                w = _permute_rope_rows(native, w, cfg, to_native=False)
+            if family == "qwen2_moe" and not cfg.shared_expert_gate and native.endswith("mlp.shared.down.weight"):
+                w = w * 2.0  # beside the zero gate state_to_hf writes: sigmoid(0) = 1/2
+            return [(self.pairs[native], w)]
+        layer, _, rest = native.removeprefix("layers.").partition(".")
+        experts = {"mlp.experts.w_gate_EDF": "gate", "mlp.experts.w_up_EDF": "up", "mlp.experts.w_down_EFD": "down"}
+        if rest in experts:
+            scale = cfg.routed_scaling_factor if rest.endswith("down_EFD") and family != "deepseek_v3" else 1.0
+            proj = experts[rest]
+            return [(f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight", w[e].T * scale)
+                    for e in range(w.shape[0])]
+        if rest == "mlp.router.expert_bias":
+            return []
+        raise KeyError(f"native tensor {native!r} has no {family} name")
 
 
 # ---- folders -------------------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""vLLM rollout backend (GPU only, the optional `gpu` extra) with the native engine's contract.
+
+`VLLMEngine` has the methods of `LLMEngine` the RL stages use (`add_request`, `step`,
+`has_unfinished`, `abort`, `generate`, `policy_version`) returning the same `Completion`s: token
+ids, per-token logprobs and policy versions, finish reason `stop` / `length` / `aborted`; an
+aborted completion resumes through `Request.resume` like the native one. On top: weight updates
+from `fusion/buckets` (native tensor names, translated to the HF names vLLM's model loader
+expects by `model/hf.HFNames`), and `sleep` / `wake_up` to free GPU memory while a co-located
+actor trains.
+
+vLLM is imported only when an engine is built (never on the CPU path; tests pass a fake
+module). Version notes: written against vLLM's offline `LLM` API with `enable_sleep_mode`,
+`worker_extension_cls` + `collective_rpc` and `logprobs_mode="processed_logprobs"`, so logprobs
+are those of the temperature-scaled distribution like the native engine's (they also include
+top-k/top-p truncation, which the native engine leaves out: keep top_k=0, top_p=1 for RL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfusion.engine.types import Completion, Request
+from rlfusion.fusion.buckets import Bucket, unpack
+
+EXTRA = "gpu"
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise ImportError(f"the vLLM backend needs vllm on a GPU machine: pip install 'rlfusion[{EXTRA}]'") from None
+    return vllm
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's GPU worker (`worker_extension_cls`): loads HF-named tensors into the
+    running model. `self.model_runner` is the worker's, provided by vLLM."""
+
+    def load_hf_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        device = next(self.model_runner.model.parameters()).device
+        self.model_runner.model.load_weights(weights=[(n, t.to(device)) for n, t in named])
+        return len(named)
+
+
+class VLLMEngine:
+    """One vLLM engine over an HF folder (export a native model with `model/hf.save_hf` first)."""
+
+    def __init__(self, hf_path: str | Path, native_config, family: str, *, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 dtype: str = "bfloat16", vllm_module: Any = None) -> None:
+        from rlfusion.model.hf import HFNames
+
+        self._vllm = vllm_module or _import_vllm()
+        self.llm = self._vllm.LLM(
+            model=str(hf_path), seed=seed, dtype=dtype, enable_sleep_mode=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len or native_config.max_seq_len,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightLoaderExtension")
+        self.names = HFNames(native_config, family)
+        self.policy_version = 0
+        self.asleep = False
+        self._requests: dict[str, Request] = {}  # unfinished, as submitted
+        self._latest: dict[str, Any] = {}  # last cumulative vLLM output per request
+
+    # ---- generation ----
+
+    def add_request(self, request: Request) -> None:
+        self._check_awake("add_request")
+        p = request.params
+        already = len(request.output_ids)
+        params = self._vllm.SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k else -1,
+            max_tokens=p.max_new_tokens - already, stop_token_ids=list(p.stop_ids), logprobs=0,
+            detokenize=False)
+        # A resumed request continues after its earlier output: vLLM sees it as prompt.
+        prompt = {"prompt_token_ids": list(request.prompt_ids) + list(request.output_ids)}
+        self.llm.llm_engine.add_request(request.request_id, prompt, params)
+        self._requests[request.request_id] = request
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[Completion]:
+        self._check_awake("step")
+        finished = []
+        for out in self.llm.llm_engine.step():
+            self._latest[out.request_id] = out
+            if out.finished:
+                finished.append(self._completion(out.request_id, _finish_reason(out)))
+        return finished
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Stop the given requests now; partial outputs come back with reason `aborted`."""
+        ids = [i for i in request_ids if i in self._requests]
+        self.llm.llm_engine.abort_request(ids)
+        return [self._completion(i, "aborted") for i in ids]
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        for req in requests:
+            self.add_request(req)
+        done: dict[str, Completion] = {}
+        while self.has_unfinished():
+            for c in self.step():
+                done[c.request_id] = c
+        return [done[r.request_id] for r in requests]
+
+    def _completion(self, request_id: str, reason: str) -> Completion:
+        req = self._requests.pop(request_id)
+        out = self._latest.pop(request_id, None)
+        new_ids, new_lps = [], []
+        if out is not None:
+            seq = out.outputs[0]
+            new_ids = list(seq.token_ids)
+            new_lps = [float(lp[t].logprob) for t, lp in zip(new_ids, seq.logprobs or [])]
+            if len(new_lps) != len(new_ids):
+                raise RuntimeError(f"vLLM returned {len(new_lps)} logprobs for {len(new_ids)} tokens "
+                                   f"of request {request_id!r}; is SamplingParams.logprobs=0 honoured?")
+        return Completion(request_id, list(req.prompt_ids), list(req.output_ids) + new_ids,
+                          list(req.logprobs) + new_lps,
+                          list(req.versions) + [self.policy_version] * len(new_ids), reason, req.params)
+
+    # ---- weights and memory ----
+
+    def update_weights(self, buckets: Iterable[tuple[Bucket, torch.Tensor]]) -> int:
+        """Load new policy weights, one flat bucket at a time (native names, see
+        `fusion/buckets.py`); the next tokens carry the next policy version. Returns the number
+        of HF tensors loaded."""
+        self._check_awake("update_weights")
+        loaded = 0
+        for bucket, flat in buckets:
+            named = [pair for native, t in unpack(bucket, flat).items() for pair in self.names.tensors(native, t)]
+            loaded += sum(self.llm.collective_rpc("load_hf_weights", args=(named,)))
+        self.policy_version += 1
+        return loaded
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory for training: level 1 offloads the weights to host and drops the KV
+        cache; level 2 also drops the weights (reload them with `update_weights` after waking)."""
+        if self._requests:
+            raise RuntimeError(f"cannot sleep with {len(self._requests)} unfinished requests; abort them first")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level} is invalid: allowed 1 or 2")
+        self.llm.sleep(level=level)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+        self.asleep = False
+
+    def _check_awake(self, what: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"vLLM engine is asleep: call wake_up() before {what}()")
+
+
+def _finish_reason(out) -> str:
+    reason = out.outputs[0].finish_reason
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        return "aborted"
+    raise RuntimeError(f"vLLM finish_reason={reason!r} for request {out.request_id!r} is not one of "
+                       f"stop, length, abort")

@@ -1,0 +1,218 @@
+"""The vLLM rollout backend (engine/vllm_backend.py) against a fake `vllm` module.
+
+The fake runs the native engine behind vLLM's offline API surface (`LLM.llm_engine.add_request /
+step / abort_request`, cumulative `RequestOutput`s, `collective_rpc` into the worker extension,
+`sleep` / `wake_up`), and its worker rebuilds a native model from the HF-named tensors it is
+sent, so a wrong name or layout in a weight update changes what it generates."""
+
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_helpers import make_hf_model  # noqa: E402
+from rlfusion.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from rlfusion.engine.types import Request, SamplingParams  # noqa: E402
+from rlfusion.engine.vllm_backend import VLLMEngine, WeightLoaderExtension  # noqa: E402
+from rlfusion.fusion.buckets import pack, plan_buckets, specs_of  # noqa: E402
+from rlfusion.model.hf import load_hf, state_from_hf, state_to_hf  # noqa: E402
+
+
+@dataclass
+class _Logprob:
+    logprob: float
+
+
+@dataclass
+class _Seq:
+    token_ids: list
+    logprobs: list
+    finish_reason: str | None
+
+
+@dataclass
+class _Output:
+    request_id: str
+    outputs: list
+    finished: bool
+
+
+class _FakeModel:
+    def __init__(self, native, family):
+        self.native, self.family, self.received = native, family, {}
+        self.expected, self.reloads = set(state_to_hf(native, family)), 0
+
+    def parameters(self):
+        return self.native.parameters()
+
+    def load_weights(self, weights):
+        self.received.update(dict(weights))
+        if set(self.received) >= self.expected:  # every tensor has come: rebuild the policy
+            self.native.load_state_dict(state_from_hf(self.received, self.native.config, self.family),
+                                        strict=False)
+            self.received, self.reloads = {}, self.reloads + 1
+
+
+class _FakeEngineCore:
+    def __init__(self, native):
+        self.engine = LLMEngine(native, EngineConfig(max_num_seqs=8))
+        self.live: dict[str, Request] = {}
+
+    def add_request(self, request_id, prompt, params):
+        p = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=max(0, params.top_k),
+                           max_new_tokens=params.max_tokens, stop_ids=tuple(params.stop_token_ids))
+        self.live[request_id] = Request(request_id, list(prompt["prompt_token_ids"]), p)
+        self.engine.add_request(self.live[request_id])
+
+    def _output(self, rid, reason):
+        r = self.live[rid]
+        lps = [{t: _Logprob(lp)} for t, lp in zip(r.output_ids, r.logprobs)]
+        return _Output(rid, [_Seq(list(r.output_ids), lps, reason)], reason is not None)
+
+    def step(self):
+        done = {c.request_id: c.finish_reason for c in self.engine.step()}
+        outs = [self._output(rid, done.get(rid)) for rid in self.live]
+        for rid in done:
+            del self.live[rid]
+        return outs
+
+    def abort_request(self, ids):
+        self.engine.abort(ids)
+        for rid in ids:
+            self.live.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+
+class _FakeLLM:
+    def __init__(self, model, **kwargs):
+        self.kwargs = kwargs
+        native, _, meta = load_hf(model)
+        module, _, name = kwargs["worker_extension_cls"].rpartition(".")
+        worker_cls = type("Worker", (getattr(sys.modules[module], name),), {})
+        self.worker = worker_cls()
+        self.worker.model_runner = types.SimpleNamespace(model=_FakeModel(native, meta["family"]))
+        self.llm_engine = _FakeEngineCore(native)
+        self.sleeping = None
+
+    def collective_rpc(self, method, args=()):
+        return [getattr(self.worker, method)(*args)]
+
+    def sleep(self, level):
+        self.sleeping = level
+
+    def wake_up(self):
+        self.sleeping = None
+
+
+class _FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+FAKE_VLLM = types.SimpleNamespace(LLM=_FakeLLM, SamplingParams=_FakeSamplingParams)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    make_hf_model("qwen3_moe", tmp_path)
+    return tmp_path
+
+
+def _engine(path) -> tuple[VLLMEngine, torch.nn.Module]:
+    native, _, meta = load_hf(path)
+    return VLLMEngine(path, native.config, meta["family"], vllm_module=FAKE_VLLM), native
+
+
+def _requests(n=3, max_new=10):
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_ids=(2,))
+    return [Request(str(i), [0] + [5 + i, 40, 41 + i], params) for i in range(n)]
+
+
+def _native_greedy(model, requests):
+    return LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(requests)
+
+
+def test_vllm_is_not_imported_and_its_absence_is_one_clear_error(hf_dir):
+    assert "vllm" not in sys.modules  # importing the backend module does not import vllm
+    native, _, meta = load_hf(hf_dir)
+    if "vllm" not in sys.modules:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            with pytest.raises(ImportError, match=r"pip install 'rlfusion\[gpu\]'"):
+                VLLMEngine(hf_dir, native.config, meta["family"])
+
+
+def test_generate_matches_the_native_engine_with_logprobs_and_versions(hf_dir):
+    engine, native = _engine(hf_dir)
+    kwargs = engine.llm.kwargs
+    assert kwargs["enable_sleep_mode"] and kwargs["logprobs_mode"] == "processed_logprobs"
+    got, want = engine.generate(_requests()), _native_greedy(native, _requests())
+    for g, w in zip(got, want):
+        assert (g.output_ids, g.finish_reason, g.prompt_ids) == (w.output_ids, w.finish_reason, w.prompt_ids)
+        torch.testing.assert_close(g.logprobs, w.logprobs)
+        assert g.versions == [0] * len(g.output_ids)
+
+
+def test_abort_then_resume_continues_where_it_stopped(hf_dir):
+    engine, native = _engine(hf_dir)
+    for r in _requests():
+        engine.add_request(r)
+    for _ in range(4):
+        engine.step()
+    partial = engine.abort(["0", "1", "2"])
+    assert all(c.finish_reason == "aborted" and 0 < len(c.output_ids) < 10 for c in partial)
+    assert not engine.has_unfinished()
+    resumed = engine.generate([Request.resume(c) for c in partial])
+    for r, w in zip(resumed, _native_greedy(native, _requests())):
+        assert r.output_ids == w.output_ids and len(r.logprobs) == len(r.output_ids)
+
+
+def test_update_weights_from_buckets_changes_the_policy(hf_dir):
+    engine, _ = _engine(hf_dir)
+    new, _, _ = load_hf(hf_dir)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    state = new.state_dict()
+    buckets = plan_buckets(specs_of(state), 64 * 1024)
+    assert len(buckets) > 3
+    loaded = engine.update_weights((b, pack(b, state)) for b in buckets)
+    fake_model = engine.llm.worker.model_runner.model
+    assert loaded == len(fake_model.expected) and fake_model.reloads == 1
+    got, want = engine.generate(_requests()), _native_greedy(new, _requests())
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert all(g.versions == [1] * len(g.output_ids) for g in got)
+
+
+def test_sleep_and_wake(hf_dir):
+    engine, _ = _engine(hf_dir)
+    engine.add_request(_requests(1)[0])
+    with pytest.raises(RuntimeError, match="cannot sleep with 1 unfinished requests"):
+        engine.sleep()
+    engine.abort(["0"])
+    engine.sleep(level=2)
+    assert engine.llm.sleeping == 2
+    with pytest.raises(RuntimeError, match=r"asleep: call wake_up\(\) before add_request"):
+        engine.add_request(_requests(1)[0])
+    with pytest.raises(ValueError, match="sleep level=3"):
+        engine.wake_up() or engine.sleep(level=3)
+    assert engine.llm.sleeping is None
+    assert len(engine.generate(_requests(1))[0].output_ids) > 0
+
+
+def test_worker_extension_moves_tensors_to_the_model_device():
+    received = []
+    ext = WeightLoaderExtension()
+    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]),
+                                  load_weights=lambda weights: received.extend(weights))
+    ext.model_runner = types.SimpleNamespace(model=model)
+    assert ext.load_hf_weights([("a", torch.ones(2))]) == 1
+    assert received[0][0] == "a" and received[0][1].device.type == "cpu"
