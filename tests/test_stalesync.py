@@ -114,8 +114,9 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
     prompts = iter(range(10**9))
     trained_groups, trained_problems, dropped_problems = [], [], []
 
-    def rollout(version, update_version):
-        plan = book.plan(version, update_version, lambda: _Problem(str(next(prompts))))
+    def rollout(version, update_version, reserved=0):
+        plan = book.plan(version, update_version, lambda: _Problem(str(next(prompts))), reserved)
+        assert len(book.groups) + reserved <= max(book.capacity, reserved)  # admission control
         out = stage.run_groups(plan["items"], version, plan["quota"], plan["due"], plan["drop"])
         before = {gid: p for gid, p, _ in plan["items"]}
         book.collect(plan, out)
@@ -141,7 +142,7 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
                 rollout(version, version)
                 pending = book.take_batch(version)[0]
             train(pending, version)  # update `version` alongside the rollout for the next one
-            rollout(version, version + 1)
+            rollout(version, version + 1, reserved=len({t.group_id for t in pending}))
             pending = book.take_batch(version + 1)[0]
         else:
             rollout(version, version)

@@ -7,11 +7,12 @@ ever used for an update.
 
 How the bound is kept — admission control plus a deadline, never silent waste:
 
-  * a prompt group is admitted (its rollout may start) only while the rollout pool — groups
-    admitted and not yet taken for an update, carried-over partial ones included — holds fewer
-    than B groups (B = groups per update), so a rollout never starts work that no update within
-    the bound has room for (with separated devices the batch taken for the next update is
-    outside the pool: one update's worth in training, one in rollout);
+  * a prompt group is admitted (its rollout may start) only while the groups in flight
+    (admitted, not yet trained: carried-over partial ones and a batch already taken for the
+    next update included) number fewer than (s + 1) × B, B = groups per update: if each update
+    takes B groups, every admitted group can still be trained within s updates. The surplus
+    over B keeps the engine's batch full while the slowest groups finish — the long tail no
+    longer idles the rollout;
   * a group admitted when the rollout weights were version a is *due* at update a + s: that
     update's rollout does not stop before the due groups finish (`overdue="wait"`), or it stops
     on the threshold and the due groups that have not finished are dropped — their tokens are
@@ -26,7 +27,7 @@ weights, so their tokens carry mixed versions (within the bound).
     co-located (actor trains and generates on the same devices), s ≥ 0:
 
       devices  │ rollout v_k ─ stop at threshold ─┐ ref+reward │ update k │ rollout v_k+1 ...
-               │  (pool: B groups; the unfinished tail is paused, resumed next with v_k+1)
+               │  (≤ (s+1)B groups in flight; the unfinished are paused, resumed with v_k+1)
 
     separated (rollout devices ≠ train devices), s ≥ 1: rollout for update k+1 overlaps update k
 
@@ -119,11 +120,15 @@ class StalenessBook:
 
     # ---- admission ----
 
-    def admit(self, version: int, sample_problem: Callable[[], Any]) -> list[Group]:
-        """New groups, generated from weights `version`, until the rollout pool (carried-over
-        groups included) holds one update's worth: B groups."""
+    @property
+    def capacity(self) -> int:
+        return (self.s + 1) * self.B
+
+    def admit(self, version: int, sample_problem: Callable[[], Any], reserved: int = 0) -> list[Group]:
+        """New groups, generated from weights `version`, while the groups in flight — the pool
+        plus `reserved` (taken for an update that has not run yet) — number fewer than (s+1)·B."""
         new = []
-        while len(self.groups) < self.B:
+        while len(self.groups) + reserved < self.capacity:
             problem = self.requeued.popleft() if self.requeued else sample_problem()
             g = Group(self.next_group_id, problem, version)
             self.next_group_id += 1
@@ -145,11 +150,12 @@ class StalenessBook:
 
     # ---- one rollout ----
 
-    def plan(self, version: int, update_version: int, sample_problem: Callable[[], Any]) -> dict[str, Any]:
+    def plan(self, version: int, update_version: int, sample_problem: Callable[[], Any],
+             reserved: int = 0) -> dict[str, Any]:
         """Admit new groups and describe the next rollout (weights `version`, for the update of
         `update_version`): every unfinished group as `(group_id, problem, open samples)`, the
         due ones it must finish, and how many more finished groups the threshold asks for."""
-        self.admit(version, sample_problem)
+        self.admit(version, sample_problem, reserved)
         groups = self.runnable()
         return {"items": [(g.group_id, g.problem, g.open) for g in groups],
                 "due": self.due(update_version) & {g.group_id for g in groups},

@@ -165,7 +165,7 @@ class RLTrainer:
             self.pending = book.take_batch(k)
         if self.overlap:
             batch, stats = self.pending
-            wait = self._start_rollout(k, update_version=k + 1)
+            wait = self._start_rollout(k, update_version=k + 1, reserved=stats["groups_in_update"])
             t_rollout = time.perf_counter() - t0
         else:
             self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
@@ -185,17 +185,17 @@ class RLTrainer:
         self.step += 1
         return metrics
 
-    def _start_rollout(self, version: int, update_version: int):
+    def _start_rollout(self, version: int, update_version: int, reserved: float = 0):
         """Launch the partial rollout the book plans (weights `version`, for the update of
         `update_version`). Returns (plan, wait function)."""
-        plan = self.stale.plan(version, update_version, lambda: self.task.sample(self.prompt_rng))
+        plan = self.stale.plan(version, update_version, lambda: self.task.sample(self.prompt_rng), int(reserved))
         items = plan["items"]
         if self.devices is None:
             out = (self.rollout.run_groups(items, version, plan["quota"], plan["due"], plan["drop"])
                    if items else _EMPTY_ROLLOUT)
             return plan, (lambda: out)
-        parts = _split(items, len(self.devices.plan.rollout))
-        quotas = [math.ceil(plan["quota"] * len(p) / len(items)) if items else 0 for p in parts]
+        parts = _balanced_parts(items, len(self.devices.plan.rollout))
+        quotas = _share(plan["quota"], [len(p) for p in parts])
         return plan, self.devices.rollout.start_groups(parts, version, quotas, plan["due"], plan["drop"])
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
@@ -348,6 +348,31 @@ class RLTrainer:
         save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
                         {"rl_steps": self.step, "heldout_accuracy": final})
         return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
+
+
+def _balanced_parts(items: list, num_parts: int) -> list[list]:
+    """New groups in contiguous parts (as the synchronous rollout splits its prompts); resumed
+    groups (with open samples) go one at a time to the part with the fewest groups, so the
+    carried-over tail does not pile up on one device."""
+    fresh = [it for it in items if not it[2]]
+    parts = _split(fresh, num_parts)
+    for it in (it for it in items if it[2]):
+        min(parts, key=len).append(it)
+    return parts
+
+
+def _share(quota: int, sizes: list[int]) -> list[int]:
+    """Split the threshold's finished-group count over the rollout devices as evenly as their
+    group counts allow (every device holds about the same surplus, so they finish their
+    rollouts at about the same time); the shares sum to min(quota, total groups)."""
+    shares = [0] * len(sizes)
+    left = min(quota, sum(sizes))
+    while left:
+        open_ = [i for i, n in enumerate(sizes) if shares[i] < n]
+        for i in sorted(open_, key=lambda i: shares[i])[:left]:
+            shares[i] += 1
+            left -= 1
+    return shares
 
 
 def _progress_line(trainer: RLTrainer, m: dict[str, float], acc: float, start: float) -> str:

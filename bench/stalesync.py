@@ -1,0 +1,114 @@
+"""StaleSync vs synchronous RL on 2 devices: tokens/s, utilization, staleness and held-out accuracy
+after the same number of updates.
+
+Every variant runs the default task (its response lengths have a long tail: median ~24 tokens,
+p99 ~100) from the shipped base, 32 prompts x 8 samples per update, on its own 2 Ray device
+workers (1 thread each). One update of each variant runs in turn (interleaved, never
+concurrently), so all variants share the machine's load; after `--updates` updates each variant
+is evaluated greedily on the same held-out problems. Tokens/s = generated tokens / step wall time
+summed over the updates after the first two (the separated pipeline fills in its first step).
+
+    python bench/stalesync.py            # 30 updates per variant, 500 held-out problems (~15 min)
+    python bench/stalesync.py --quick    # 8 updates, 100 held-out problems
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from rlfusion.cli import find_base
+from rlfusion.config import load_config
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.trainer import RLTrainer
+
+THRESHOLD = 0.75  # partial rollout: an update goes ahead once 3/4 of its prompt groups finished
+
+VARIANTS = {  # name: (deploy.mode, stalesync overrides)
+    "sync colocated": ("colocated", []),
+    "sync separated": ("separated", []),
+    "stalesync s=1 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=1",
+                                              f"stalesync.rollout_finish_threshold={THRESHOLD}"]),
+    "stalesync s=2 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=2",
+                                              f"stalesync.rollout_finish_threshold={THRESHOLD}"]),
+    "stalesync s=1 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
+    "stalesync s=2 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=2",
+                                              f"stalesync.rollout_finish_threshold={THRESHOLD}"]),
+}
+BASELINE = "sync colocated"
+
+
+def make_trainer(name: str, out: Path, eval_problems: int, updates: int) -> RLTrainer:
+    mode, extra = VARIANTS[name]
+    cfg = load_config(TrainConfig, None, [
+        f"deploy.mode={mode}", "deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_device=1",
+        f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra])
+    return RLTrainer(cfg, out / name.replace(" ", "_").replace("=", ""), find_base())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--updates", type=int, default=None)
+    parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
+    args = parser.parse_args()
+    updates = args.updates or (8 if args.quick else 30)
+    eval_problems = 100 if args.quick else 500
+    names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or BASELINE not in names:
+        raise SystemExit(f"--variants: unknown {unknown} or missing {BASELINE!r}; allowed: {', '.join(VARIANTS)}")
+    if updates < 4:
+        raise SystemExit(f"--updates={updates}: need >= 4 (the first two are not timed)")
+    ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    rows: dict[str, list[dict]] = {n: [] for n in names}
+    acc: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates) for n in names}
+        base_acc = trainers[BASELINE].evaluate().accuracy
+        print(f"base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
+        for u in range(updates):
+            for n in names:
+                m = trainers[n].train_step()
+                rows[n].append(m)
+            print(f"update {u + 1}: " + ", ".join(f"{n} {rows[n][-1]['generated_tokens'] / rows[n][-1]['time_step_s']:.0f}"
+                                               for n in names) + " tok/s", flush=True)
+        for n in names:
+            acc[n] = trainers[n].evaluate().accuracy
+            trainers[n].timeline.plot_gantt(Path("docs") / "img" / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png",
+                                            title=f"{n}: device timeline") if args.variants == "" and not args.quick else None
+        for t in trainers.values():
+            t.close()
+    ray.shutdown()
+
+    timed = {n: r[2:] for n, r in rows.items()}
+    tok_s = {n: sum(m["generated_tokens"] for m in r) / sum(m["time_step_s"] for m in r) for n, r in timed.items()}
+    print(f"\n## 2 devices, 32 prompts x 8 samples per update, {updates} updates per variant, interleaved")
+    print(f"(partial-rollout threshold {THRESHOLD}; held-out accuracy: greedy, {eval_problems} problems; base {base_acc:.1%})")
+    print("| variant | tokens/s | vs sync colocated | util mean | staleness mean | staleness max | "
+          "dropped groups | held-out acc |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in names:
+        r = timed[n]
+        st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in rows[n])
+        st_max = max(m.get("staleness_max", 0.0) for m in rows[n])
+        print(f"| {n} | {tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | "
+              f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
+              f"{sum(m.get('dropped_groups', 0) for m in rows[n]):.0f} | {acc[n]:.1%} |")
+    stale = [n for n in names if n.startswith("stalesync")]
+    if stale:
+        best = max(stale, key=lambda n: tok_s[n])
+        print(f"\nbest StaleSync variant by tokens/s: {best}")
+        print(f"target stalesync_vs_sync_colocated: {tok_s[best] / tok_s[BASELINE]:.2f} (goal >= 1.4)")
+        print(f"target accuracy_gap_points: {100 * (acc[BASELINE] - acc[best]):.1f} (goal <= 3.0)")
+        print(f"target max_staleness_violations: "
+              f"{sum(m.get('staleness_max', 0) > int(VARIANTS[n][1][1].split('=')[1]) for n in stale for m in rows[n])} (goal <= 0)")
+
+
+if __name__ == "__main__":
+    main()
