@@ -166,3 +166,21 @@ def test_token_budget_counts_the_padded_prefill():
         sched.add(Request(f"r{n}-{len(sched.waiting)}", [1] * n))
     plan = sched.schedule()  # 4 + 12 = 16 real tokens, but padded 2 x 12 = 24; a third row: 36
     assert len(plan.prefill) == 2 and plan.num_tokens == 24 <= 30
+
+
+def test_scheduler_batches_admissions_once_enough_slots_are_free():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_seq_len=50,
+                                      min_prefill_batch=2))
+    for r in _requests(7, SamplingParams(max_new_tokens=5)):
+        sched.add(r)
+    assert len(sched.schedule().prefill) == 4  # nothing running: admit at once
+    sched.finish(sched.running[0])
+    plan = sched.schedule()
+    assert not plan.prefill and len(plan.decode) == 3  # one free slot < 2: keep decoding
+    sched.finish(sched.running[0])
+    assert len(sched.schedule().prefill) == 2  # two free: one prefill pass for both
+    for seq in list(sched.running)[:3]:
+        sched.finish(seq)
+    assert len(sched.schedule().prefill) == 1  # the last waiting one fits: no point waiting
+    with pytest.raises(ValueError, match="min_prefill_batch"):
+        SchedulerConfig(min_prefill_batch=0)

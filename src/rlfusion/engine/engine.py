@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_seq_len: int | None = None  # default: the model's context length
+    min_prefill_batch: int = 1  # see SchedulerConfig
     seed: int = 0
 
 
@@ -30,8 +31,8 @@ class LLMEngine:
             raise ValueError(f"engine.max_seq_len={max_len} exceeds the model's context length "
                              f"{model.config.max_seq_len}")
         self.config = config
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
-                                                   config.max_num_batched_tokens, max_len))
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   max_len, config.min_prefill_batch))
         self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed)
         self.policy_version = 0  # stamped on every generated token
         self.num_steps = 0

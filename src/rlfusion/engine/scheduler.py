@@ -20,9 +20,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096  # prefill + decode tokens in one step
     max_seq_len: int = 256  # KV-cache positions per slot
+    # While sequences are decoding, new ones are admitted only once this many slots are free
+    # (or all waiting ones fit): every prefill is an extra forward pass, so admitting one or two
+    # sequences per step as slots free up costs more than it gains. 1 = admit at once.
+    min_prefill_batch: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "min_prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
 
@@ -102,6 +106,9 @@ class Scheduler:
         # size: rows x the longest prompt admitted this step.
         budget = self.config.max_num_batched_tokens - len(plan.decode)
         longest = 0
+        free = self.config.max_num_seqs - len(self.running)
+        if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
+            return plan
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if (len(plan.prefill) + 1) * max(longest, seq.num_tokens) > budget:

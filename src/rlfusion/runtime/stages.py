@@ -42,12 +42,16 @@ class CollapseError(RunError):
     """Rewards stayed at 0 or responses ran to the length limit for too long."""
 
 
+SYNC_EVERY = 2  # engine steps between the rollout devices' stop-rule sums (partial rollout)
+
+
 class RolloutStage:
     """`group_size` sampled responses per prompt from the policy the engine currently holds."""
 
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed))
+        self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed,
+                                                    min_prefill_batch=cfg.min_prefill_batch))
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
@@ -68,12 +72,17 @@ class RolloutStage:
                 for k, c in enumerate(completions)]
 
     def run_groups(self, groups: list[tuple[int, Problem, list[Trajectory]]], version: int, quota: int,
-                   must_finish: set[int], drop_overdue: bool = False) -> dict[str, Any]:
+                   must_finish: set[int], drop_overdue: bool = False, sync: Any = None) -> dict[str, Any]:
         """Partial rollout over prompt groups `(group_id, problem, open samples)`: a group with no
         open samples starts `group_size` new ones, else its open (aborted) samples resume with
         the current weights. Steps the engine until every request is done, or until `quota` of
         these groups have finished and every group in `must_finish` has (with `drop_overdue`
         the unfinished `must_finish` groups are given up instead). The rest is aborted.
+
+        With several rollout devices, `sync(finished, due unfinished, busy)` sums those counts
+        over the devices (every `SYNC_EVERY` engine steps, and while this device has nothing
+        left to run) and the stop rule applies to the sums: `quota` is then the devices' total,
+        and a device that runs out of work waits for the others instead of ending the rollout.
 
         Returns finished and unfinished (aborted, partial) samples in request order, the ids of
         the groups it gave up, and how many tokens it generated."""
@@ -101,9 +110,19 @@ class RolloutStage:
             open_count[gid] = len(requests)
         done: dict[str, Any] = {}
         finished_groups: set[int] = set()
-        while self.engine.has_unfinished():
-            if len(finished_groups) >= quota and (drop_overdue or must_finish <= finished_groups):
-                break
+        steps = 0
+        while True:
+            busy = self.engine.has_unfinished()
+            if sync is None:
+                if not busy or (len(finished_groups) >= quota and (drop_overdue or must_finish <= finished_groups)):
+                    break
+            elif not busy or steps % SYNC_EVERY == 0:
+                done_sum, due_sum, busy_sum = sync(len(finished_groups), len(must_finish - finished_groups), int(busy))
+                if not busy_sum or (done_sum >= quota and (drop_overdue or not due_sum)):
+                    break
+                if not busy:
+                    continue
+            steps += 1
             for c in self.engine.step():
                 done[c.request_id] = c
                 gid = owner[c.request_id][0]

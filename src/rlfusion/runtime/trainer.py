@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -195,8 +194,7 @@ class RLTrainer:
                    if items else _EMPTY_ROLLOUT)
             return plan, (lambda: out)
         parts = _balanced_parts(items, len(self.devices.plan.rollout))
-        quotas = _share(plan["quota"], [len(p) for p in parts])
-        return plan, self.devices.rollout.start_groups(parts, version, quotas, plan["due"], plan["drop"])
+        return plan, self.devices.rollout.start_groups(parts, version, plan["quota"], plan["due"], plan["drop"])
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
         plan, wait = started
@@ -359,20 +357,6 @@ def _balanced_parts(items: list, num_parts: int) -> list[list]:
     for it in (it for it in items if it[2]):
         min(parts, key=len).append(it)
     return parts
-
-
-def _share(quota: int, sizes: list[int]) -> list[int]:
-    """Split the threshold's finished-group count over the rollout devices as evenly as their
-    group counts allow (every device holds about the same surplus, so they finish their
-    rollouts at about the same time); the shares sum to min(quota, total groups)."""
-    shares = [0] * len(sizes)
-    left = min(quota, sum(sizes))
-    while left:
-        open_ = [i for i, n in enumerate(sizes) if shares[i] < n]
-        for i in sorted(open_, key=lambda i: shares[i])[:left]:
-            shares[i] += 1
-            left -= 1
-    return shares
 
 
 def _progress_line(trainer: RLTrainer, m: dict[str, float], acc: float, start: float) -> str:

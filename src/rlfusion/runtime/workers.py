@@ -66,7 +66,7 @@ class DeviceWorker:
                           if "reference" in roles and cfg.algo.kl_coef else None)
         self.actor: ActorStage | None = None
         self.spans: list[tuple[str, float, float]] = []
-        self.sync_group = None
+        self.sync_group = self.rollout_group = None
         self.ledger = MemoryLedger(f"device{device}")
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         if self.rollout is not None:
@@ -95,6 +95,7 @@ class DeviceWorker:
             # every rank creates every group, in the same order
             train_group = dist.new_group(list(self.plan.train))
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
+            self.rollout_group = dist.new_group(list(self.plan.rollout))
         if self.device in self.plan.train:
             self.actor = ActorStage(self.policy, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
                                     total_updates=self.cfg.max_steps,
@@ -120,12 +121,18 @@ class DeviceWorker:
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:
         """StaleSync's partial rollout (`RolloutStage.run_groups`) inside the same switch as
         `generate`; finished samples are scored here when reward and reference live here."""
-        out = self._switched(lambda: self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue))
+        sync = self._sum_over_rollout_devices if len(self.plan.rollout) > 1 else None
+        out = self._switched(lambda: self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync))
         if score_here and out["finished"]:
             self.score(out["finished"])
             if self.reference is not None:
                 self.reference_logprobs(out["finished"])
         return out
+
+    def _sum_over_rollout_devices(self, *counts: int) -> list[int]:
+        t = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(t, group=self.rollout_group)
+        return t.tolist()
 
     def _generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
         return self._switched(lambda: self.rollout.generate(problems, first_group_id, version))
@@ -400,13 +407,14 @@ class _RolloutProxy:
             t.metrics.pop("correct", None)
         return trajs
 
-    def start_groups(self, parts: list[list], version: int, quotas: list[int], due: set[int],
-                     drop_overdue: bool):
-        """Launch a partial rollout of `parts[i]` on rollout device i (non-blocking); the returned
-        function waits for it and merges the devices' results."""
+    def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool):
+        """Launch a partial rollout of `parts[i]` on rollout device i (non-blocking) that stops
+        once `quota` groups have finished over all devices and the `due` ones are done; the
+        returned function waits for it and merges the devices' results."""
         refs = []
-        for dev, part, quota in zip(self.d.plan.rollout, parts, quotas):
-            if part:
+        coordinated = len(self.d.plan.rollout) > 1  # every rollout device joins the stop-rule sums
+        for dev, part in zip(self.d.plan.rollout, parts):
+            if part or coordinated:
                 mine = due & {gid for gid, _, _ in part}
                 refs.append(self.d.workers[dev].rollout_groups.remote(part, version, quota, mine, drop_overdue,
                                                                      self.score_here))
