@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from rlfusion.model.config import PRESETS, get_preset
-from rlfusion.sim.hardware import parse_cluster
+from rlfusion.sim.hardware import ChipSpec, parse_cluster
 from rlfusion.sim.plan import TrainJob
 from rlfusion.sim.search import SearchResult, search_plans
 from rlfusion.sim.step import StepEstimate
@@ -49,7 +49,8 @@ def run_plan(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, flag="--cluster")
     job = TrainJob(get_preset(args.model), seq_len=args.seq, global_batch=args.global_batch)
     result = search_plans(job, cluster)
-    print(format_plan_report(job, cluster.kind, cluster.num_chips, result, args.top))
+    print(format_plan_report(job, cluster.kind, cluster.num_chips, result, args.top,
+                             chip=cluster.chip))
     return 0 if result.ranked else 1
 
 
@@ -95,7 +96,7 @@ def _row(rank: int, est: StepEstimate) -> str:
 
 
 def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResult,
-                       top: int) -> str:
+                       top: int, chip: ChipSpec | None = None) -> str:
     lines = [f"plan: {kind}:{chips}, seq {job.seq_len}, global batch {job.global_batch} "
              f"sequences; {result.num_candidates} candidates, {result.num_invalid} invalid, "
              f"{result.num_oom} over memory, {len(result.ranked)} fit "
@@ -115,6 +116,8 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
     lines.append(f"best plan memory (GB): weights {mem.weights_GB:.1f}, grads {mem.grads_GB:.1f}, "
                  f"optimizer {mem.optimizer_GB:.1f}, activations {mem.activations_GB:.1f}, "
                  f"buffers {mem.buffers_GB:.1f}, reserved {mem.reserved_GB:.1f}")
+    if chip is not None:
+        lines += ["", "assumptions:"] + [f"  {x}" for x in plan_assumptions(job, result, chip)]
     planned = [(i + 1, e) for i, e in enumerate(result.ranked) if e.plan.recompute == "planned"]
     acting = [(i, e) for i, e in planned if any(m.recompute or m.swap for m in e.memory_plans)]
     if planned:  # the fastest planned layout that recomputes or swaps something, if any
@@ -123,18 +126,80 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
     return "\n".join(lines)
 
 
+def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> list[str]:
+    """Every constant the ranking rests on that is not a property of the plan itself."""
+    from rlfusion.sim.memory import RESERVED_GB
+    from rlfusion.sim.step import OPTIMIZER_STEP_BYTES
+
+    best = result.best
+    return [
+        f"chip {chip.name}: {chip.peak_tflops:.0f} TFLOPS dense bf16 peak (vendor figure, the "
+        f"MFU denominator), {chip.memory_GB:.0f} GB at {chip.memory_bandwidth_GBps:.0f} GB/s",
+        f"efficiency (assumed, not measured): large GEMMs {chip.matmul_efficiency:.0%} of peak, "
+        f"falling as rows/(rows+{chip.half_efficiency_rows}); flash attention "
+        f"{chip.attention_efficiency:.0%}",
+        "FLOPs: 2 per multiply-add; causal attention counts s/2 keys per token; backward 2x "
+        "forward (2.5x for the attention core); MFU counts 3x forward, no recompute",
+        f"expert load: per-expert token-load cv {job.expert_load_cv} after balancing; busiest "
+        f"EP rank carries 1 + cv/sqrt(E/EP) * sqrt(2 ln EP) x the mean "
+        f"({job.expert_imbalance(best.plan.ep):.3f} at EP{best.plan.ep})",
+        "memory: bf16 weights 2 B, fp32 grads 4 B, fp32 master + Adam 12 B per parameter "
+        f"(sharded over DP/EDP with the distributed optimizer), {RESERVED_GB:.0f} GB reserved, "
+        "MoE dispatch buffers, fp32 logits of one micro-batch, one staging layer",
+        "communication: alpha-beta ring collectives; TP all-gather/reduce-scatter exposed; EP "
+        "all-to-all hierarchical, overlapped with compute of another micro-batch; PP sends "
+        "exposed; DP reduce-scatter/all-gather hidden behind backward/forward when shorter",
+        f"pipeline: 1F1B bubble (PP-1) stage times, / VPP when interleaved; optimizer step "
+        f"{OPTIMIZER_STEP_BYTES} B per local parameter at memory bandwidth",
+        "not modelled: link contention between parallel groups, congestion, stragglers, kernel "
+        "launch overheads, sequence-length imbalance across DP",
+    ]
+
+
 def register_simulate_command(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "simulate", help="discrete-event simulation of RL post-training throughput")
-    parser.add_argument("config", type=Path, help="simulation TOML file")
+    parser.add_argument("config", type=Path, nargs="?", default=None,
+                        help="simulation TOML file")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for trace.json and PNG plots (default: no files)")
+    parser.add_argument("--calibrate", type=Path, default=None, metavar="PATH",
+                        help="run the microbenchmarks of this machine and write a calibration "
+                             "JSON (use it with calibration = \"PATH\" in a config)")
+    parser.add_argument("--quick", action="store_true", help="--calibrate: fewer repetitions")
+    parser.add_argument("--project", action="store_true",
+                        help="project RL throughput of --model on 1..--supernodes supernodes "
+                             "(sync vs StaleSync, colocated vs separated), with assumptions")
+    parser.add_argument("--model", default="pangu-ultra-moe-718b", choices=sorted(PRESETS),
+                        help="--project: model preset")
+    parser.add_argument("--cluster-kind", default="cm384",
+                        help="--project: hardware kind of one supernode (cm384, 910b, h100, h200)")
+    parser.add_argument("--supernodes", type=_positive_int, default=4,
+                        help="--project: largest number of supernodes")
+    parser.add_argument("--staleness", type=_positive_int, default=1,
+                        help="--project: staleness bound of the StaleSync variant")
     parser.set_defaults(func=run_simulate)
     return parser
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from rlfusion.sim.report import simulate_and_report  # keeps `plan` imports small
+    if args.calibrate is None and not args.project and args.config is None:
+        raise ValueError("simulate needs a CONFIG file, --calibrate PATH or --project")
+    if args.calibrate is not None:
+        from rlfusion.sim.measure import measure_calibration  # torch, only when asked
 
-    print(simulate_and_report(args.config, args.out))
+        measure_calibration(args.calibrate, quick=args.quick)
+        print(f"wrote {args.calibrate}")
+    if args.project:
+        from rlfusion.sim.hardware import CLUSTER_KINDS
+        from rlfusion.sim.projection import run_projection
+
+        if args.cluster_kind not in CLUSTER_KINDS or args.cluster_kind == "cpu":
+            raise ValueError(f"--cluster-kind={args.cluster_kind!r}; allowed: "
+                             f"{', '.join(k for k in CLUSTER_KINDS if k != 'cpu')}")
+        print(run_projection(args.model, args.cluster_kind, args.supernodes, args.staleness))
+    if args.config is not None:
+        from rlfusion.sim.report import simulate_and_report  # keeps `plan` imports small
+
+        print(simulate_and_report(args.config, args.out))
     return 0

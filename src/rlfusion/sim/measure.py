@@ -15,9 +15,10 @@ run, one device (worker process, `threads` threads) at a time, with the shipped 
     reference_switch_s       fully shared mode: reference weights to host and back
     transfer_GBps            two processes in a gloo world: bucketed weight broadcast (what a
                              separated-mode weight sync does), bytes / seconds
-    concurrent_speed         the same two processes run a rollout + update workload alone and
-                             then both at once: time alone / time together (two busy 1-thread
-                             processes on this VM do not get two full cores)
+    concurrent_speed         two Ray device actors (as the real runs place them, 1 thread
+                             each) run a rollout + update workload alone and then both at once:
+                             time alone / time together (two busy 1-thread processes on this VM,
+                             with Ray's own processes beside them, do not get two full cores)
 
 Nothing here sees an RL step's throughput: the simulator predicts that from these numbers.
 torch and the model are imported inside the functions so `rlfusion.sim` stays torch-free.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import queue
 import random
 import statistics
 import time
@@ -188,7 +190,7 @@ def _measure_switches(actor, reference, model, reps: int) -> tuple[float, float]
     return _median_time(round_trip, reps) / 2, _median_time(reference_round_trip, reps)
 
 
-# ---- two processes: weight broadcast bandwidth, contention -----------------------------------
+# ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
 
 def _mixed_workload(model, tokenizer, actor, trajs) -> None:
     model.eval()
@@ -200,10 +202,7 @@ def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from rlfusion.runtime.stages import ActorStage
-    from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
-
-    model, tokenizer = _load(setup)
+    model, _ = _load(setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     params = [p.data for p in model.parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in params)
@@ -224,25 +223,8 @@ def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
 
     dist.barrier()
     bcast_s = _median_time(broadcast, 3 if setup.quick else 5)
-    actor = ActorStage(copy.deepcopy(model), AlgoConfig(), OptimConfig(), temperature=1.0)
-    trajs = synthetic_trajectories(tokenizer, 64, model.config.vocab_size, seed=rank)
-    work = lambda: _mixed_workload(model, tokenizer, actor, trajs)  # noqa: E731
-    work()  # warm-up
-    alone, together = [], []
-    for _ in range(2 if setup.quick else 3):
-        for turn in (0, 1):  # one process works, the other waits at the barrier
-            dist.barrier()
-            if rank == turn:
-                start = time.perf_counter()
-                work()
-                alone.append(time.perf_counter() - start)
-            dist.barrier()
-        dist.barrier()
-        start = time.perf_counter()
-        work()
-        together.append(time.perf_counter() - start)
     dist.barrier()
-    out.put((rank, nbytes, bcast_s, alone, together))
+    out.put((rank, nbytes, bcast_s))
     dist.destroy_process_group()
 
 
@@ -259,31 +241,106 @@ def measure_pair(setup: _Setup) -> dict:
                          daemon=True) for r in range(2)]
     for p in procs:
         p.start()
-    results = sorted(out.get(timeout=600) for _ in procs)
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a broadcast benchmark process died (exit code {dead[0]})")
+    results.sort()
     for p in procs:
         p.join(timeout=60)
     nbytes = results[0][1]
     bcast_s = max(r[2] for r in results)
-    alone = statistics.median(t for r in results for t in r[3])
-    together = statistics.median(t for r in results for t in r[4])
     return {"transfer_GBps": nbytes / bcast_s / 1e9, "weight_GB": nbytes / 1e9,
             "grad_sync_GB": nbytes / 1e9,  # fp32 grads, one per parameter, same bytes
-            "concurrent_speed": min(1.0, alone / together),
-            "_pair": (bcast_s, alone, together)}
+            "_bcast_s": bcast_s}
+
+
+class ContentionWorker:
+    """A device-like process (a Ray actor) running a fixed rollout + update workload."""
+
+    def __init__(self, setup: _Setup, seed: int):
+        from rlfusion.runtime.stages import ActorStage
+        from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
+
+        self.model, self.tokenizer = _load(setup)
+        self.actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0)
+        self.trajs = synthetic_trajectories(self.tokenizer, 64, self.model.config.vocab_size,
+                                            seed=seed)
+
+    def work(self) -> float:
+        start = time.perf_counter()
+        _mixed_workload(self.model, self.tokenizer, self.actor, self.trajs)
+        return time.perf_counter() - start
+
+
+def contention_workers(setup: _Setup) -> list:
+    """Two warmed-up `ContentionWorker` Ray actors (Ray must be running)."""
+    import ray
+
+    env = {"env_vars": {"OMP_NUM_THREADS": str(setup.threads),
+                        "MKL_NUM_THREADS": str(setup.threads)}}
+    cls = ray.remote(ContentionWorker)
+    workers = [cls.options(num_cpus=setup.threads, runtime_env=env).remote(setup, r)
+               for r in range(2)]
+    ray.get([w.work.remote() for w in workers])  # load + warm-up
+    return workers
+
+
+def contention_probe(workers: list, reps: int = 1) -> tuple[list[float], list[float]]:
+    """(seconds alone, seconds together) of the workload: each worker alone, then both."""
+    import ray
+
+    alone, together = [], []
+    for _ in range(reps):
+        alone += [ray.get(w.work.remote()) for w in workers]
+        together += ray.get([w.work.remote() for w in workers])
+    return alone, together
+
+
+def concurrent_speed(alone: list[float], together: list[float]) -> float:
+    return min(1.0, statistics.median(alone) / statistics.median(together))
+
+
+def measure_contention(setup: _Setup) -> dict:
+    """Two Ray device actors: the workload alone (one at a time) vs both at once."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2 * setup.threads, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    workers = []
+    try:
+        workers = contention_workers(setup)
+        alone, together = contention_probe(workers, 2 if setup.quick else 3)
+    finally:
+        for w in workers:
+            ray.kill(w)
+        if started:
+            ray.shutdown()
+    return {"concurrent_speed": concurrent_speed(alone, together),
+            "_contention": (statistics.median(alone), statistics.median(together))}
 
 
 # ---- the whole calibration -----------------------------------------------------------------
 
-def measure_calibration(path: str | Path | None = None, threads: int = 1, quick: bool = False,
-                        base: str | Path | None = None, log=print) -> Calibration:
-    """Run every microbenchmark (about 30 s; `quick` about 15 s) and save the calibration."""
-    if base is None:
-        from rlfusion.cli import find_base
+def default_setup(threads: int = 1, quick: bool = False) -> _Setup:
+    from rlfusion.cli import find_base
 
-        base = find_base()
-        if base is None:
-            raise ValueError("no tiny base model found: run `rlfusion pretrain` first")
-    setup = _Setup(str(base), threads, quick)
+    base = find_base()
+    if base is None:
+        raise ValueError("no tiny base model found: run `rlfusion pretrain` first")
+    return _Setup(str(base), threads, quick)
+
+
+def measure_calibration(path: str | Path | None = None, threads: int = 1, quick: bool = False,
+                        log=print) -> Calibration:
+    """Run every microbenchmark (about 30 s; `quick` about 20 s) and save the calibration."""
+    setup = default_setup(threads, quick)
     t0 = time.perf_counter()
     model, tokenizer = _load(setup)
     engine = measure_engine(model, tokenizer, quick)
@@ -295,12 +352,15 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"{train['reference_overhead_s'] * 1e3:.1f} ms, switch {train['switch_s'] * 1e3:.1f} ms, "
         f"reference switch {train['reference_switch_s'] * 1e3:.1f} ms")
     pair = measure_pair(setup)
-    bcast_s, alone, together = pair.pop("_pair")
+    bcast_s = pair.pop("_bcast_s")
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
-        f"({pair['transfer_GBps']:.2f} GB/s); mixed workload alone {alone:.3f} s, both at once "
-        f"{together:.3f} s -> concurrent speed {pair['concurrent_speed']:.2f}")
+        f"({pair['transfer_GBps']:.2f} GB/s)")
+    contention = measure_contention(setup)
+    alone, together = contention.pop("_contention")
+    log(f"  2 Ray device actors, rollout+update workload: alone {alone:.3f} s, both at once "
+        f"{together:.3f} s -> concurrent speed {contention['concurrent_speed']:.2f}")
     cal = Calibration(
-        **engine, **train, **pair, devices_per_engine=1,
+        **engine, **train, **pair, **contention, devices_per_engine=1,
         source=f"measured on this machine by rlfusion.sim.measure ({threads} thread(s) per "
                f"device, {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s)",
         source_notes=(
@@ -310,7 +370,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "switch_s: optimizer offload + KV cache restore and back, / 2; reference_switch_s: "
             "reference weights to host and back",
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
-            "concurrent_speed: 2 processes, rollout+update workload, alone vs both at once",
+            "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once",
             "not measured (small here): reward rule scoring, Ray calls and driver queue traffic",
         ),
     )

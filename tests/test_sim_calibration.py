@@ -1,0 +1,137 @@
+"""Calibration inputs of the RL simulator: replayed lengths, contention, the colocated step by
+hand, hardware-derived calibrations, projections and the validation replay of bench/simulator."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfusion.model.config import get_preset
+from rlfusion.sim.calibration import Calibration
+from rlfusion.sim.cli import register_plan_command, register_simulate_command
+from rlfusion.sim.cluster_calibration import EngineAssumptions, decode_step_s
+from rlfusion.sim.hardware import get_cluster
+from rlfusion.sim.rl_config import RLSimConfig
+from rlfusion.sim.rl_sim import simulate
+
+# Round numbers so a step can be computed by hand: decode 1 ms per step at any batch, no
+# prefill, train 1000 tokens/s per device + 0.1 s, reference 2000 tokens/s, switch 0.01 s.
+FLAT = Calibration(decode_batch_sizes=(1,), decode_step_ms=(1.0,), prefill_ms_per_token=0.0,
+                   train_tokens_per_s_per_device=1000.0, train_step_overhead_s=0.1,
+                   switch_s=0.01, transfer_GBps=1e9, weight_GB=0.0,
+                   reference_tokens_per_s_per_device=2000.0)
+# 2 devices, 1 prompt x 4 samples per step: engine0 gets samples 0-1, engine1 samples 2-3
+TWO = RLSimConfig(mode="colocated", devices_per_supernode=2, prompts_per_step=1,
+                  samples_per_prompt=4, num_steps=2, prompt_len=10, max_batch_per_engine=2,
+                  response_lengths=(10, 30, 20, 20), queue_bytes_per_token=0)
+
+
+def _step_s(cfg, cal):
+    ends = simulate(cfg, cal).update_end_s
+    return ends[1] - ends[0]
+
+
+def test_colocated_step_by_hand():
+    # switch back 0.01; engine0: 30 decode steps (its longest) = 0.030 s, then reference over
+    # (10+10)+(10+30) tokens = 60 / 2000 = 0.030 s -> 0.060; engine1: 0.020 + 60/2000 = 0.050.
+    # The slower engine sets the pace; then switch 0.01, train 120 tokens / (2 x 1000) + 0.1.
+    expected = 0.01 + 0.060 + 0.01 + 120 / 2000 + 0.1
+    assert _step_s(TWO, FLAT) == pytest.approx(expected)
+
+
+def test_replayed_lengths_are_the_trained_tokens():
+    result = simulate(TWO, FLAT)
+    assert result.tokens_per_s * result.makespan_s == pytest.approx(2 * (10 + 30 + 20 + 20))
+
+
+def test_contention_slows_concurrent_work_only():
+    slow = FLAT.replace(concurrent_speed=0.5)
+    assert _step_s(TWO, slow) == pytest.approx(0.01 + 0.120 + 0.01 + 2 * (120 / 2000 + 0.1))
+    separated = TWO.replace(mode="separated", max_batch_per_engine=4)  # one engine, one trainer
+    assert _step_s(separated, slow) == pytest.approx(_step_s(separated, FLAT))
+
+
+def test_train_fraction_scales_only_the_update():
+    half = _step_s(TWO.replace(train_fraction=0.5), FLAT)
+    assert _step_s(TWO, FLAT) - half == pytest.approx(0.5 * 120 / 2000)
+
+
+def test_shared_mode_pays_the_reference_switch():
+    cal = FLAT.replace(reference_switch_s=0.004)
+    assert _step_s(TWO.replace(mode="shared"), cal) == pytest.approx(_step_s(TWO, cal) + 0.004)
+
+
+def test_calibration_formulas_and_errors():
+    assert FLAT.replace(prefill_fixed_ms=2.0, prefill_ms_per_token=0.5).prefill_s(4) == \
+        pytest.approx(0.004)
+    assert FLAT.reference_s(4000, 2) == pytest.approx(1.0)
+    assert FLAT.replace(reference_tokens_per_s_per_device=0.0).reference_s(3000, 1) == \
+        pytest.approx(3000 / 1000 / 3)
+    with pytest.raises(ValueError, match="concurrent_speed"):
+        FLAT.replace(concurrent_speed=0.0)
+    with pytest.raises(ValueError, match="train_fraction"):
+        TWO.replace(train_fraction=1.5)
+    with pytest.raises(ValueError, match="response_lengths"):
+        TWO.replace(response_lengths=(3, 0))
+
+
+def test_hardware_decode_step_is_memory_bound_at_small_batch():
+    model, cluster = get_preset("pangu-ultra-moe-718b"), get_cluster("cm384", 384)
+    a = EngineAssumptions()
+    steps = [decode_step_s(model, cluster, b, a) for b in (1, 8, 64, 512)]
+    assert steps == sorted(steps)
+    # 1 token touches the dense part + top_k of 256 experts: far less than all the weights
+    all_weights_s = model.param_counts()["total"] * 2 / 32 / (cluster.chip.memory_bandwidth_GBps * 1e9)
+    assert steps[0] < 0.2 * all_weights_s < all_weights_s < steps[-1]
+
+
+def _parser():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    register_plan_command(sub)
+    register_simulate_command(sub)
+    return parser
+
+
+def test_simulate_cli_needs_something_to_do():
+    args = _parser().parse_args(["simulate"])
+    with pytest.raises(ValueError, match="CONFIG.*--calibrate.*--project"):
+        args.func(args)
+    args = _parser().parse_args(["simulate", "--project", "--cluster-kind", "cpu"])
+    with pytest.raises(ValueError, match="--cluster-kind.*allowed"):
+        args.func(args)
+
+
+def test_plan_prints_assumptions(capsys):
+    args = _parser().parse_args(["plan", "--model", "tiny", "--cluster", "cpu:2", "--seq",
+                                 "256", "--global-batch", "8", "--top", "2"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "assumptions:" in out and "not modelled" in out and "assumed" in out
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "bench" / "simulator.py"
+    spec = importlib.util.spec_from_file_location("bench_simulator", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_simulator"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_replays_each_measured_step():
+    bench = _bench()
+    steps = [bench.MeasuredStep(80, 1.0, (10, 30, 20, 20), 40, 100, {}),
+             bench.MeasuredStep(40, 1.0, (10, 10, 10, 10), 40, 60, {})]
+    case = bench.Case("colocated", TWO.replace(response_lengths=()), steps)
+    pred = bench.predict(case, FLAT)
+    # the first step is replayed twice (warm-up, then measured); the trained share is
+    # token-weighted over the replayed steps: (100 + 100 + 60) / (120 + 120 + 80)
+    f = 260 / 320
+    t1 = 0.02 + 0.060 + 120 * f / 2000 + 0.1  # as in test_colocated_step_by_hand
+    t2 = 0.02 + (0.010 + 40 / 2000) + 80 * f / 2000 + 0.1
+    assert pred.step_s == pytest.approx([t1, t2])
+    assert pred.tokens_per_s == pytest.approx((80 / t1 + 40 / t2) / 2)  # median of two
+    assert case.measured_tokens_per_s == pytest.approx(60.0)
