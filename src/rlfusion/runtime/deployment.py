@@ -1,8 +1,8 @@
 """Deployment: which devices run which RL roles, in which mode (MISSION.md §1).
 
     separated     rollout devices ≠ train devices; new weights go rollout-ward after every update
-                  (bucketed broadcast). N devices: the first ⌈N/2⌉ generate, the rest train and
-                  host reference and reward.
+                  (bucketed broadcast). N devices: the first ⌈N/2⌉ generate and host reference
+                  and reward (each scores its own samples), the rest train.
     colocated     the actor trains and generates on the same devices, switching layouts;
                   reference and reward get their own device when N ≥ 3, else share the actor's
                   devices with their weights kept resident.
@@ -86,8 +86,10 @@ class DeploymentPlan:
         n, devices = cfg.devices, tuple(range(cfg.devices))
         if cfg.mode == "separated":
             k = (n + 1) // 2
+            # reference and reward next to the rollout that feeds them: each rollout device scores
+            # its own samples, and with StaleSync's overlap the two sides carry similar work
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:],
-                       reference=devices[k:], reward=devices[k:])
+                       reference=devices[:k], reward=devices[:k])
         if cfg.mode == "colocated" and n >= 3:
             return cls(cfg.mode, n, rollout=devices[:-1], train=devices[:-1],
                        reference=devices[-1:], reward=devices[-1:])
