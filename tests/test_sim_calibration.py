@@ -135,3 +135,12 @@ def test_validation_replays_each_measured_step():
     assert pred.step_s == pytest.approx([t1, t2])
     assert pred.tokens_per_s == pytest.approx((80 / t1 + 40 / t2) / 2)  # median of two
     assert case.measured_tokens_per_s == pytest.approx(60.0)
+
+
+def test_new_modules_import_without_torch():
+    import subprocess
+
+    code = ("import sys; sys.modules['torch'] = None; import rlfusion.sim.measure, "
+            "rlfusion.sim.projection, rlfusion.sim.cluster_calibration; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"

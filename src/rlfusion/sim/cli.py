@@ -116,13 +116,13 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
     lines.append(f"best plan memory (GB): weights {mem.weights_GB:.1f}, grads {mem.grads_GB:.1f}, "
                  f"optimizer {mem.optimizer_GB:.1f}, activations {mem.activations_GB:.1f}, "
                  f"buffers {mem.buffers_GB:.1f}, reserved {mem.reserved_GB:.1f}")
-    if chip is not None:
-        lines += ["", "assumptions:"] + [f"  {x}" for x in plan_assumptions(job, result, chip)]
     planned = [(i + 1, e) for i, e in enumerate(result.ranked) if e.plan.recompute == "planned"]
     acting = [(i, e) for i, e in planned if any(m.recompute or m.swap for m in e.memory_plans)]
     if planned:  # the fastest planned layout that recomputes or swaps something, if any
         rank, planned = (acting or planned)[0]
         lines.append(f"best planned recompute/swap (#{rank}): {planned_details(planned)}")
+    if chip is not None:
+        lines += ["", "assumptions:"] + [f"  {x}" for x in plan_assumptions(job, result, chip)]
     return "\n".join(lines)
 
 

@@ -80,6 +80,12 @@ class _Engine:
     active: list[Sample] = field(default_factory=list)
     finished_tokens: int = 0  # prompt + response tokens of samples finished since last reset
     last_work: float = 0.0  # end of its latest prefill or decode step
+    min_left: int | None = None  # fewest tokens any active sample still needs (None: unknown)
+
+    def fewest_left(self) -> int:
+        if self.min_left is None:  # cached: engines that did not change are asked every event
+            self.min_left = min(s.length - s.generated for s in self.active)
+        return self.min_left
 
 
 class _Sim:
@@ -155,12 +161,12 @@ class _Sim:
         eng.clock += cost
         eng.last_work = eng.clock
         eng.active.extend(added)
+        eng.min_left = None
 
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
             return math.inf
-        left = min(s.length - s.generated for s in eng.active)
-        return eng.clock + left * self.decode_step_s(eng)
+        return eng.clock + eng.fewest_left() * self.decode_step_s(eng)
 
     def decode_step_s(self, eng: _Engine) -> float:
         return self.cal.decode_step_s(len(eng.active)) * self.engine_slow
@@ -173,13 +179,13 @@ class _Sim:
         if eng.clock >= until:  # already past `until` (finishing a step or a prefill)
             return []
         step = self.decode_step_s(eng)
-        left = min(s.length - s.generated for s in eng.active)
-        steps = min(left, math.ceil((until - eng.clock) / step - 1e-9))
+        steps = min(eng.fewest_left(), math.ceil((until - eng.clock) / step - 1e-9))
         self.record(eng.name, "rollout", eng.clock, eng.clock + steps * step, eng.version)
         eng.clock += steps * step
         eng.last_work = eng.clock
         for s in eng.active:
             s.generated += steps
+        eng.min_left = None
         done = [s for s in eng.active if s.generated >= s.length]
         eng.active = [s for s in eng.active if s.generated < s.length]
         eng.finished_tokens += sum(s.prompt_len + s.length for s in done)
@@ -188,6 +194,8 @@ class _Sim:
     # ---- training ---------------------------------------------------------------------
     def take_batch(self, update: int) -> list[Sample] | None:
         """The N oldest ready samples within the staleness bound of `update`, or None."""
+        if len(self.ready) < self.n:  # cannot fill a batch yet; stale ones are dropped later
+            return None
         bound = update - self.cfg.staleness
         stale = [s for s in self.ready if s.min_version < bound]
         self.dropped += len(stale)
@@ -256,13 +264,14 @@ class _Sim:
 # ---- drivers ------------------------------------------------------------------------------
 
 def _colocated_phase_done(sim: _Sim, update: int, partial: bool) -> bool:
-    active = [s for e in sim.engines for s in e.active] + sim.resume
     if not partial:
-        return not active and sim.next_idx >= (update + 1) * sim.n
+        return (not sim.resume and all(not e.active for e in sim.engines)
+                and sim.next_idx >= (update + 1) * sim.n)
     bound = update - sim.cfg.staleness
-    usable = sum(1 for s in sim.ready if s.min_version >= bound)
-    must_finish = any(s.min_version <= bound for s in active)
-    return usable >= sim.n and not must_finish
+    if len(sim.ready) < sim.n or sum(1 for s in sim.ready if s.min_version >= bound) < sim.n:
+        return False
+    active = [s for e in sim.engines for s in e.active] + sim.resume
+    return not any(s.min_version <= bound for s in active)
 
 
 def _run_colocated(sim: _Sim) -> float:
@@ -285,7 +294,7 @@ def _run_colocated(sim: _Sim) -> float:
             for s in eng.active:
                 s.needs_prefill = True
             sim.resume = sorted(sim.resume + eng.active, key=lambda s: s.idx)
-            eng.active = []
+            eng.active, eng.min_left = [], None
             eng.clock = max(eng.last_work, now)  # its own rollout's end: it scores right away
             for role, seconds in sim.reference_phases(eng.finished_tokens):
                 sim.record(eng.name, role, eng.clock, eng.clock + seconds, update)
