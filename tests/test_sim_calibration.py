@@ -144,3 +144,22 @@ def test_new_modules_import_without_torch():
             "rlfusion.sim.projection, rlfusion.sim.cluster_calibration; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_separated_scores_where_generated():
+    # one engine (4 slots), one trainer: decode to 30 steps plus reference passes as samples
+    # finish (20 + 60 + 40 tokens at 2000/s), then train 120 / 1000 + 0.1; switch 0.01 first
+    cfg = TWO.replace(mode="separated", max_batch_per_engine=4)
+    assert _step_s(cfg, FLAT) == pytest.approx(0.01 + 0.030 + 0.060 + 0.12 + 0.1)
+    on_trainer = cfg.replace(reference_placement="train")
+    assert _step_s(on_trainer, FLAT) == pytest.approx(0.01 + 0.030 + 0.060 + 0.12 + 0.1)
+    with pytest.raises(ValueError, match="reference_placement.*allowed"):
+        cfg.replace(reference_placement="gpu")
+
+
+def test_min_prefill_batch_delays_admission():
+    one = TWO.replace(devices_per_supernode=1, response_lengths=(10, 30, 5, 5))
+    # 1: slots refill at once (idx 2 at step 10, idx 3 at 15): the longest ends at 30 steps;
+    # 2: the free slot waits for a second one (at 30), then both run 5 more steps
+    assert _step_s(one.replace(min_prefill_batch=2), FLAT) - _step_s(one, FLAT) == \
+        pytest.approx(0.005)

@@ -94,6 +94,12 @@ class Calibration:
                     + tokens / (self.reference_tokens_per_s_per_device * devices))
         return tokens / (self.train_tokens_per_s_per_device * devices) * self.forward_fraction
 
+    def reference_rate(self, devices: int) -> float:
+        """Reference forward tokens/s of `devices` devices, without the fixed per-pass cost."""
+        if self.reference_tokens_per_s_per_device > 0:
+            return self.reference_tokens_per_s_per_device * devices
+        return self.train_tokens_per_s_per_device * devices / self.forward_fraction
+
     @property
     def reference_switch(self) -> float:
         return self.switch_s if self.reference_switch_s is None else self.reference_switch_s

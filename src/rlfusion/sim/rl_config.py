@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 MODES = ("separated", "colocated", "shared")
+REFERENCE_PLACEMENTS = ("rollout", "train")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class RLSimConfig:
     train_fraction: float = 1.0  # share of a batch's tokens the update trains on (DAPO dynamic
     #                              sampling drops groups whose rewards are all equal; measured)
     max_batch_per_engine: int = 256  # continuous-batching slots per engine instance
+    min_prefill_batch: int = 1  # while decoding, admit only once this many slots are free (or
+    #                             every waiting sample fits), as the engine's scheduler does
+    reference_placement: str = "rollout"  # "rollout": each engine computes reference logprobs
+    #                                       of its samples after generating them (the runtime
+    #                                       does this in every mode); "train": the trainer does
+    #                                       (separated mode only)
     staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
     partial_rollout: bool = False  # co-located: end rollout at N finished, resume the rest
     reward_model: bool = False  # shared mode: a reward-model forward (else a free verifier)
@@ -47,9 +54,12 @@ class RLSimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"simulate.mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.reference_placement not in REFERENCE_PLACEMENTS:
+            raise ValueError(f"simulate.reference_placement={self.reference_placement!r}; "
+                             f"allowed: {', '.join(REFERENCE_PLACEMENTS)}")
         for key in ("devices_per_supernode", "num_supernodes", "prompts_per_step",
                     "samples_per_prompt", "num_steps", "max_response_len",
-                    "max_batch_per_engine"):
+                    "max_batch_per_engine", "min_prefill_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"simulate.{key}={getattr(self, key)} must be >= 1")
         if self.staleness < 0:

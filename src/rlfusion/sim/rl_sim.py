@@ -47,6 +47,7 @@ class Sample:
     generated: int = 0
     min_version: int = -1  # policy version of its first token; -1 until admitted
     needs_prefill: bool = True
+    ready_at: float = 0.0  # when it is generated and scored, ready for an update
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ class _Sim:
         (a new sample of batch b needs b <= max_batch_index)."""
         if not eng.active:
             eng.clock = max(eng.clock, now)
+        free = self.cfg.max_batch_per_engine - len(eng.active)
+        waiting = len(self.resume) + max(0, (max_batch_index + 1) * self.n - self.next_idx)
+        if eng.active and free < min(waiting, self.cfg.min_prefill_batch):
+            return  # the scheduler waits for a bigger prefill batch
         added: list[Sample] = []
         while len(eng.active) + len(added) < self.cfg.max_batch_per_engine:
             if self.resume:
@@ -188,7 +193,16 @@ class _Sim:
         eng.min_left = None
         done = [s for s in eng.active if s.generated >= s.length]
         eng.active = [s for s in eng.active if s.generated < s.length]
-        eng.finished_tokens += sum(s.prompt_len + s.length for s in done)
+        tokens = sum(s.prompt_len + s.length for s in done)
+        eng.finished_tokens += tokens
+        if tokens and self.cfg.mode == "separated" and self.cfg.reference_placement == "rollout":
+            # scored where generated, as they finish (the per-pass fixed cost is not charged)
+            ref = tokens / self.cal.reference_rate(self.cal.devices_per_engine) * self.engine_slow
+            self.record(eng.name, "ref", eng.clock, eng.clock + ref, eng.version)
+            eng.clock += ref
+            eng.last_work = eng.clock
+        for s in done:
+            s.ready_at = eng.clock
         return done
 
     # ---- training ---------------------------------------------------------------------
@@ -218,7 +232,7 @@ class _Sim:
         devices = self.train_devices()
         rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9))]
-        if cfg.mode == "separated":
+        if cfg.mode == "separated" and cfg.reference_placement == "train":
             phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
         if cfg.mode == "shared" and cfg.reward_model:
             phases += [("switch", cal.switch_s),
@@ -228,7 +242,8 @@ class _Sim:
         return phases
 
     def reference_phases(self, tokens: int) -> list[tuple[str, float]]:
-        """One engine's reference pass over the `tokens` it generated (colocated modes)."""
+        """One engine's reference pass over the `tokens` it generated (colocated modes; with
+        reference_placement 'train' the pass runs on the same devices after the switch)."""
         cal = self.cal
         forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine) * self.engine_slow)
         if self.cfg.mode != "shared":
@@ -325,7 +340,7 @@ def _run_separated(sim: _Sim) -> float:
         if training_until == math.inf:
             batch = sim.take_batch(sim.version)
             if batch is not None:
-                t = now
+                t = max([now] + [s.ready_at for s in batch])
                 for role, seconds in sim.train_phases(batch):
                     sim.record("train", role, t, t + seconds, sim.version)
                     t += seconds
