@@ -12,7 +12,11 @@
    again (two Ray actors, a fixed synthetic rollout + update workload, alone vs together):
    this machine is shared and how much two busy processes slow each other changes from
    minute to minute (0.46-1.0 seen), so it is sampled at the same times as the runs; the
-   median of those probes is the calibration's `concurrent_speed`.
+   median of those probes is the calibration's `concurrent_speed`. The same probes time the
+   workload alone on one device; their median over the calibration run's time scales every
+   compute cost (`Calibration.at_probe_speed`): other sessions' work slows this machine by a
+   varying factor, and the probe measures it with a fixed workload, not with an RL step. The
+   unscaled prediction is printed too.
 3. Predict: the discrete-event simulator (`rlfusion.sim.rl_sim`) replays each mode's measured
    lengths, in order, with the calibration; each step's predicted tokens/s (its generated
    tokens / its simulated time) is compared with the measured one, as the median over steps
@@ -173,6 +177,7 @@ def fusion_cases(rounds: int, probes: Probes) -> list[Case]:
     base = RLSimConfig(devices_per_supernode=2, prompts_per_step=cfg.rollout.prompts_per_step,
                        samples_per_prompt=cfg.rollout.group_size, staleness=0,
                        max_batch_per_engine=cfg.rollout.max_num_seqs,
+                       min_prefill_batch=getattr(cfg.rollout, "min_prefill_batch", 1),
                        max_response_len=cfg.rollout.max_new_tokens)
     return [Case(m, base.replace(mode=sim_mode[m]), steps[m]) for m in MODES]
 
@@ -239,6 +244,10 @@ def main() -> None:
     cal = cal.replace(concurrent_speed=concurrent_speed(probes.alone, probes.together))
     print(f"concurrent speed: {before:.2f} in the calibration run, {cal.concurrent_speed:.2f} "
           f"median of the {len(probes.alone) // 2} probes between rounds (used)")
+    probe_s = statistics.median(probes.alone)
+    print(f"machine speed: probe workload alone {cal.probe_s:.3f} s in the calibration run, "
+          f"{probe_s:.3f} s median between rounds (costs scaled by {probe_s / cal.probe_s:.3f})")
+    unscaled, cal = cal, cal.at_probe_speed(probe_s)
     print(f"\n## simulator vs real runs ({time.perf_counter() - t0:.0f} s)")
     print("| case | measured tok/s (median) | predicted tok/s (median) | error | "
           "measured step s (median) | predicted step s (median) |")
@@ -252,6 +261,11 @@ def main() -> None:
         print(f"| {case.name} | {meas:,.0f} | {pred.tokens_per_s:,.0f} | "
               f"{pred.tokens_per_s / meas - 1.0:+.1%} | {step:.2f} | "
               f"{statistics.median(pred.step_s):.2f} |")
+    print("\nwithout the machine-speed scaling (calibration-run speed):")
+    for case in cases:
+        pred = predict(case, unscaled)
+        print(f"  {case.name}: predicted {pred.tokens_per_s:,.0f} tok/s, error "
+              f"{pred.tokens_per_s / case.measured_tokens_per_s - 1.0:+.1%}")
     print("\nseconds per step, measured/predicted:")
     for case in cases:
         print(f"  {case.name}: {_phase_line(case, predict(case, cal))}")

@@ -163,3 +163,10 @@ def test_min_prefill_batch_delays_admission():
     # 2: the free slot waits for a second one (at 30), then both run 5 more steps
     assert _step_s(one.replace(min_prefill_batch=2), FLAT) - _step_s(one, FLAT) == \
         pytest.approx(0.005)
+
+
+def test_probe_speed_scales_every_compute_cost():
+    slower = FLAT.replace(probe_s=1.0).at_probe_speed(2.0)
+    assert _step_s(TWO, slower) == pytest.approx(2 * _step_s(TWO, FLAT))
+    with pytest.raises(ValueError, match="probe_s"):
+        FLAT.at_probe_speed(2.0)  # no speed mark recorded

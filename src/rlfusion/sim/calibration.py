@@ -47,6 +47,8 @@ class Calibration:
     #                                caches and memory bandwidth: < 1; accelerators: 1)
     grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across
     #                            the train devices (data-parallel replicas); 0: in the train rate
+    probe_s: float = 0.0  # seconds of a fixed reference workload on one idle device when these
+    #                       numbers were measured (a machine-speed mark; 0 = not recorded)
     source: str = "unspecified"  # where the numbers come from
     source_notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -93,6 +95,25 @@ class Calibration:
             return (self.reference_overhead_s
                     + tokens / (self.reference_tokens_per_s_per_device * devices))
         return tokens / (self.train_tokens_per_s_per_device * devices) * self.forward_fraction
+
+    def at_probe_speed(self, probe_s: float) -> "Calibration":
+        """These costs on the same machine when the reference workload takes `probe_s` (other
+        work sharing a CPU machine slows every computation by about the same factor)."""
+        if self.probe_s <= 0 or probe_s <= 0:
+            raise ValueError("calibration.probe_s and the new probe time must be > 0")
+        f = probe_s / self.probe_s
+        return self.replace(
+            decode_step_ms=tuple(t * f for t in self.decode_step_ms),
+            prefill_ms_per_token=self.prefill_ms_per_token * f,
+            prefill_fixed_ms=self.prefill_fixed_ms * f,
+            train_tokens_per_s_per_device=self.train_tokens_per_s_per_device / f,
+            train_step_overhead_s=self.train_step_overhead_s * f,
+            reference_tokens_per_s_per_device=self.reference_tokens_per_s_per_device / f,
+            reference_overhead_s=self.reference_overhead_s * f,
+            switch_s=self.switch_s * f,
+            reference_switch_s=None if self.reference_switch_s is None
+            else self.reference_switch_s * f,
+            probe_s=probe_s)
 
     def reference_rate(self, devices: int) -> float:
         """Reference forward tokens/s of `devices` devices, without the fixed per-pass cost."""

@@ -323,6 +323,7 @@ def measure_contention(setup: _Setup) -> dict:
         if started:
             ray.shutdown()
     return {"concurrent_speed": concurrent_speed(alone, together),
+            "probe_s": statistics.median(alone),
             "_contention": (statistics.median(alone), statistics.median(together))}
 
 
@@ -370,7 +371,8 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "switch_s: optimizer offload + KV cache restore and back, / 2; reference_switch_s: "
             "reference weights to host and back",
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
-            "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once",
+            "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once; "
+            "probe_s: that workload alone (machine-speed mark)",
             "not measured (small here): reward rule scoring, Ray calls and driver queue traffic",
         ),
     )
