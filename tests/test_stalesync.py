@@ -4,8 +4,11 @@ and both Ray deployment modes run under the bound."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,9 +118,17 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
     trained_groups, trained_problems, dropped_problems = [], [], []
 
     def rollout(version, update_version, reserved=0):
+        nonlocal book
+        book_state = pickle.loads(pickle.dumps(book.state_dict()))  # a checkpoint between rollouts
+        book = StalenessBook(cfg, batch, group)
+        book.load_state_dict(book_state)
         plan = book.plan(version, update_version, lambda: _Problem(str(next(prompts))), reserved)
-        assert len(book.groups) + reserved <= max(book.capacity, reserved)  # admission control
+        assert len(book.groups) + reserved <= book.capacity  # admission control
+        prefix = {(gid, t.metrics["sample"]): list(t.versions) for gid, _, open_ in plan["items"] for t in open_}
         out = stage.run_groups(plan["items"], version, plan["quota"], plan["due"], plan["drop"])
+        for t in out["finished"] + out["unfinished"]:  # a resumed sample keeps what it had
+            old = prefix.get((t.group_id, t.metrics["sample"]), [])
+            assert t.versions[:len(old)] == old and all(v == version for v in t.versions[len(old):])
         before = {gid: p for gid, p, _ in plan["items"]}
         book.collect(plan, out)
         dropped_problems.extend(before[g].prompt for g in out["dropped"])
@@ -160,6 +171,102 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
         assert not dropped_problems
 
 
+class ThreadSum:
+    """An all-reduce (sum) across threads, standing in for the rollout devices' gloo group."""
+
+    def __init__(self, n: int):
+        self.barrier, self.values = threading.Barrier(n, timeout=10), [None] * n
+
+    def member(self, i: int):
+        def sync(*counts):
+            self.values[i] = counts
+            self.barrier.wait()
+            out = [sum(v[j] for v in self.values) for j in range(len(counts))]
+            self.barrier.wait()
+            return out
+        return sync
+
+
+def _run_devices(stages, parts, quota, due=frozenset()):
+    sums, results = ThreadSum(len(stages)), [None] * len(stages)
+
+    def run(i):
+        try:
+            results[i] = stages[i].run_groups(parts[i], 0, quota, set(due) & {g for g, _, _ in parts[i]},
+                                              False, sums.member(i))
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(stages))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), "a rollout device hung in the stop-rule sum"
+    return results
+
+
+def test_rollout_devices_stop_together_on_the_global_threshold():
+    lengths = _Lengths(random.Random(5))
+    stages = [fake_stage(4, lengths, slots=8), fake_stage(4, lengths, slots=8)]
+    parts = [[(g, _Problem(str(g)), []) for g in range(0, 6)], [(g, _Problem(str(g)), []) for g in range(6, 8)]]
+    out = _run_devices(stages, parts, quota=5, due={7})
+    finished = {t.group_id for o in out for t in o["finished"]}
+    done_groups = {g for g in finished if sum(t.group_id == g for o in out for t in o["finished"]) == 4}
+    assert len(done_groups) >= 5 and 7 in done_groups  # the sums, not each device's own count
+    # a device with nothing to run keeps joining the sums until the others stop
+    out = _run_devices([fake_stage(4, lengths, 8), fake_stage(4, lengths, 8)],
+                       [[(g, _Problem(str(g)), []) for g in range(10, 13)], []], quota=3)
+    assert len(out[0]["finished"]) == 12 and out[1]["finished"] == []
+
+
+def test_a_failing_rollout_device_does_not_hang_its_peers():
+    lengths = _Lengths(random.Random(1))
+    bad = fake_stage(4, lengths, slots=8)
+    real_step = bad.engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("engine exploded")
+        return real_step()
+
+    bad.engine.step = failing_step
+    parts = [[(g, _Problem(str(g)), []) for g in range(0, 3)], [(g, _Problem(str(g)), []) for g in range(3, 6)]]
+    out = _run_devices([bad, fake_stage(4, lengths, slots=8)], parts, quota=6)
+    assert isinstance(out[0], RuntimeError) and "engine exploded" in str(out[0])
+    assert isinstance(out[1], RuntimeError) and "another rollout device failed" in str(out[1])
+
+
+class _Default(dict):
+    def __init__(self, default, **items):
+        super().__init__(items)
+        self.default = default
+
+    def __missing__(self, key):
+        return self.default
+
+
+def test_drop_policy_gives_a_due_group_its_last_rollout_first():
+    """Groups finished earlier already cover the threshold, yet the rollout at a group's deadline
+    runs until a group finishes in it before the due group is given up."""
+    book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=1, rollout_finish_threshold=0.5,
+                                         overdue="drop"), 2, 2)
+    lengths = _Default(3, **{"0/0": 1, "0/1": 1, "1/0": 5, "1/1": 5, "2/0": 1, "2/1": 1, "3/0": 1, "3/1": 1})
+    stage = fake_stage(2, lengths, slots=8)
+    problems = iter(_Problem(c) for c in "abcdefgh")
+    plan = book.plan(0, 0, problems.__next__)
+    book.collect(plan, stage.run_groups(plan["items"], 0, plan["quota"], plan["due"], plan["drop"]))
+    book.take_batch(0)  # groups 0 and 2 train; 3 waits finished; 1 (1 of 5 tokens) is due at update 1
+    plan = book.plan(1, 1, problems.__next__)
+    assert plan["due"] == {1} and plan["quota"] == 1  # not 0, though group 3 covers the threshold
+    out = stage.run_groups(plan["items"], 1, plan["quota"], plan["due"], plan["drop"])
+    book.collect(plan, out)
+    assert out["dropped"] == [1] and book.stats["dropped_tokens"] == 2 * 4  # it ran 3 more steps first
+    assert [p.prompt for p in book.requeued] == ["b"]
+
+
 def test_wait_policy_waits_for_a_due_group_and_drop_policy_requeues_it():
     lengths = {"0/0": 50, "0/1": 1, "1/0": 1, "1/1": 1}
     for overdue, want_dropped in (("wait", []), ("drop", [0])):
@@ -181,6 +288,8 @@ def test_wait_policy_waits_for_a_due_group_and_drop_policy_requeues_it():
     ({"stalesync.rollout_finish_threshold": "0"}, "rollout_finish_threshold"),
     ({"stalesync.rollout_finish_threshold": "2.5"}, "rollout_finish_threshold"),
     ({"stalesync.overdue": "skip"}, "allowed: wait, drop"),
+    ({"stalesync.max_staleness": "9"}, "must be in \\[0, 8\\]"),
+    ({"stalesync.rollout_finish_threshold": "40"}, "at most rollout.prompts_per_step=32"),
 ])
 def test_bad_stalesync_config(over, match):
     with pytest.raises(ValueError, match=match):
@@ -274,6 +383,14 @@ def test_checkpoint_without_stalesync_state_is_refused(tmp_path):
     RLTrainer(_cfg(tmp_path, "max_steps=2"), tmp_path / "r", find_base()).run(progress=False)
     with pytest.raises(ValueError, match="stalesync.enabled=false"):
         resume(tmp_path / "r", {"stalesync": {"enabled": True}})
+
+
+def test_resume_with_a_different_bound_is_refused(tmp_path):
+    over = ["stalesync.enabled=true", "stalesync.max_staleness=2", "stalesync.rollout_finish_threshold=0.5",
+            "max_steps=2"]
+    RLTrainer(_cfg(tmp_path, *over), tmp_path / "r", find_base()).run(progress=False)
+    with pytest.raises(ValueError, match="max_staleness 2 -> 1"):
+        resume(tmp_path / "r", {"stalesync": {"enabled": True, "max_staleness": 1, "rollout_finish_threshold": 0.5}})
 
 
 def test_ray_modes_run_under_the_bound(tmp_path):

@@ -38,7 +38,8 @@ def save(trainer) -> Path:
         # StaleSync: groups in flight (partial samples with their token versions) and the batch
         # already taken for the next update, so a resumed run keeps the staleness bound
         "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
-                                                         "pending": trainer.pending},
+                                                         "pending": trainer.pending,
+                                                         "shape": _stalesync_shape(trainer)},
         "critic": (None if trainer.critic is None else
                    {"model": trainer.critic.model.state_dict(),
                     "optimizer": trainer.critic.optimizer.state_dict()}),
@@ -76,6 +77,11 @@ def load(trainer) -> None:
     if "queue" in state:
         trainer.flow.queue.load_state_dict(state["queue"])
     if trainer.stale is not None and state.get("stalesync"):
+        saved, now = state["stalesync"].get("shape"), _stalesync_shape(trainer)
+        if saved is not None and saved != now:
+            changed = ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k])
+            raise ValueError(f"{path / STATE} holds StaleSync rollouts in flight that do not fit the new "
+                             f"settings ({changed}); resume with the settings it was saved with")
         trainer.stale.load_state_dict(state["stalesync"]["book"])
         trainer.pending = state["stalesync"]["pending"]
     elif trainer.stale is not None and trainer.step:
@@ -85,3 +91,11 @@ def load(trainer) -> None:
     if trainer.critic is not None and state.get("critic"):
         trainer.critic.model.load_state_dict(state["critic"]["model"])
         trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])
+
+
+def _stalesync_shape(trainer) -> dict:
+    """What in-flight StaleSync state depends on: the bound, the group and batch sizes and
+    whether a batch waits for the next update (separated overlap)."""
+    cfg = trainer.cfg
+    return {"max_staleness": cfg.stalesync.max_staleness, "group_size": cfg.rollout.group_size,
+            "prompts_per_step": cfg.rollout.prompts_per_step, "overlap": trainer.overlap}

@@ -79,7 +79,7 @@ class RolloutStage:
         these groups have finished and every group in `must_finish` has (with `drop_overdue`
         the unfinished `must_finish` groups are given up instead). The rest is aborted.
 
-        With several rollout devices, `sync(finished, due unfinished, busy)` sums those counts
+        With several rollout devices, `sync(finished, due unfinished, busy, failed)` sums those counts
         over the devices (every `SYNC_EVERY` engine steps, and while this device has nothing
         left to run) and the stop rule applies to the sums: `quota` is then the devices' total,
         and a device that runs out of work waits for the others instead of ending the rollout.
@@ -93,37 +93,51 @@ class RolloutStage:
         owner: dict[str, tuple[int, Problem, int]] = {}
         open_count: dict[int, int] = {}
         order: list[str] = []
-        before = 0
-        for gid, problem, partial in groups:
-            if partial:
-                requests = [Request(f"{gid}/{t.metrics['sample']}", list(t.prompt_ids), self.params,
-                                    list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
-                            for t in partial]
-                before += sum(len(t.response_ids) for t in partial)
-            else:
-                prompt = encode_prompt(self.tokenizer, problem.prompt)
-                requests = [Request(f"{gid}/{i}", prompt, self.params) for i in range(self.cfg.group_size)]
-            for r in requests:
-                owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
-                order.append(r.request_id)
-                self.engine.add_request(r)
-            open_count[gid] = len(requests)
         done: dict[str, Any] = {}
         finished_groups: set[int] = set()
-        steps = 0
+        before, steps, error, peer_failed = 0, 0, None, False
+        try:
+            for gid, problem, partial in groups:
+                if partial:
+                    requests = [Request(f"{gid}/{t.metrics['sample']}", list(t.prompt_ids), self.params,
+                                        list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
+                                for t in partial]
+                    before += sum(len(t.response_ids) for t in partial)
+                else:
+                    prompt = encode_prompt(self.tokenizer, problem.prompt)
+                    requests = [Request(f"{gid}/{i}", prompt, self.params) for i in range(self.cfg.group_size)]
+                for r in requests:
+                    owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
+                    order.append(r.request_id)
+                    self.engine.add_request(r)
+                open_count[gid] = len(requests)
+        except Exception as e:  # noqa: BLE001 — re-raised below, after the peers were told
+            error = e
         while True:
-            busy = self.engine.has_unfinished()
+            busy = error is None and self.engine.has_unfinished()
             if sync is None:
-                if not busy or (len(finished_groups) >= quota and (drop_overdue or must_finish <= finished_groups)):
+                if error is not None or not busy or (
+                        len(finished_groups) >= quota and (drop_overdue or must_finish <= finished_groups)):
                     break
             elif not busy or steps % SYNC_EVERY == 0:
-                done_sum, due_sum, busy_sum = sync(len(finished_groups), len(must_finish - finished_groups), int(busy))
+                # a failing device keeps joining the sums with its error flag, so no peer is left
+                # waiting in a collective; everyone stops on the same call
+                done_sum, due_sum, busy_sum, errors = sync(len(finished_groups), len(must_finish - finished_groups),
+                                                           int(busy), int(error is not None))
+                if errors:
+                    peer_failed = error is None
+                    break
                 if not busy_sum or (done_sum >= quota and (drop_overdue or not due_sum)):
                     break
                 if not busy:
                     continue
             steps += 1
-            for c in self.engine.step():
+            try:
+                completions = self.engine.step()
+            except Exception as e:  # noqa: BLE001
+                error = e
+                continue
+            for c in completions:
                 done[c.request_id] = c
                 gid = owner[c.request_id][0]
                 open_count[gid] -= 1
@@ -131,6 +145,11 @@ class RolloutStage:
                     finished_groups.add(gid)
         aborted = {c.request_id: c for c in self.engine.abort(set(owner) - set(done))}
         model.train(was_training)
+        if error is not None:
+            raise error
+        if peer_failed:
+            raise RuntimeError("another rollout device failed during this partial rollout (its error is reported "
+                               "by its own worker)")
         dropped = sorted(must_finish - finished_groups) if drop_overdue else []
         finished, unfinished, generated = [], [], -before
         for rid in order:

@@ -36,9 +36,12 @@ weights, so their tokens carry mixed versions (within the bound).
                                       ▲ weights v_1 broadcast ▲ weights v_2 broadcast
 
 s = 0 admits exactly B groups, runs them to completion and trains them at once: the synchronous
-run, with the same random draws in the same order (tested: equal per-step metrics). Reward,
-reference and advantage read ready rows from the DistQueue as each rollout returns; on the
-co-located devices reward and reference run right after the device's own rollout.
+run, with the same random draws in the same order (tested: equal per-step metrics).
+
+Reward, reference and advantage read the update's rows from the DistQueue once its rollout
+returns, one stage after another in the driver; what runs in parallel is the device work:
+each rollout device scores its own samples and computes their reference logprobs right after
+its rollout, and with separated devices the next rollout runs alongside the update.
 
 Off-policy correction is the actor loss's decoupled ratio (proximal = the pre-update policy,
 recomputed) with importance weights π_prox / π_behaviour truncated at `algo.behaviour_weight_cap`,
@@ -58,6 +61,7 @@ from typing import Any
 from rlfusion.config import check_fields
 
 OVERDUE = ("wait", "drop")
+MAX_STALENESS = 8
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ class StaleSyncConfig:
     def __post_init__(self) -> None:
         t = self.rollout_finish_threshold
         check_fields("stalesync", {
-            "max_staleness": (self.max_staleness >= 0, "must be >= 0 (0 = synchronous)"),
+            "max_staleness": (0 <= self.max_staleness <= MAX_STALENESS,
+                              f"must be in [0, {MAX_STALENESS}] (0 = synchronous; (s+1) x the batch is in flight)"),
             "rollout_finish_threshold": (0 < t <= 1 or (t > 1 and float(t).is_integer()),
                                          "allowed: a fraction in (0, 1] or a whole count > 1"),
             "overdue": (self.overdue in OVERDUE, f"allowed: {', '.join(OVERDUE)}"),
@@ -111,12 +116,11 @@ class StalenessBook:
         self.cfg, self.B, self.G = cfg, batch_groups, group_size
         self.s = cfg.max_staleness
         t = cfg.rollout_finish_threshold
-        self.quota = min(batch_groups, math.ceil(t * batch_groups) if t <= 1 else int(t))
+        self.quota = min(batch_groups, math.ceil(t * batch_groups - 1e-9) if t <= 1 else int(t))
         self.groups: dict[int, Group] = {}  # in flight, in admission order
         self.requeued: deque = deque()  # problems of dropped groups, admitted again first
         self.next_group_id = 0
-        self.stats = {"admitted": 0, "trained_groups": 0, "dropped_groups": 0, "dropped_tokens": 0,
-                      "waited_for_due": 0}
+        self.stats = {"admitted": 0, "trained_groups": 0, "dropped_groups": 0, "dropped_tokens": 0}
 
     # ---- admission ----
 
@@ -157,10 +161,12 @@ class StalenessBook:
         due ones it must finish, and how many more finished groups the threshold asks for."""
         self.admit(version, sample_problem, reserved)
         groups = self.runnable()
-        return {"items": [(g.group_id, g.problem, g.open) for g in groups],
-                "due": self.due(update_version) & {g.group_id for g in groups},
-                "quota": max(0, self.quota - self.finished_count()),
-                "drop": self.cfg.overdue == "drop"}
+        due = self.due(update_version) & {g.group_id for g in groups}
+        quota = max(0, self.quota - self.finished_count())
+        drop = self.cfg.overdue == "drop"
+        if drop and due:  # a due group gets this last rollout before it can be given up
+            quota = max(quota, 1)
+        return {"items": [(g.group_id, g.problem, g.open) for g in groups], "due": due, "quota": quota, "drop": drop}
 
     def collect(self, plan: dict[str, Any], out: dict[str, Any]) -> None:
         """Take in a rollout's result (`RolloutStage.run_groups`' dict) for `plan`."""

@@ -160,5 +160,9 @@ class TrainConfig:
             "threads": (self.threads >= 1, "must be >= 1"),
             "collapse_patience": (self.collapse_patience >= 0, "must be >= 0 (0 = off)"),
         }, self)
+        t = self.stalesync.rollout_finish_threshold
+        if t > 1 and t > self.rollout.prompts_per_step:
+            raise ValueError(f"stalesync.rollout_finish_threshold={t:g} is invalid: a count must be at most "
+                             f"rollout.prompts_per_step={self.rollout.prompts_per_step} (or use a fraction in (0, 1])")
         if self.deploy.backend == "ray" and self.algo.advantage == "gae":
             raise ValueError("algo.advantage='gae' (PPO with a critic) runs only with deploy.backend='local' so far")

@@ -159,13 +159,16 @@ class RLTrainer:
         wall0, t0 = time.time(), time.perf_counter()
         book, k = self.stale, self.actor.version
         rolled: dict[str, float] = {"generated_tokens": 0, "dropped_groups": 0}
+        t_fill = 0.0
         if self.overlap and self.pending is None:  # pipeline fill: nothing to learn from yet
             self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
             self.pending = book.take_batch(k)
+            t_fill = time.perf_counter() - t0
         if self.overlap:
             batch, stats = self.pending
+            launched = time.perf_counter()
             wait = self._start_rollout(k, update_version=k + 1, reserved=stats["groups_in_update"])
-            t_rollout = time.perf_counter() - t0
+            t_rollout = time.perf_counter() - t0  # timeline: the driver moves on at once
         else:
             self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
             batch, stats = book.take_batch(k)
@@ -175,12 +178,16 @@ class RLTrainer:
         metrics, t1 = self._learn(batch)
         if self.overlap:
             self._finish_rollout(wait, rolled)
+            t_rollout = t_fill + (rolled["rollout_end"] - launched)  # the rollout's own wall time
             self.pending = book.take_batch(k + 1)
+        in_flight = len(book.groups) + (len({t.group_id for t in self.pending[0]}) if self.overlap else 0)
         metrics.update(stats)
-        metrics.update({"dropped_groups": rolled["dropped_groups"],
+        metrics.update({"dropped_groups": rolled["dropped_groups"], "groups_in_flight": float(in_flight),
                         "dropped_tokens_total": float(book.stats["dropped_tokens"])})
+        if self.devices is not None:
+            metrics["time_weight_sync_s"] = self.devices.actor.last_sync_s
         metrics.update(self._step_metrics(batch, int(rolled["generated_tokens"]), t0, t_rollout, t1, metrics))
-        metrics.update(self._record_timeline(wall0, wall0 + t_rollout, wall0 + (t1 - t0), time.time()))
+        metrics.update(self._record_timeline(wall0, wall0 + min(t_rollout, t1 - t0), wall0 + (t1 - t0), time.time()))
         self.step += 1
         return metrics
 
@@ -199,6 +206,7 @@ class RLTrainer:
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
         plan, wait = started
         out = wait()
+        rolled["rollout_end"] = time.perf_counter()
         self.stale.collect(plan, out)
         rolled["generated_tokens"] += out["generated_tokens"]
         rolled["dropped_groups"] += len(out["dropped"])
@@ -356,6 +364,8 @@ def _balanced_parts(items: list, num_parts: int) -> list[list]:
     parts = _split(fresh, num_parts)
     for it in (it for it in items if it[2]):
         min(parts, key=len).append(it)
+    for part in parts:  # oldest first: the engine admits in order, and the oldest are due soonest
+        part.sort(key=lambda it: it[0])
     return parts
 
 

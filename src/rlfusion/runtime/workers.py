@@ -95,7 +95,7 @@ class DeviceWorker:
             # every rank creates every group, in the same order
             train_group = dist.new_group(list(self.plan.train))
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
-            self.rollout_group = dist.new_group(list(self.plan.rollout))
+            self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
         if self.device in self.plan.train:
             self.actor = ActorStage(self.policy, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
                                     total_updates=self.cfg.max_steps,
@@ -482,6 +482,7 @@ class _ActorProxy:
         self.d, self.split_balanced, self.version = devices, split_balanced, 0
         self.optimizer = _RemoteOptimizer(devices)
         self.weight_sync_bytes = 0
+        self.last_sync_s = 0.0  # separated: the broadcast, including waiting for a running rollout
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
         train = self.d.plan.train
@@ -498,8 +499,10 @@ class _ActorProxy:
 
     def _sync_rollout_weights(self) -> None:
         if not self.d.plan.colocated_actor:
+            start = time.perf_counter()
             group = sorted({self.d.plan.train[0], *self.d.plan.rollout})
             self.weight_sync_bytes = self.d.call([self.d.workers[dev].sync_weights.remote() for dev in group])[0]
+            self.last_sync_s = time.perf_counter() - start
 
 
 class _RemoteOptimizer:
