@@ -170,3 +170,15 @@ def test_probe_speed_scales_every_compute_cost():
     assert _step_s(TWO, slower) == pytest.approx(2 * _step_s(TWO, FLAT))
     with pytest.raises(ValueError, match="probe_s"):
         FLAT.at_probe_speed(2.0)  # no speed mark recorded
+
+
+def test_config_file_type_errors_name_the_key(tmp_path):
+    from rlfusion.sim.rl_config import load_rl_config
+
+    path = tmp_path / "sim.toml"
+    path.write_text('[simulate]\nnum_steps = "x"\n')
+    with pytest.raises(ValueError, match="num_steps='x' must be an integer"):
+        load_rl_config(path)
+    path.write_text("[simulate]\nresponse_lengths = [3, 5]\ntrain_fraction = 1\n")
+    cfg = load_rl_config(path)
+    assert cfg.response_lengths == (3, 5) and cfg.train_fraction == 1

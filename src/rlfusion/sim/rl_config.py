@@ -101,9 +101,32 @@ def load_rl_config(path: str | Path) -> RLSimConfig:
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: "
                          f"{', '.join(sorted(allowed))}")
+    for f in fields(RLSimConfig):
+        if f.name in data:
+            _check_type(path, f.name, data[f.name], getattr(RLSimConfig, f.name, None))
     if "response_lengths" in data:
         data["response_lengths"] = tuple(data["response_lengths"])
     try:
         return RLSimConfig(**data)
     except TypeError as exc:  # a value of the wrong type (e.g. a string for a number)
         raise ValueError(f"{path}: {exc}") from None
+
+
+def _check_type(path, key: str, value, default) -> None:
+    """A TOML value of the type the field's default has (an int is fine for a float)."""
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    elif isinstance(default, tuple):
+        ok = isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                             for x in value)
+        want = "a list of integers"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"{path}: simulate.{key}={value!r} must be {want}")
