@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 MODES = ("separated", "colocated", "shared")
+STALESYNC_MODELS = ("samples", "runtime")
 REFERENCE_PLACEMENTS = ("rollout", "train")
 
 
@@ -44,6 +45,17 @@ class RLSimConfig:
     #                                       (separated mode only)
     staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
     partial_rollout: bool = False  # co-located: end rollout at N finished, resume the rest
+    # How StaleSync (staleness >= 1, partial_rollout) is modelled. "samples": the idealised
+    # sample-level rule (an update goes ahead once N samples are ready; projections use it).
+    # "runtime": the runtime's StalenessBook exactly (rl_stalesync.py): prompt groups admitted
+    # while fewer than (s+1)*B are in flight, a group admitted at version a due at update a+s,
+    # a partial rollout that stops once rollout_finish_threshold of the B groups are finished
+    # and the due ones are done (overdue = wait), separated rollout/update overlap for s >= 1.
+    stalesync_model: str = "samples"
+    rollout_finish_threshold: float = 1.0  # runtime model: a fraction in (0, 1] or a count > 1
+    max_batched_tokens: int = 4096  # runtime model: the engine's padded token budget per step
+    stop_sync_every: int = 2  # runtime model: engine steps between the rollout devices'
+    #                           stop-rule sums (stages.SYNC_EVERY)
     reward_model: bool = False  # shared mode: a reward-model forward (else a free verifier)
     queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version
     padding_free: bool = True  # DistQueue packs samples without padding
@@ -57,9 +69,17 @@ class RLSimConfig:
         if self.reference_placement not in REFERENCE_PLACEMENTS:
             raise ValueError(f"simulate.reference_placement={self.reference_placement!r}; "
                              f"allowed: {', '.join(REFERENCE_PLACEMENTS)}")
+        if self.stalesync_model not in STALESYNC_MODELS:
+            raise ValueError(f"simulate.stalesync_model={self.stalesync_model!r}; "
+                             f"allowed: {', '.join(STALESYNC_MODELS)}")
+        t = self.rollout_finish_threshold
+        if not (0 < t <= 1 or (t > 1 and float(t).is_integer())):
+            raise ValueError(f"simulate.rollout_finish_threshold={t}: allowed: a fraction in "
+                             "(0, 1] or a whole count > 1")
         for key in ("devices_per_supernode", "num_supernodes", "prompts_per_step",
                     "samples_per_prompt", "num_steps", "max_response_len",
-                    "max_batch_per_engine", "min_prefill_batch"):
+                    "max_batch_per_engine", "min_prefill_batch", "max_batched_tokens",
+                    "stop_sync_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"simulate.{key}={getattr(self, key)} must be >= 1")
         if self.staleness < 0:

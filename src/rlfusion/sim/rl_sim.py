@@ -71,6 +71,12 @@ class SimResult:
     max_staleness: int  # largest (update version - sample min_version) trained on
     updates: int
     update_end_s: tuple[float, ...] = ()  # when each update's new weights exist
+    # stalesync_model "runtime" only: tokens generated in each update's step (its rollouts),
+    # the staleness of every trained sample, the most groups in flight (a reserved batch
+    # included) right after any admission
+    generated_per_update: tuple[int, ...] = ()
+    staleness_per_sample: tuple[int, ...] = ()
+    max_groups_in_flight: int = 0
 
 
 @dataclass
@@ -376,7 +382,15 @@ _BUSY = ("rollout", "prefill", "train", "ref", "reward")
 
 def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
     sim = _Sim(cfg, cal)
-    makespan = _run_separated(sim) if cfg.mode == "separated" else _run_colocated(sim)
+    book = None
+    if cfg.stalesync_model == "runtime":
+        from rlfusion.sim.rl_stalesync import run_runtime_stalesync
+
+        makespan, book = run_runtime_stalesync(sim)
+    elif cfg.mode == "separated":
+        makespan = _run_separated(sim)
+    else:
+        makespan = _run_colocated(sim)
     lanes = {e.name: cal.devices_per_engine for e in sim.engines}
     if cfg.mode == "separated":
         lanes["train"] = sim.train_devices()
@@ -392,6 +406,9 @@ def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
         lane_devices=lanes, timeline=sim.timeline, dropped_samples=sim.dropped,
         max_staleness=sim.max_staleness, updates=sim.version,
         update_end_s=tuple(sim.update_end),
+        generated_per_update=tuple(book.generated) if book else (),
+        staleness_per_sample=tuple(book.staleness_seen) if book else (),
+        max_groups_in_flight=book.in_flight_max if book else 0,
     )
 
 
