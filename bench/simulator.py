@@ -66,8 +66,12 @@ class Case:
     """One measured configuration and the simulator config that describes it."""
 
     name: str
-    sim: RLSimConfig  # everything but the replayed lengths
+    sim: RLSimConfig  # everything but the replayed lengths (StaleSync: with them, by group id)
     steps: list[MeasuredStep]
+    # StaleSync cases: the simulation starts where the real run started (its unmeasured first
+    # `warmup` steps included, so the book's state is the real one) and `sim.response_lengths`
+    # holds every admitted group's sample lengths by group id
+    warmup: int = 0
 
     @property
     def measured_tokens_per_s(self) -> float:
@@ -83,6 +87,28 @@ class Prediction:
 
 
 def predict(case: Case, cal: Calibration) -> Prediction:
+    return predict_stalesync(case, cal) if case.sim.stalesync_model == "runtime" else predict_sync(case, cal)
+
+
+def _train_fraction(steps: list[MeasuredStep]) -> float:
+    total = sum(s.prompt_tokens + sum(s.response_lengths) for s in steps)
+    return max(0.01, min(1.0, sum(s.trained_tokens for s in steps) / total))
+
+
+def predict_stalesync(case: Case, cal: Calibration) -> Prediction:
+    """Simulate the run from its first step with the runtime's StaleSync rules; the measured
+    steps are the last `len(case.steps)`. Each step's predicted tokens/s is the simulator's own
+    generated tokens of that step / its simulated time (partial rollouts make both vary)."""
+    cfg = case.sim.replace(num_steps=case.warmup + len(case.steps), train_fraction=_train_fraction(case.steps))
+    result = simulate(cfg, cal)
+    ends = (0.0,) + result.update_end_s
+    seconds = [ends[i + 1] - ends[i] for i in range(case.warmup, len(ends) - 1)]
+    gens = result.generated_per_update[case.warmup:]
+    tokens_per_s = statistics.median(g / t for g, t in zip(gens, seconds))
+    return Prediction(seconds, tokens_per_s, result)
+
+
+def predict_sync(case: Case, cal: Calibration) -> Prediction:
     """Replay the case's measured steps in the simulator. The first step is replayed twice (a
     warm-up update, as the real runs have) and the time from its end to the last update's end
     is the predicted time of the measured steps."""
@@ -90,8 +116,7 @@ def predict(case: Case, cal: Calibration) -> Prediction:
     lengths = tuple(n for s in steps for n in s.response_lengths)
     samples = len(lengths)
     prompt_len = round(sum(s.prompt_tokens for s in steps) / samples)
-    total = sum(s.prompt_tokens + sum(s.response_lengths) for s in steps)
-    fraction = max(0.01, min(1.0, sum(s.trained_tokens for s in steps) / total))
+    fraction = _train_fraction(steps)
     cfg = case.sim.replace(num_steps=len(steps), response_lengths=lengths, prompt_len=prompt_len,
                            train_fraction=fraction,
                            max_response_len=max(case.sim.max_response_len, max(lengths)))
@@ -141,35 +166,123 @@ class Probes:
     together: list[float]
 
 
-def fusion_cases(rounds: int, probes: Probes) -> list[Case]:
-    """The three deployment modes of `bench/fusion.py` (2 Ray devices, 1 thread each,
-    32 prompts x 8 samples, synchronous), interleaved rounds after a warm-up step each."""
+# StaleSync variants of bench/stalesync.py validated here: case name -> its VARIANTS name
+STALESYNC_CASES = {"stalesync_s1_colocated": "stalesync s=1 colocated",  # threshold 0.75
+                   "stalesync_s1_separated": "stalesync s=1 separated"}  # threshold 1, overlap
+
+
+class _BatchRecorder:
+    """Wraps a StaleSync trainer's `StalenessBook.take_batch`: every trained sample's final
+    response length by (group id, sample index), and the last batch's token counts."""
+
+    def __init__(self, trainer):
+        self.book = trainer.stale
+        self.lengths: dict[tuple[int, int], int] = {}
+        self.prompts: dict[int, int] = {}
+        self.taken: list[list] = []  # batches taken since the caller last reset it
+        inner = self.book.take_batch
+
+        def take_batch(update_version):
+            batch, stats = inner(update_version)
+            for t in batch:
+                self.lengths[(t.group_id, t.metrics["sample"])] = len(t.response_ids)
+                self.prompts[t.group_id] = len(t.prompt_ids)
+            self.taken.append(batch)
+            return batch, stats
+        self.book.take_batch = take_batch
+
+    def group_lengths(self, group_size: int, seed: int = 0) -> tuple[tuple[int, ...], int, int]:
+        """Every admitted group's sample lengths in group-id order, for the replay. Samples of
+        groups still in flight when the measurement ended: finished ones keep their length; a
+        partial one (aborted at p tokens) gets a length drawn from this run's measured lengths
+        above p (its real final length was never produced). Returns (lengths, how many were
+        drawn, mean prompt tokens)."""
+        import random
+
+        rng = random.Random(seed)
+        known = dict(self.lengths)
+        partial: dict[tuple[int, int], int] = {}
+        for g in self.book.groups.values():
+            for t in g.done:
+                known[(g.group_id, t.metrics["sample"])] = len(t.response_ids)
+            for t in g.open:
+                partial[(g.group_id, t.metrics["sample"])] = len(t.response_ids)
+            if g.done or g.open:
+                self.prompts[g.group_id] = len((g.done + g.open)[0].prompt_ids)
+        pool = sorted(known.values())
+        out, drawn = [], 0
+        for gid in range(self.book.next_group_id):
+            for i in range(group_size):
+                n = known.get((gid, i))
+                if n is None:
+                    above = [x for x in pool if x > partial.get((gid, i), 0)]
+                    n = rng.choice(above) if above else partial.get((gid, i), 0) + 1
+                    drawn += 1
+                out.append(n)
+        prompt = round(statistics.mean(self.prompts.values())) if self.prompts else 12
+        return tuple(out), drawn, prompt
+
+
+def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
+    start = len(trainer.timeline.spans)
+    # the batch this update trains: separated overlap took it in the step before
+    before = list(trainer.pending[0]) if trainer.overlap and trainer.pending else None
+    rec.taken = []
+    m = trainer.train_step()
+    batch = before if before is not None else rec.taken[0]
+    phases: dict[str, float] = {}
+    for s in trainer.timeline.spans[start:]:
+        key = f"{s.device}/{s.phase}"
+        phases[key] = phases.get(key, 0.0) + s.duration_s
+    for key in ("staleness_mean", "groups_in_update", "groups_in_flight"):
+        phases[f"metric/{key}"] = m.get(key, 0.0)
+    return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
+                        tuple(len(t.response_ids) for t in batch),
+                        sum(len(t.prompt_ids) for t in batch),
+                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases)
+
+
+def measured_cases(rounds: int, probes: Probes) -> list[Case]:
+    """The three synchronous deployment modes of `bench/fusion.py` and the StaleSync variants
+    of `bench/stalesync.py` in STALESYNC_CASES (2 Ray devices, 1 thread each, 32 prompts x 8
+    samples), interleaved: a warm-up step each, then rounds of one step per run in turn."""
     import ray
     from fusion import MODES, make_trainer  # bench/fusion.py, next to this file
+    from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
 
     sim_mode = {"separated": "separated", "colocated": "colocated", "fully_shared": "shared"}
-    # logical CPUs: three 2-device placement groups and the 2 probe actors; one runs at a time
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    steps: dict[str, list[MeasuredStep]] = {m: [] for m in MODES}
+    names = list(MODES) + list(STALESYNC_CASES)
+    # logical CPUs: a 2-device placement group per run and the 2 probe actors; one runs at a time
+    ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    steps: dict[str, list[MeasuredStep]] = {m: [] for m in names}
+    stale_lengths = {}
     try:
         workers = contention_workers(default_setup(threads=1))
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {m: make_trainer(m, Path(tmp)) for m in MODES}
+            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000) for c, v in STALESYNC_CASES.items()})
             recorders = {}
             for m, t in trainers.items():
-                recorders[m] = t.rollout = _RecordingRollout(t.rollout)
+                if m in STALESYNC_CASES:
+                    recorders[m] = _BatchRecorder(t)
+                else:
+                    recorders[m] = t.rollout = _RecordingRollout(t.rollout)
                 t.train_step()  # warm-up
             for r in range(rounds):
                 alone, together = contention_probe(workers)
                 probes.alone += alone
                 probes.together += together
-                for m in MODES:
-                    steps[m].append(_step(trainers[m], recorders[m]))
+                for m in names:
+                    step = _stale_step if m in STALESYNC_CASES else _step
+                    steps[m].append(step(trainers[m], recorders[m]))
                 print(f"  round {r + 1}: " + ", ".join(
                     f"{m} {steps[m][-1].generated_tokens / steps[m][-1].step_s:,.0f} tok/s"
-                    for m in MODES) + f"; contention probe: concurrent speed "
+                    for m in names) + f"; contention probe: concurrent speed "
                     f"{concurrent_speed(alone, together):.2f}", flush=True)
             cfg = trainers[MODES[0]].cfg
+            for c in STALESYNC_CASES:
+                stale_lengths[c] = (trainers[c].cfg, recorders[c].group_lengths(cfg.rollout.group_size))
             for t in trainers.values():
                 t.close()
     finally:
@@ -179,15 +292,25 @@ def fusion_cases(rounds: int, probes: Probes) -> list[Case]:
                        max_batch_per_engine=cfg.rollout.max_num_seqs,
                        min_prefill_batch=getattr(cfg.rollout, "min_prefill_batch", 1),
                        max_response_len=cfg.rollout.max_new_tokens)
-    return [Case(m, base.replace(mode=sim_mode[m]), steps[m]) for m in MODES]
+    cases = [Case(m, base.replace(mode=sim_mode[m]), steps[m]) for m in MODES]
+    for c in STALESYNC_CASES:
+        tcfg, (lengths, drawn, prompt) = stale_lengths[c]
+        st = tcfg.stalesync
+        print(f"  {c}: {len(lengths)} admitted samples replayed by group id, {drawn} of them "
+              f"(unfinished when the measurement ended) drawn from the run's lengths above their "
+              f"partial length")
+        sim = base.replace(mode=sim_mode[tcfg.deploy.mode], staleness=st.max_staleness, partial_rollout=True,
+                           stalesync_model="runtime", rollout_finish_threshold=st.rollout_finish_threshold,
+                           response_lengths=lengths, prompt_len=prompt,
+                           max_response_len=max(base.max_response_len, max(lengths)))
+        cases.append(Case(c, sim, steps[c], warmup=1))
+    return cases
 
 
 # Each entry measures real runs (taking contention probes between rounds) and returns the cases
-# to predict. bench/stalesync.py, once it exists, adds `("stalesync", stalesync_cases)`
-# measuring each staleness into a Case whose simulator config carries that staleness and
-# partial rollout.
+# to predict: the synchronous modes and the StaleSync variants are measured interleaved.
 VALIDATIONS: list[tuple[str, Callable[[int, Probes], list[Case]]]] = [
-    ("fusion", fusion_cases),
+    ("fusion + stalesync", measured_cases),
 ]
 
 
@@ -204,9 +327,9 @@ def _phase_line(case: Case, pred: Prediction) -> str:
             key = f"{e.device}/{e.role}"
             predicted[key] = predicted.get(key, 0.0) + (end - start) / n
     measured = {k: statistics.mean(s.phases.get(k, 0.0) for s in case.steps)
-                for k in {k for s in case.steps for k in s.phases}}
-    lanes = {"separated": {"device0": "engine0", "device1": "train"}}.get(
-        case.name, {"device0": "engine0", "device1": "engine1"})
+                for k in {k for s in case.steps for k in s.phases if not k.startswith("metric/")}}
+    lanes = ({"device0": "engine0", "device1": "train"} if case.sim.mode == "separated"
+             else {"device0": "engine0", "device1": "engine1"})
     parts = []
     for device, lane in lanes.items():
         for real, role in (("rollout", "rollout"), ("reference", "ref"), ("train", "train")):
@@ -269,6 +392,26 @@ def main() -> None:
     print("\nseconds per step, measured/predicted:")
     for case in cases:
         print(f"  {case.name}: {_phase_line(case, predict(case, cal))}")
+    stale = [case for case in cases if case.sim.stalesync_model == "runtime"]
+    if stale:
+        print("\nStaleSync schedule, measured/predicted (mean per measured step):")
+    for case in stale:
+        r = predict(case, cal).result
+        n, per = len(case.steps), case.sim.samples_per_prompt
+        gen = r.generated_per_update[case.warmup:]
+        trained = [len(s.response_lengths) / per for s in case.steps]
+        st_meas = statistics.mean(s.phases.get("metric/staleness_mean", 0.0) for s in case.steps)
+        st_pred = statistics.mean(r.staleness_per_sample) if r.staleness_per_sample else 0.0
+        pred = predict(case, cal)
+        sums = (sum(s.generated_tokens for s in case.steps) / sum(s.step_s for s in case.steps),
+                sum(gen) / sum(pred.step_s))
+        print(f"  {case.name}: tok/s as bench/stalesync.py counts it (sum of tokens / sum of step "
+              f"times) {sums[0]:,.0f}/{sums[1]:,.0f} ({sums[1] / sums[0] - 1:+.1%})")
+        print(f"  {case.name}: generated tokens {statistics.mean(s.generated_tokens for s in case.steps):,.0f}"
+              f"/{statistics.mean(gen):,.0f}, groups trained {statistics.mean(trained):.1f}/"
+              f"{len(r.staleness_per_sample) / per / len(r.update_end_s):.1f} (sim: whole run), staleness mean {st_meas:.2f}/{st_pred:.2f} (sim: whole run), "
+              f"max groups in flight (sim) {r.max_groups_in_flight} <= (s+1)B = "
+              f"{(case.sim.staleness + 1) * case.sim.prompts_per_step}; measured steps {n}")
     lengths = [n for case in cases for s in case.steps for n in s.response_lengths]
     print(f"\nreplayed response lengths: {len(lengths)} samples, mean "
           f"{statistics.mean(lengths):.1f}, max {max(lengths)}; calibration: concurrent speed "

@@ -184,9 +184,11 @@ class RuntimeStaleSync:
         generated = -before
         for dev, part in zip(devs, parts):
             aborted = list(dev.waiting) + dev.running
-            for smp in aborted:
+            # run_groups returns samples in request order: a group's open samples resume in
+            # sample order (by induction the order they were requested in)
+            for smp in sorted(aborted, key=lambda x: x.idx):
                 self.groups[smp.batch].open.append(smp)
-            for smp in dev.finished:
+            for smp in sorted(dev.finished, key=lambda x: x.idx):
                 self.groups[smp.batch].done.append(smp)
             generated += sum(smp.generated for smp in aborted + dev.finished)
             dev.clock = end
