@@ -47,6 +47,8 @@ class Calibration:
     #                                caches and memory bandwidth: < 1; accelerators: 1)
     grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across
     #                            the train devices (data-parallel replicas); 0: in the train rate
+    stop_sync_s: float = 0.0  # one stop-rule sum of the rollout devices (a 4-integer gloo
+    #                          all-reduce) during a StaleSync partial rollout, s
     probe_s: float = 0.0  # seconds of a fixed reference workload on one idle device when these
     #                       numbers were measured (a machine-speed mark; 0 = not recorded)
     source: str = "unspecified"  # where the numbers come from
@@ -67,7 +69,7 @@ class Calibration:
                              "in (0, 1]")
         for key in ("prefill_ms_per_token", "prefill_fixed_ms", "train_step_overhead_s",
                     "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
-                    "reference_overhead_s", "grad_sync_GB"):
+                    "reference_overhead_s", "grad_sync_GB", "stop_sync_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
 

@@ -224,7 +224,16 @@ def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
     dist.barrier()
     bcast_s = _median_time(broadcast, 3 if setup.quick else 5)
     dist.barrier()
-    out.put((rank, nbytes, bcast_s))
+    counts = torch.zeros(4, dtype=torch.int64)  # RolloutStage.run_groups' stop-rule sums
+    for _ in range(20):
+        dist.all_reduce(counts)
+    reps = 100 if setup.quick else 300
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(counts)
+    sum_s = (time.perf_counter() - start) / reps
+    dist.barrier()
+    out.put((rank, nbytes, bcast_s, sum_s))
     dist.destroy_process_group()
 
 
@@ -256,7 +265,7 @@ def measure_pair(setup: _Setup) -> dict:
     bcast_s = max(r[2] for r in results)
     return {"transfer_GBps": nbytes / bcast_s / 1e9, "weight_GB": nbytes / 1e9,
             "grad_sync_GB": nbytes / 1e9,  # fp32 grads, one per parameter, same bytes
-            "_bcast_s": bcast_s}
+            "stop_sync_s": max(r[3] for r in results), "_bcast_s": bcast_s}
 
 
 class ContentionWorker:
@@ -355,7 +364,8 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     pair = measure_pair(setup)
     bcast_s = pair.pop("_bcast_s")
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
-        f"({pair['transfer_GBps']:.2f} GB/s)")
+        f"({pair['transfer_GBps']:.2f} GB/s); stop-rule sum (4-int all-reduce) "
+        f"{pair['stop_sync_s'] * 1e6:.0f} us")
     contention = measure_contention(setup)
     alone, together = contention.pop("_contention")
     log(f"  2 Ray device actors, rollout+update workload: alone {alone:.3f} s, both at once "
@@ -371,6 +381,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "switch_s: optimizer offload + KV cache restore and back, / 2; reference_switch_s: "
             "reference weights to host and back",
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
+            "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes",
             "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once; "
             "probe_s: that workload alone (machine-speed mark)",
             "not measured (small here): reward rule scoring, Ray calls and driver queue traffic",

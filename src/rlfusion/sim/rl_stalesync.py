@@ -17,9 +17,9 @@ with the costs of a measured `Calibration` (nothing fitted):
   prefill pass over the admitted ones, whose first token comes from the prefill) until the
   finished groups reach the quota and all due groups are done (overdue = wait). With several
   rollout devices the stop rule is global: the devices sum their counts every
-  `stop_sync_every` engine steps (a collective, so they meet there), and a device out of work
-  waits in it. Unfinished samples are aborted and resume next rollout (re-prefilling prompt +
-  partial output). Each device then scores its finished samples (reference forward, measured
+  `stop_sync_every` engine steps (a collective, so they meet there; each sum costs the measured
+  `Calibration.stop_sync_s`), and a device out of work waits in it. Unfinished samples are
+  aborted and resume next rollout (re-prefilling prompt + partial output). Each device then scores its finished samples (reference forward, measured
   rate + fixed cost per pass).
 - **Update k** trains every due finished group, then the oldest finished ones, up to B groups;
   every sample's staleness (k - version of its first token) is checked against s.
@@ -167,7 +167,7 @@ class RuntimeStaleSync:
             end = dev.clock
         else:  # the stop-rule sums: every device calls every `stop_sync_every` steps (or idle)
             every = sim.cfg.stop_sync_every
-            t = max(d.clock for d in devs)
+            t = max(d.clock for d in devs) + sim.cal.stop_sync_s
             while True:
                 done = sum(len(d.finished_groups) for d in devs)
                 due_left = sum(len(d.due - d.finished_groups) for d in devs)
@@ -179,7 +179,7 @@ class RuntimeStaleSync:
                         self._engine_step(d, version)
                         while d.busy and d.steps % every:
                             self._engine_step(d, version)
-                t = max(d.clock for d in devs)
+                t = max(d.clock for d in devs) + sim.cal.stop_sync_s
             end = t
         generated = -before
         for dev, part in zip(devs, parts):
