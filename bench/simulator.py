@@ -23,13 +23,21 @@
    on both sides (as bench/fusion.py reports: one step disturbed by other work on this shared
    machine does not decide the comparison).
 
-A validation entry is a `Case` builder in `VALIDATIONS`; the StaleSync benchmark
-(`bench/stalesync.py`, being written) becomes one more entry: measure its runs per staleness
-into `Case`s with `staleness=s` (and `partial_rollout`) in the simulator config — the replay
-and the prediction are the same code.
+StaleSync (`bench/stalesync.py`'s "stalesync s=1 colocated", threshold 0.75, and "stalesync
+s=1 separated", rollout/update overlap) runs interleaved with the synchronous modes. The
+trainer's `StalenessBook.take_batch` is wrapped to record every trained sample's final length
+by (group id, sample index); the groups still in flight at the end keep their finished
+samples' lengths, and their partial samples get a length drawn from the run's lengths above
+their partial one (the only lengths not replayed exactly; the bench prints how many). The
+simulator (`stalesync_model = "runtime"`, `rlfusion.sim.rl_stalesync`) then runs the same
+book, partial rollouts and overlap from the run's first step with those lengths, and each
+measured step's tokens/s (generated tokens / step time) is compared with the simulated step's
+own generated tokens / simulated time, median over steps.
 
-    python bench/simulator.py            # 4 rounds (about 2.5 min)
-    python bench/simulator.py --quick    # 2 rounds, quick calibration (about 1.5 min)
+A validation entry is a `Case` builder in `VALIDATIONS`.
+
+    python bench/simulator.py            # 4 rounds (about 3 min)
+    python bench/simulator.py --quick    # 2 rounds, quick calibration
 """
 
 from __future__ import annotations
