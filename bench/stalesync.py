@@ -10,6 +10,7 @@ summed over the updates after the first two (the separated pipeline fills in its
 
     python bench/stalesync.py            # 30 updates per variant, 500 held-out problems (~15 min)
     python bench/stalesync.py --quick    # 8 updates, 100 held-out problems
+    python bench/stalesync.py --seed 1 --variants "sync colocated,stalesync s=1 colocated"
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ VARIANTS = {  # name: (deploy.mode, stalesync overrides)
 BASELINE = "sync colocated"
 
 
-def make_trainer(name: str, out: Path, eval_problems: int, updates: int) -> RLTrainer:
+def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int) -> RLTrainer:
     mode, extra = VARIANTS[name]
-    cfg = load_config(TrainConfig, None, [
+    cfg = load_config(TrainConfig, None, [f"seed={seed}", 
         f"deploy.mode={mode}", "deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_device=1",
         f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra])
     return RLTrainer(cfg, out / name.replace(" ", "_").replace("=", ""), find_base())
@@ -55,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--updates", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
     updates = args.updates or (8 if args.quick else 30)
@@ -69,7 +71,7 @@ def main() -> None:
     rows: dict[str, list[dict]] = {n: [] for n in names}
     acc: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates) for n in names}
+        trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, args.seed) for n in names}
         base_acc = trainers[BASELINE].evaluate().accuracy
         print(f"base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
         for u in range(updates):
@@ -81,7 +83,7 @@ def main() -> None:
         for n in names:
             acc[n] = trainers[n].evaluate().accuracy
             trainers[n].timeline.plot_gantt(Path("docs") / "img" / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png",
-                                            title=f"{n}: device timeline") if args.variants == "" and not args.quick else None
+                                            title=f"{n}: device timeline") if args.variants == "" and not args.quick and args.seed == 0 else None
         for t in trainers.values():
             t.close()
     ray.shutdown()
