@@ -25,6 +25,7 @@ import ray
 
 from rlfusion.cli import find_base
 from rlfusion.config import load_config
+from rlfusion.obs.timeline import plot_gantt
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
@@ -84,7 +85,8 @@ def main() -> None:
             acc[n] = trainers[n].evaluate().accuracy
             if not (args.variants or args.quick or args.seed):  # the default run's Gantt charts
                 png = Path("docs") / "img" / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png"
-                trainers[n].timeline.plot_gantt(png, title=f"{n}: device timeline")
+                last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
+                plot_gantt(last, png, title=f"{n}: device timeline of update {updates}")
         for t in trainers.values():
             t.close()
     ray.shutdown()
