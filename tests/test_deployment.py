@@ -60,6 +60,14 @@ def _cfg(tmp_path, mode: str, **over) -> TrainConfig:
     return load_config(TrainConfig, None, items + [f"{k}={v}" for k, v in over.items()])
 
 
+def _sample(cfg, base, num_prompts: int):
+    """Trajectories from the base policy on `num_prompts` task prompts (seeded)."""
+    model, tokenizer, _ = load_checkpoint(base)
+    rng = random.Random(3)
+    task = ArithmeticTask(cfg.task)
+    return RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate([task.sample(rng) for _ in range(num_prompts)], 0, 0)
+
+
 def _worker_params(trainer, device):
     return trainer.devices.call([trainer.devices.workers[device].weights.remote()])[0]
 
@@ -156,10 +164,7 @@ def test_worker_dying_before_a_collective_is_reported_at_once(ray_session, tmp_p
     cfg = _cfg(tmp_path, "colocated")
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
-        model, tokenizer, _ = load_checkpoint(base)
-        rng = random.Random(3)
-        task = ArithmeticTask(cfg.task)
-        trajs = RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate([task.sample(rng) for _ in range(2)], 0, 0)
+        trajs = _sample(cfg, base, 2)
         for i, t in enumerate(trajs):
             t.advantage = 1.0 if i % 2 else -1.0
         ray.kill(trainer.devices.workers[1])
@@ -206,10 +211,7 @@ def test_non_finite_loss_on_one_train_device_stops_both(ray_session, tmp_path):
     cfg = _cfg(tmp_path, "colocated")
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
-        model, tokenizer, _ = load_checkpoint(base)
-        rng = random.Random(3)
-        trajs = RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate(
-            [ArithmeticTask(cfg.task).sample(rng) for _ in range(4)], 0, 0)
+        trajs = _sample(cfg, base, 4)
         for i, t in enumerate(trajs):
             t.advantage = float("nan") if i == 0 else 1.0  # only the first device's share is bad
         with pytest.raises(Exception, match="loss became nan"):

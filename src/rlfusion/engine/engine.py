@@ -68,13 +68,19 @@ class LLMEngine:
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run the given requests to completion; results in the order of `requests`."""
-        for req in requests:
-            self.add_request(req)
-        done: dict[str, Completion] = {}
-        while self.has_unfinished():
-            for c in self.step():
-                done[c.request_id] = c
-        return [done[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
+
+
+def run_to_completion(engine, requests: list[Request]) -> list[Completion]:
+    """Add `requests` to any engine with `add_request` / `has_unfinished` / `step` and step it
+    until all are done; results in the order of `requests`."""
+    for req in requests:
+        engine.add_request(req)
+    done: dict[str, Completion] = {}
+    while engine.has_unfinished():
+        for c in engine.step():
+            done[c.request_id] = c
+    return [done[r.request_id] for r in requests]
 
 
 

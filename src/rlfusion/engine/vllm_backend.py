@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rlfusion.engine.engine import run_to_completion
 from rlfusion.engine.types import Completion, Request
 from rlfusion.fusion.buckets import Bucket, unpack
 
@@ -102,13 +103,7 @@ class VLLMEngine:
         return [self._completion(i, "aborted") for i in ids]
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        for req in requests:
-            self.add_request(req)
-        done: dict[str, Completion] = {}
-        while self.has_unfinished():
-            for c in self.step():
-                done[c.request_id] = c
-        return [done[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     def _completion(self, request_id: str, reason: str) -> Completion:
         req = self._requests.pop(request_id)
