@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--updates", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gantt", default="", help="folder for one Gantt PNG per variant (its last update); "
+                                                   "default: docs/img for the full default run")
     parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
     updates = args.updates or (8 if args.quick else 30)
@@ -83,8 +85,9 @@ def main() -> None:
                                                for n in names) + " tok/s", flush=True)
         for n in names:
             acc[n] = trainers[n].evaluate().accuracy
-            if not (args.variants or args.quick or args.seed):  # the default run's Gantt charts
-                png = Path("docs") / "img" / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png"
+            gantt = args.gantt or ("" if (args.variants or args.quick or args.seed) else "docs/img")
+            if gantt:
+                png = Path(gantt) / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png"
                 last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
                 plot_gantt(last, png, title=f"{n}: device timeline of update {updates}")
         for t in trainers.values():
