@@ -212,6 +212,9 @@ class DeviceWorker:
         `deploy.bucket_mb`. Returns bytes sent or received."""
         if self.device not in self.plan.rollout and self.device != self.plan.train[0]:
             return 0
+        # meet first, outside the span: with StaleSync's overlap the train device gets here while
+        # the rollout device is still generating, and waiting is idle time, not transfer
+        dist.barrier(group=self.sync_group)
         with self._span("transfer"):
             params = list(self.policy.state_dict().values())
             limit = int(self.cfg.deploy.bucket_mb * 2**20)
