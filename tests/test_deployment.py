@@ -218,3 +218,66 @@ def test_non_finite_loss_on_one_train_device_stops_both(ray_session, tmp_path):
             trainer.actor.update(trajs)
     finally:
         trainer.close()
+
+
+def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_path):
+    """A peer takes finished samples from a running rollout (`take_finished`, here from inside
+    the rollout, deterministically); the rollout returns only the rest, scored. Together they are
+    every sample once, identical to a rollout without sharing."""
+    from rlfusion.runtime.workers import DeviceWorker
+
+    cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
+    plan = DeploymentPlan.build(cfg.deploy)
+    problems = [ArithmeticTask(cfg.task).sample(random.Random(5)) for _ in range(4)]
+    plain = DeviceWorker(0, plan, cfg, str(find_base()))
+    plain.connect(None)
+    want = plain.generate(problems, 10, 0, score_here=True)
+
+    worker = DeviceWorker(0, plan, cfg, str(find_base()))
+    worker.connect(None)
+    assert worker.take_finished() == []  # no rollout running
+    taken, offer = [], worker._offer
+
+    def offer_then_steal(t):
+        offer(t)
+        taken.extend(worker.take_finished(min_count=3))
+    worker._offer = offer_then_steal
+    mine = worker.generate(problems, 10, 0, score_here=True, share=True)
+    assert taken and mine and worker.take_finished() == []  # the pool closes with the rollout
+    assert all(t.ref_logprobs is None for t in taken) and all(t.ref_logprobs is not None for t in mine)
+    worker.score_and_reference(taken)
+    got = sorted(taken + mine, key=lambda t: (t.group_id, t.metrics["sample"]))
+    assert [(t.group_id, t.metrics["sample"]) for t in got] == [(t.group_id, t.metrics["sample"]) for t in want]
+    for a, b in zip(got, want):
+        assert a.response_ids == b.response_ids and a.reward == b.reward
+        torch.testing.assert_close(torch.tensor(a.ref_logprobs), torch.tensor(b.ref_logprobs), rtol=0, atol=1e-5)
+
+
+def test_colocated_rollout_with_shared_scoring_equals_one_without(ray_session, tmp_path):
+    """Two devices, one with far more prompts (it keeps generating while the other is idle and
+    takes its finished samples): same samples, rewards and reference logprobs, in request order."""
+    results = {}
+    for share in ("true", "false"):
+        cfg = _cfg(tmp_path / share, "colocated", **{"deploy.share_scoring": share})
+        trainer = RLTrainer(cfg, tmp_path / share / "run", find_base())
+        try:
+            proxy = trainer.devices.rollout
+            task = ArithmeticTask(cfg.task)
+            rng = random.Random(7)
+            problems = [task.sample(rng) for _ in range(9)]
+            workers = trainer.devices.workers
+            refs = {0: workers[0].generate.remote(problems[:8], 0, 0, True, share == "true"),
+                    1: workers[1].generate.remote(problems[8:], 8, 0, True, share == "true")}
+            if share == "true":
+                trajs = proxy._generate_sharing_scoring(refs)
+            else:
+                trajs = [t for chunk in trainer.devices.call(list(refs.values())) for t in chunk]
+            results[share] = trajs
+        finally:
+            trainer.close()
+    on, off = results["true"], results["false"]
+    assert [(t.group_id, t.metrics["sample"]) for t in on] == [(g, i) for g in range(9) for i in range(4)]
+    assert [(t.group_id, t.metrics["sample"]) for t in off] == [(g, i) for g in range(9) for i in range(4)]
+    for a, b in zip(on, off):
+        assert a.response_ids == b.response_ids and a.reward == b.reward
+        torch.testing.assert_close(torch.tensor(a.ref_logprobs), torch.tensor(b.ref_logprobs), rtol=0, atol=1e-5)

@@ -39,6 +39,9 @@ class DeployConfig:
     backend: str = "ray"
     ray_address: str = ""
     bucket_mb: float = 4.0  # weight-sync bucket size
+    # synchronous rollout on several devices that also score: a device that finishes early
+    # scores (reward + reference logprobs) samples another device has finished
+    share_scoring: bool = True
 
     def __post_init__(self) -> None:
         check_fields("deploy", {

@@ -55,21 +55,37 @@ class RolloutStage:
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
-    def generate(self, problems: list[Problem], first_group_id: int, version: int | None = None) -> list[Trajectory]:
-        """Group ids count up from `first_group_id`; tokens are stamped with policy `version`."""
+    def generate(self, problems: list[Problem], first_group_id: int, version: int | None = None,
+                 on_finish: Any = None) -> list[Trajectory]:
+        """Group ids count up from `first_group_id`; tokens are stamped with policy `version`.
+        `on_finish(trajectory)`, if given, sees each sample the moment it finishes (the same
+        engine steps run either way, so the samples do not depend on it). Returns the samples in
+        request order (group by group); `metrics["sample"]` is each one's index in its group."""
         if version is not None:
             self.engine.policy_version = version
         model = self.engine.runner.model
         was_training = model.training
         model.eval()
-        requests = [Request(f"{first_group_id + g}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params)
-                    for g, p in enumerate(problems) for i in range(self.cfg.group_size)]
-        completions = self.engine.generate(requests)
-        model.train(was_training)
         G = self.cfg.group_size
-        return [Trajectory(first_group_id + k // G, problems[k // G], c.prompt_ids, c.output_ids,
-                           c.logprobs, c.versions, c.finish_reason)
-                for k, c in enumerate(completions)]
+        requests = [Request(f"{first_group_id + g}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params)
+                    for g, p in enumerate(problems) for i in range(G)]
+        index = {r.request_id: k for k, r in enumerate(requests)}
+        done: dict[int, Trajectory] = {}
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+            while self.engine.has_unfinished():
+                for c in self.engine.step():
+                    k = index[c.request_id]
+                    t = Trajectory(first_group_id + k // G, problems[k // G], c.prompt_ids, c.output_ids,
+                                   c.logprobs, c.versions, c.finish_reason)
+                    t.metrics["sample"] = k % G
+                    done[k] = t
+                    if on_finish is not None:
+                        on_finish(t)
+        finally:
+            model.train(was_training)
+        return [done[k] for k in range(len(requests))]
 
     def run_groups(self, groups: list[tuple[int, Problem, list[Trajectory]]], version: int, quota: int,
                    must_finish: set[int], drop_overdue: bool = False, sync: Any = None) -> dict[str, Any]:

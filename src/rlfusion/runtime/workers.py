@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +69,10 @@ class DeviceWorker:
         self.spans: list[tuple[str, float, float]] = []
         self.sync_group = self.rollout_group = None
         self.ledger = MemoryLedger(f"device{device}")
+        # finished samples a peer may score (`generate(share=True)`, `take_finished`)
+        self._pool: list[Trajectory] = []
+        self._pooling = False
+        self._pool_lock = threading.Lock()
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         if self.rollout is not None:
             self.rollout.engine.runner.cache.release()  # allocated only while generating
@@ -107,11 +112,43 @@ class DeviceWorker:
     # ---- stage work ----
 
     def generate(self, problems: list[Problem], first_group_id: int, version: int,
-                 score_here: bool = False) -> list[Trajectory]:
+                 score_here: bool = False, share: bool = False) -> list[Trajectory]:
         """Rollout; with `score_here` (reward and reference live on this device too) the new
-        trajectories are also scored and given reference logprobs before they leave the device."""
-        trajs = self._generate(problems, first_group_id, version)
-        if score_here:
+        trajectories are also scored and given reference logprobs before they leave the device.
+
+        With `share`, finished samples wait in a pool that `take_finished` (served on its own
+        thread while this rollout runs) hands to an idle peer to score; this call then returns
+        only the samples nobody took, scored here."""
+        if not share:
+            trajs = self._generate(problems, first_group_id, version)
+            if score_here:
+                self.score_and_reference(trajs)
+            return trajs
+        with self._pool_lock:
+            self._pool, self._pooling = [], True
+        try:
+            self._switched(lambda: self.rollout.generate(problems, first_group_id, version, on_finish=self._offer))
+        finally:
+            with self._pool_lock:
+                mine, self._pool, self._pooling = self._pool, [], False
+        return self.score_and_reference(mine) if score_here else mine
+
+    def _offer(self, traj: Trajectory) -> None:
+        with self._pool_lock:
+            self._pool.append(traj)
+
+    def take_finished(self, min_count: int = 1) -> list[Trajectory]:
+        """The finished, not yet scored samples of the running `generate(share=True)` (all of
+        them, if there are at least `min_count`); they are the caller's to score from now on."""
+        with self._pool_lock:
+            if not self._pooling or len(self._pool) < min_count:
+                return []
+            out, self._pool = self._pool, []
+        return out
+
+    def score_and_reference(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """Reward and (if this device holds one) reference logprobs, written into `trajs`."""
+        if trajs:
             self.score(trajs)
             if self.reference is not None:
                 self.reference_logprobs(trajs)
@@ -123,10 +160,8 @@ class DeviceWorker:
         `generate`; finished samples are scored here when reward and reference live here."""
         sync = self._sum_over_rollout_devices if len(self.plan.rollout) > 1 else None
         out = self._switched(lambda: self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync))
-        if score_here and out["finished"]:
-            self.score(out["finished"])
-            if self.reference is not None:
-                self.reference_logprobs(out["finished"])
+        if score_here:
+            self.score_and_reference(out["finished"])
         return out
 
     def _sum_over_rollout_devices(self, *counts: int) -> list[int]:
@@ -318,7 +353,8 @@ class RayDevices:
         self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
-        actor_cls = ray.remote(DeviceWorker)
+        # "pool": `take_finished` answers on its own thread while the device generates
+        actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
         self.workers = [actor_cls.options(
             num_cpus=threads, runtime_env=env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
@@ -379,6 +415,10 @@ def _split(items: list, num_parts: int) -> list[list]:
     return out
 
 
+SHARE_POLL_S = 0.02  # how often an idle device asks a generating one for finished samples
+SHARE_MIN_SAMPLES = 8  # fewer are not worth a scoring call of their own
+
+
 def _key(t: Trajectory) -> tuple:
     """Identifies a sample's reward and reference logprobs: a group shares one prompt, and equal
     responses to it have equal ones. (The reward stage's rows carry no prompt ids.)"""
@@ -397,18 +437,52 @@ class _RolloutProxy:
         self.score_here = all(dev in plan.reward and dev in plan.reference for dev in plan.rollout)
 
     def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
-        parts, refs, offset = _split(problems, len(self.d.plan.rollout)), [], first_group_id
+        parts, refs, offset = _split(problems, len(self.d.plan.rollout)), {}, first_group_id
+        share = self.score_here and self.d.cfg.deploy.share_scoring and len(self.d.plan.rollout) > 1
         for dev, part in zip(self.d.plan.rollout, parts):
             if part:
-                refs.append(self.d.workers[dev].generate.remote(part, offset, version, self.score_here))
+                refs[dev] = self.d.workers[dev].generate.remote(part, offset, version, self.score_here, share)
             offset += len(part)
-        trajs = [t for chunk in self.d.call(refs) for t in chunk]
+        if share:
+            trajs = self._generate_sharing_scoring(refs)
+        else:
+            trajs = [t for chunk in self.d.call(list(refs.values())) for t in chunk]
         self.d.scored = {_key(t): (t.reward, t.metrics.get("correct"), t.ref_logprobs)
                          for t in trajs} if self.score_here else {}
         for t in trajs:  # the queue's reward and reference stages write these fields
             t.reward, t.ref_logprobs = 0.0, None
             t.metrics.pop("correct", None)
         return trajs
+
+    def _generate_sharing_scoring(self, running: dict[int, Any]) -> list[Trajectory]:
+        """Wait for the rollouts in `running` (device → its `generate(share=True)`); a device
+        whose own work is done takes the finished samples of a device still generating and
+        scores them (reward + reference), so the long tail of one device's rollout overlaps the
+        scoring of its finished samples on the other. Samples come back in request order."""
+        ray, workers = self.d.ray, self.d.workers
+        owner = {ref: dev for dev, ref in running.items()}
+        running = dict(running)
+        idle: list[int] = []
+        out: list[Trajectory] = []
+        while owner:
+            ready, _ = ray.wait(list(owner), num_returns=1, timeout=SHARE_POLL_S if idle and running else None)
+            for ref in ready:
+                dev = owner.pop(ref)
+                out += self.d.call([ref])[0]
+                running.pop(dev, None)
+                idle.append(dev)
+            for victim in list(running):  # devices still generating
+                if not idle:
+                    break
+                taken = self.d.call([workers[victim].take_finished.options(concurrency_group="pool")
+                                     .remote(SHARE_MIN_SAMPLES)])[0]
+                if taken:  # else too few finished yet: ask again at the next poll
+                    dev = idle.pop()
+                    owner[workers[dev].score_and_reference.remote(taken)] = dev
+            if not running:
+                idle.clear()
+        out.sort(key=lambda t: (t.group_id, t.metrics["sample"]))
+        return out
 
     def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool):
         """Launch a partial rollout of `parts[i]` on rollout device i (non-blocking) that stops
