@@ -281,3 +281,19 @@ def test_colocated_rollout_with_shared_scoring_equals_one_without(ray_session, t
     for a, b in zip(on, off):
         assert a.response_ids == b.response_ids and a.reward == b.reward
         torch.testing.assert_close(torch.tensor(a.ref_logprobs), torch.tensor(b.ref_logprobs), rtol=0, atol=1e-5)
+
+
+def test_a_peer_failing_after_a_worker_died_reports_the_dead_worker(ray_session, tmp_path):
+    """When a live device's task fails (as a survivor's collective does once its peer is gone),
+    the driver names the dead device, not the survivor's error; with every device alive the
+    task's own error comes through."""
+    trainer = RLTrainer(_cfg(tmp_path, "colocated"), tmp_path / "run", find_base())
+    try:
+        workers = trainer.devices.workers
+        with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):
+            trainer.devices.call([workers[1].load_state.remote({})])  # KeyError on device 1
+        ray.kill(workers[0])
+        with pytest.raises(WorkerDiedError, match=r"device 0 \(rollout\+train\+reference\+reward\) died"):
+            trainer.devices.call([workers[1].load_state.remote({})])
+    finally:
+        trainer.close()

@@ -379,9 +379,33 @@ class RayDevices:
             return self.ray.get(refs)
         except self.ray.exceptions.RayActorError as e:
             dead = [d for d, w in enumerate(self.workers) if w._actor_id.hex() in str(e)]
-            where = (f"device {dead[0]} ({'+'.join(self.plan.roles(dead[0]))})" if dead else "a device worker")
-            raise WorkerDiedError(f"{where} died ({type(e).__name__}); resume the run from its last "
-                                  f"checkpoint with `rlfusion train --resume RUN_DIR`") from None
+            raise self._died(dead[0] if dead else None, type(e).__name__) from None
+        except self.ray.exceptions.RayTaskError as e:
+            # a live worker's task failed: if a peer is gone (its collective broke because the
+            # peer died), the dead peer is the news, not the survivor's connection error
+            dead = self._dead_devices()
+            if dead:
+                raise self._died(dead[0], f"{type(e).__name__} on a peer") from e
+            raise
+
+    def _died(self, device: int | None, why: str) -> "WorkerDiedError":
+        where = f"device {device} ({'+'.join(self.plan.roles(device))})" if device is not None else "a device worker"
+        return WorkerDiedError(f"{where} died ({why}); resume the run from its last checkpoint with "
+                               f"`rlfusion train --resume RUN_DIR`")
+
+    def _dead_devices(self) -> list[int]:
+        """Devices whose worker process is gone (asked on the "pool" thread, which answers even
+        while the worker's main thread is busy)."""
+        refs = [w.ping.options(concurrency_group="pool").remote() for w in self.workers]
+        dead = []
+        for device, ref in enumerate(refs):
+            try:
+                self.ray.get(ref, timeout=DEAD_CHECK_TIMEOUT_S)
+            except self.ray.exceptions.RayActorError:
+                dead.append(device)
+            except self.ray.exceptions.GetTimeoutError:
+                pass  # alive but not answering in time: not known to be dead
+        return dead
 
     def spans(self) -> dict[int, list[tuple[str, float, float]]]:
         return dict(enumerate(self.call([w.take_spans.remote() for w in self.workers])))
@@ -398,6 +422,9 @@ class RayDevices:
         self.ray.util.remove_placement_group(self.pg)
         if self.owns_ray:
             self.ray.shutdown()
+
+
+DEAD_CHECK_TIMEOUT_S = 10.0
 
 
 class WorkerDiedError(RuntimeError):
