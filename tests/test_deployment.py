@@ -270,6 +270,8 @@ def test_colocated_rollout_with_shared_scoring_equals_one_without(ray_session, t
                     1: workers[1].generate.remote(problems[8:], 8, 0, True, share == "true")}
             if share == "true":
                 trajs = proxy._generate_sharing_scoring(refs)
+                # device 1 (one prompt) is idle long before device 0 (eight) is done
+                assert proxy.peer_scored >= 8
             else:
                 trajs = [t for chunk in trainer.devices.call(list(refs.values())) for t in chunk]
             results[share] = trajs

@@ -7,6 +7,8 @@ Legend: B rows, T tokens per row, V vocab.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rlfusion.engine.sampling import sample
@@ -22,17 +24,32 @@ class ModelRunner:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.cache = model.new_kv_cache(num_slots, max_seq_len)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # time spent per kind of pass since the last `take_stats` (for cost models and reports)
+        self.stats = _fresh_stats()
+
+    def take_stats(self) -> dict[str, float]:
+        """Decode / prefill passes, their rows (prefill: padded tokens) and seconds; resets."""
+        out, self.stats = self.stats, _fresh_stats()
+        return out
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`."""
         for src, dst in plan.moves:
             self.cache.move_slot(src, dst)
-        logits = []
+        logits, st = [], self.stats
         if plan.decode:
+            t0 = time.perf_counter()
             logits.append(self._decode(plan.decode))
+            st["decode_passes"] += 1
+            st["decode_rows"] += len(plan.decode)
+            st["decode_s"] += time.perf_counter() - t0
         if plan.prefill:
+            t0 = time.perf_counter()
             logits.append(self._prefill(plan.prefill, slot_start=len(plan.decode)))
+            st["prefill_passes"] += 1
+            st["prefill_padded_tokens"] += len(plan.prefill) * max(s.num_tokens for s in plan.prefill)
+            st["prefill_s"] += time.perf_counter() - t0
         seqs = plan.decode + plan.prefill
         tokens_B, logprobs_B = sample(torch.cat(logits), [s.request.params for s in seqs],
                                       self.generator)
@@ -59,3 +76,9 @@ class ModelRunner:
             s.num_cached = n
         last_B = torch.tensor(lengths, device=self.device) - 1
         return logits_BTV[torch.arange(len(seqs), device=self.device), last_B]
+
+
+def _fresh_stats() -> dict[str, float]:
+    return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
+                          "prefill_padded_tokens", "prefill_s"), 0.0)
+

@@ -118,12 +118,13 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(x_ND).index_add_(0, token_idx, y_sorted)
 
     def _dense(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-        E = self.w_gate_EDF.shape[0]
+        E, N = self.w_gate_EDF.shape[0], x_ND.shape[0]
         x_END = x_ND.unsqueeze(0).expand(E, -1, -1)
         h_ENF = F.silu(torch.bmm(x_END, self.w_gate_EDF)) * torch.bmm(x_END, self.w_up_EDF)
-        y_END = torch.bmm(h_ENF, self.w_down_EFD)
-        combine_NE = torch.zeros(x_ND.shape[0], E, dtype=y_END.dtype).scatter_(1, topk_ids_NK, weights_NK)
-        return torch.einsum("end,ne->nd", y_END, combine_NE)
+        y_NED = torch.bmm(h_ENF, self.w_down_EFD).transpose(0, 1)
+        # only the chosen experts' outputs are combined (an unchosen expert's inf/nan stays out)
+        y_NKD = y_NED[torch.arange(N, device=x_ND.device).unsqueeze(1), topk_ids_NK]
+        return (y_NKD * weights_NK.unsqueeze(-1)).sum(1)
 
 
 class MoE(nn.Module):

@@ -85,6 +85,7 @@ class RolloutStage:
                         on_finish(t)
         finally:
             model.train(was_training)
+            self.engine.abort({r.request_id for r in requests} - {requests[k].request_id for k in done})
         return [done[k] for k in range(len(requests))]
 
     def run_groups(self, groups: list[tuple[int, Problem, list[Trajectory]]], version: int, quota: int,

@@ -119,6 +119,9 @@ class DeviceWorker:
         With `share`, finished samples wait in a pool that `take_finished` (served on its own
         thread while this rollout runs) hands to an idle peer to score; this call then returns
         only the samples nobody took, scored here."""
+        if share and not score_here:
+            raise ValueError("generate(share=True) needs score_here=True: the samples a peer takes are "
+                             "scored there, the rest here")
         if not share:
             trajs = self._generate(problems, first_group_id, version)
             if score_here:
@@ -293,6 +296,10 @@ class DeviceWorker:
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.rollout.set_rng_state(state)
 
+    def engine_stats(self) -> dict[str, float]:
+        """The rollout engine's pass counts and seconds since the last call."""
+        return self.rollout.engine.runner.take_stats() if self.rollout is not None else {}
+
     def take_spans(self) -> list[tuple[str, float, float]]:
         out, self.spans = self.spans, []
         return out
@@ -462,6 +469,7 @@ class _RolloutProxy:
         self.d = devices
         plan = devices.plan
         self.score_here = all(dev in plan.reward and dev in plan.reference for dev in plan.rollout)
+        self.peer_scored = 0  # last shared rollout: samples scored by a device that did not generate them
 
     def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
         parts, refs, offset = _split(problems, len(self.d.plan.rollout)), {}, first_group_id
@@ -489,6 +497,7 @@ class _RolloutProxy:
         ray, workers = self.d.ray, self.d.workers
         owner = {ref: dev for dev, ref in running.items()}
         running = dict(running)
+        self.peer_scored = 0
         idle: list[int] = []
         out: list[Trajectory] = []
         while owner:
@@ -506,6 +515,7 @@ class _RolloutProxy:
                 if taken:  # else too few finished yet: ask again at the next poll
                     dev = idle.pop()
                     owner[workers[dev].score_and_reference.remote(taken)] = dev
+                    self.peer_scored += len(taken)
             if not running:
                 idle.clear()
         out.sort(key=lambda t: (t.group_id, t.metrics["sample"]))
