@@ -56,6 +56,19 @@ def test_decode_cost_interpolates_measured_points():
     assert CAL.decode_step_s(0) == 0.0
 
 
+def test_decode_cost_grows_with_the_longest_context():
+    cal = CAL.replace(decode_context_ms=0.002, decode_reference_context=40, probe_s=1.0)
+    assert cal.decode_step_s(20, 30) == CAL.decode_step_s(20)  # at or below the table's context
+    assert cal.decode_step_s(20, 140) == pytest.approx(CAL.decode_step_s(20) + 20 * 100 * 0.002e-3)
+    for context, steps in ((10, 5), (35, 12), (60, 30)):  # the closed form is the sum of steps
+        want = sum(cal.decode_step_s(20, context + j) for j in range(steps))
+        assert cal.decode_steps_s(20, context, steps) == pytest.approx(want)
+    assert cal.at_probe_speed(2.0).decode_context_ms == pytest.approx(0.004)
+    # a longer-context run takes longer in the simulator, all else equal
+    long_prompts = SMALL.replace(prompt_len=150)
+    assert simulate(long_prompts, cal).tokens_per_s < simulate(long_prompts, CAL).tokens_per_s
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cal.json"
     save_calibration(CAL, path)

@@ -49,6 +49,11 @@ class Calibration:
     #                            the train devices (data-parallel replicas); 0: in the train rate
     stop_sync_s: float = 0.0  # one stop-rule sum of the rollout devices (a 4-integer gloo
     #                          all-reduce) during a StaleSync partial rollout, s
+    decode_context_ms: float = 0.0  # extra decode-step time per active row and per context
+    #                                 position beyond `decode_reference_context`, ms (attention
+    #                                 over the KV cache; every row attends over the longest
+    #                                 context of the step); 0: context-independent
+    decode_reference_context: int = 0  # the context length the decode table was measured at
     probe_s: float = 0.0  # seconds of a fixed reference workload on one idle device when these
     #                       numbers were measured (a machine-speed mark; 0 = not recorded)
     source: str = "unspecified"  # where the numbers come from
@@ -69,21 +74,38 @@ class Calibration:
                              "in (0, 1]")
         for key in ("prefill_ms_per_token", "prefill_fixed_ms", "train_step_overhead_s",
                     "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
-                    "reference_overhead_s", "grad_sync_GB", "stop_sync_s"):
+                    "reference_overhead_s", "grad_sync_GB", "stop_sync_s", "decode_context_ms",
+                    "decode_reference_context"):
             if getattr(self, key) < 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
 
-    def decode_step_s(self, batch: int) -> float:
-        """Step time at `batch` active sequences: piecewise linear between measured points,
-        flat below the first, extrapolated with the last slope above the last."""
+    def decode_step_s(self, batch: int, context: int = 0) -> float:
+        """Step time at `batch` active sequences whose longest context is `context` tokens:
+        the table (piecewise linear between measured points, flat below the first,
+        extrapolated with the last slope above the last) plus the attention beyond the
+        table's context."""
         if batch <= 0:
             return 0.0
         sizes, times = self.decode_batch_sizes, self.decode_step_ms
         if batch <= sizes[0] or len(sizes) == 1:
-            return times[0] / 1e3 if batch <= sizes[0] else times[-1] / 1e3
-        i = min(bisect_left(sizes, batch), len(sizes) - 1)
-        x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
-        return (y0 + (y1 - y0) * (batch - x0) / (x1 - x0)) / 1e3
+            ms = times[0] if batch <= sizes[0] else times[-1]
+        else:
+            i = min(bisect_left(sizes, batch), len(sizes) - 1)
+            x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+            ms = y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
+        extra = batch * max(0, context - self.decode_reference_context) * self.decode_context_ms
+        return (ms + extra) / 1e3
+
+    def decode_steps_s(self, batch: int, context: int, steps: int) -> float:
+        """`steps` decode steps of `batch` rows, the longest context `context` in the first and
+        one longer in each next (closed form of the sum of `decode_step_s`)."""
+        if steps <= 0 or batch <= 0:
+            return 0.0
+        base = self.decode_step_s(batch) * steps
+        lo = max(1, context - self.decode_reference_context)  # first positive excess
+        hi = context + steps - 1 - self.decode_reference_context
+        excess = (lo + hi) * (hi - lo + 1) / 2 if hi >= lo else 0.0
+        return base + batch * excess * self.decode_context_ms / 1e3
 
     def prefill_s(self, tokens: int) -> float:
         """One prefill pass over `tokens` prompt (or resumed-context) tokens."""
@@ -106,6 +128,7 @@ class Calibration:
         f = probe_s / self.probe_s
         return self.replace(
             decode_step_ms=tuple(t * f for t in self.decode_step_ms),
+            decode_context_ms=self.decode_context_ms * f,
             prefill_ms_per_token=self.prefill_ms_per_token * f,
             prefill_fixed_ms=self.prefill_fixed_ms * f,
             train_tokens_per_s_per_device=self.train_tokens_per_s_per_device / f,

@@ -104,9 +104,34 @@ def measure_engine(model, tokenizer, quick: bool) -> dict:
         prefill[padded] = statistics.median(run[0] for run in runs) * 1e3
     (t_small, ms_small), (t_big, ms_big) = min(prefill.items()), max(prefill.items())
     per_token = max(0.0, (ms_big - ms_small) / (t_big - t_small))
+    # the table's steps attend over the longest prompt plus about half the new tokens
+    reference = max(len(p) for p in _prompts(tokenizer, DECODE_BATCHES[-1], seed=DECODE_BATCHES[-1])) + new_tokens // 2
     return {"decode_batch_sizes": tuple(decode), "decode_step_ms": tuple(decode.values()),
             "prefill_ms_per_token": per_token,
-            "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small)}
+            "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small),
+            "decode_reference_context": reference,
+            "decode_context_ms": decode_context_ms(model, reference, quick)}
+
+
+def decode_context_ms(model, reference: int, quick: bool, rows: int = 64) -> float:
+    """Extra decode-step time per row and per context position: `rows` rows decoding at
+    context `reference` vs near the model's context length (every row at the same position)."""
+    import torch
+
+    from rlfusion.model.kv_cache import CacheBatch
+
+    longest = model.config.max_seq_len - 1
+    if longest <= reference:
+        return 0.0
+    cache = model.new_kv_cache(rows, longest + 1)
+    tokens_B1 = torch.randint(1, model.config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
+
+    def step_ms(context: int) -> float:
+        start_B = torch.full((rows,), context - 1)  # the new token sits at position context - 1
+        with torch.inference_mode():
+            return _median_time(lambda: model(tokens_B1, CacheBatch(cache, 0, start_B)), 5 if quick else 15) * 1e3
+
+    return max(0.0, (step_ms(longest) - step_ms(reference)) / (rows * (longest - reference)))
 
 
 # ---- trainer, reference, switch ------------------------------------------------------------
@@ -354,8 +379,10 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     t0 = time.perf_counter()
     model, tokenizer = _load(setup)
     engine = measure_engine(model, tokenizer, quick)
-    log(f"  engine: decode ms {dict(zip(engine['decode_batch_sizes'], (round(x, 2) for x in engine['decode_step_ms'])))}, "
-        f"prefill {engine['prefill_fixed_ms']:.2f} ms + {engine['prefill_ms_per_token'] * 1e3:.1f} us/token")
+    log(f"  engine: decode ms {dict(zip(engine['decode_batch_sizes'], (round(x, 2) for x in engine['decode_step_ms'])))} "
+        f"at context {engine['decode_reference_context']}, + {engine['decode_context_ms'] * 1e6:.0f} ns per row "
+        f"and longer context token, prefill {engine['prefill_fixed_ms']:.2f} ms + "
+        f"{engine['prefill_ms_per_token'] * 1e3:.1f} us/token")
     train = measure_train_and_reference(model, tokenizer, quick)
     log(f"  train {train['train_tokens_per_s_per_device']:,.0f} tok/s + {train['train_step_overhead_s'] * 1e3:.1f} ms, "
         f"reference {train['reference_tokens_per_s_per_device']:,.0f} tok/s + "

@@ -177,10 +177,16 @@ class _Sim:
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
             return math.inf
-        return eng.clock + eng.fewest_left() * self.decode_step_s(eng)
+        return eng.clock + self.cal.decode_steps_s(len(eng.active), self.context(eng), eng.fewest_left()) * self.engine_slow
+
+    def context(self, eng: _Engine) -> int:
+        """The longest context the engine's next decode step attends over."""
+        if not self.cal.decode_context_ms or not eng.active:
+            return 0  # context-independent decode cost: no need to look
+        return max(s.prompt_len + s.generated for s in eng.active)
 
     def decode_step_s(self, eng: _Engine) -> float:
-        return self.cal.decode_step_s(len(eng.active)) * self.engine_slow
+        return self.cal.decode_step_s(len(eng.active), self.context(eng)) * self.engine_slow
 
     def advance(self, eng: _Engine, until: float) -> list[Sample]:
         """Run decode steps up to `until` (finishing the step in progress); return finished."""
@@ -189,10 +195,11 @@ class _Sim:
             return []
         if eng.clock >= until:  # already past `until` (finishing a step or a prefill)
             return []
-        step = self.decode_step_s(eng)
+        step = self.decode_step_s(eng)  # the first; later ones attend over one more token each
         steps = min(eng.fewest_left(), math.ceil((until - eng.clock) / step - 1e-9))
-        self.record(eng.name, "rollout", eng.clock, eng.clock + steps * step, eng.version)
-        eng.clock += steps * step
+        seconds = self.cal.decode_steps_s(len(eng.active), self.context(eng), steps) * self.engine_slow
+        self.record(eng.name, "rollout", eng.clock, eng.clock + seconds, eng.version)
+        eng.clock += seconds
         eng.last_work = eng.clock
         for s in eng.active:
             s.generated += steps

@@ -220,7 +220,7 @@ class RuntimeStaleSync:
                 prefill.append(smp)
         seconds = 0.0
         if decode:
-            seconds += cal.decode_step_s(len(decode))
+            seconds += cal.decode_step_s(len(decode), max(smp.prompt_len + smp.generated for smp in decode))
         if prefill:
             seconds += cal.prefill_s(len(prefill) * longest)
         seconds *= sim.engine_slow
