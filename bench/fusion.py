@@ -106,6 +106,9 @@ def main() -> None:
                                 "util": metrics["utilization_mean"],
                                 "util0": metrics["utilization_device0"], "util1": metrics["utilization_device1"],
                                 "step_s": metrics["time_step_s"], "switch_s": switch,
+                                "tokens": metrics["generated_tokens"],
+                                # samples scored by a device other than the one that generated them
+                                "peer_scored": t.devices.rollout.peer_scored,
                                 **{f"{d}/{ph}": sum(s.duration_s for s in new if s.device == d and s.phase == ph)
                                    for d in ("device0", "device1") for ph in PHASES}})
             print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['tok_s']:.0f} tok/s" for m in MODES), flush=True)
@@ -125,7 +128,12 @@ def main() -> None:
     for m in MODES:
         print(f"  {m}: " + "; ".join(f"{ph} {med[m][f'device0/{ph}']:.2f} | {med[m][f'device1/{ph}']:.2f}"
                                      for ph in PHASES))
+    print("samples (of 256) scored by the device that did not generate them, per step (mean, max): " +
+          ", ".join(f"{m} {statistics.mean(x['peer_scored'] for x in rows[m]):.0f}, "
+                    f"{max(x['peer_scored'] for x in rows[m])}" for m in MODES))
     print()
+    total = {m: sum(x["tokens"] for x in rows[m]) / sum(x["step_s"] for x in rows[m]) for m in MODES}
+    print(f"sum of tokens / sum of step times: colocated / separated {total['colocated'] / total['separated']:.2f}")
     ratios = [c["tok_s"] / s["tok_s"] for c, s in zip(rows["colocated"], rows["separated"])]
     print("colocated / separated tokens/s per round: " + ", ".join(f"{r:.2f}" for r in ratios))
     print(f"ratio of the medians: {med['colocated']['tok_s'] / med['separated']['tok_s']:.2f}")
