@@ -226,9 +226,12 @@ class RLTrainer:
                 step.add_wall(device, phase, s, e, step=self.step)
                 self.timeline.add_wall(device, phase, s, e, step=self.step)
         util = {d: u.fraction for d, u in step.utilization().items()}
+        engine = (self.devices.engine_stats() if self.devices is not None
+                  else [self.rollout.engine.runner.take_stats()])
         switch_s = max(sum(e - s for phase, s, e in items if phase == "switch") for items in spans.values())
         out = {**{f"utilization_{d}": u for d, u in util.items()},
-               "utilization_mean": sum(util.values()) / len(util), "time_switch_s": switch_s}
+               "utilization_mean": sum(util.values()) / len(util), "time_switch_s": switch_s,
+               **_engine_metrics([e for e in engine if e])}
         if self.devices is not None:
             memory = self.devices.memory()
             out["zero_redundancy_ok"] = float(all(m["zero_redundancy"] for m in memory))
@@ -388,3 +391,16 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
     run_state.load(trainer)
     truncate_metrics(run_dir / "metrics.jsonl", trainer.step)
     return trainer
+
+
+def _engine_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """This step's rollout engine passes, from the busiest engine (the one that sets the pace):
+    decode and prefill seconds, passes and mean rows per decode pass."""
+    if not stats:
+        return {}
+    busiest = max(stats, key=lambda e: e["decode_s"] + e["prefill_s"])
+    passes = busiest["decode_passes"]
+    return {"time_decode_s": busiest["decode_s"], "time_prefill_s": busiest["prefill_s"],
+            "engine_decode_passes": passes, "engine_prefill_passes": busiest["prefill_passes"],
+            "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0}
+

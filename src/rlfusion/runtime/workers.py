@@ -414,6 +414,10 @@ class RayDevices:
                 pass  # alive but not answering in time: not known to be dead
         return dead
 
+    def engine_stats(self) -> list[dict[str, float]]:
+        """Each rollout device's engine pass counts and seconds since the last call."""
+        return self.call([self.workers[d].engine_stats.remote() for d in self.plan.rollout])
+
     def spans(self) -> dict[int, list[tuple[str, float, float]]]:
         return dict(enumerate(self.call([w.take_spans.remote() for w in self.workers])))
 
