@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import ray
@@ -17,7 +18,7 @@ from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan
 from rlfusion.runtime.stages import ActorStage, RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
-from rlfusion.runtime.workers import WorkerDiedError
+from rlfusion.runtime.ray_devices import WorkerDiedError
 from rlfusion.rl.tasks.arithmetic import ArithmeticTask
 
 
@@ -66,6 +67,22 @@ def _sample(cfg, base, num_prompts: int):
     rng = random.Random(3)
     task = ArithmeticTask(cfg.task)
     return RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate([task.sample(rng) for _ in range(num_prompts)], 0, 0)
+
+
+def _kill(worker) -> None:
+    """Kill a device worker and wait until Ray reports it dead (`ray.kill` returns at once; on
+    a loaded machine the next call could otherwise still reach the live process)."""
+    ray.kill(worker)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the killed worker still answers after 30 s")
 
 
 def _worker_params(trainer, device):
@@ -124,7 +141,7 @@ def test_separated_mode_syncs_weights_and_learns_steps(ray_session, tmp_path):
 def test_killed_worker_names_its_device_and_roles(ray_session, tmp_path):
     trainer = RLTrainer(_cfg(tmp_path, "separated"), tmp_path / "run", find_base())
     try:
-        ray.kill(trainer.devices.workers[1])
+        _kill(trainer.devices.workers[1])
         with pytest.raises(WorkerDiedError, match=r"device 1 \(train\) died.*--resume"):
             trainer.train_step()
     finally:
@@ -138,7 +155,7 @@ def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path)
     trainer = RLTrainer(cfg, tmp_path / "r", find_base())
     try:
         trainer.run(progress=False)  # 2 steps, checkpointed
-        ray.kill(trainer.devices.workers[0])
+        _kill(trainer.devices.workers[0])
         with pytest.raises(WorkerDiedError, match=r"device 0 \(rollout\+train\+reference\+reward\) died"):
             trainer.train_step()
     finally:
@@ -158,8 +175,6 @@ def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path)
 def test_worker_dying_before_a_collective_is_reported_at_once(ray_session, tmp_path):
     """Device 0 would wait in the update's all-reduce for a peer that is gone; the driver must
     report the dead device instead of waiting with it."""
-    import time
-
     base = find_base()
     cfg = _cfg(tmp_path, "colocated")
     trainer = RLTrainer(cfg, tmp_path / "run", base)
@@ -167,7 +182,7 @@ def test_worker_dying_before_a_collective_is_reported_at_once(ray_session, tmp_p
         trajs = _sample(cfg, base, 2)
         for i, t in enumerate(trajs):
             t.advantage = 1.0 if i % 2 else -1.0
-        ray.kill(trainer.devices.workers[1])
+        _kill(trainer.devices.workers[1])
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"device 1 \("):
             trainer.actor.update(trajs)
@@ -294,7 +309,7 @@ def test_a_peer_failing_after_a_worker_died_reports_the_dead_worker(ray_session,
         workers = trainer.devices.workers
         with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):
             trainer.devices.call([workers[1].load_state.remote({})])  # KeyError on device 1
-        ray.kill(workers[0])
+        _kill(workers[0])
         with pytest.raises(WorkerDiedError, match=r"device 0 \(rollout\+train\+reference\+reward\) died"):
             trainer.devices.call([workers[1].load_state.remote({})])
     finally:

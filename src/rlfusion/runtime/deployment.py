@@ -10,7 +10,7 @@
                   offloaded to host while unused.
 
 A device is one worker process: on CPU a process with `threads_per_device` threads, on CUDA one
-GPU. `DeploymentPlan` is pure data (testable without Ray or torch.distributed); `workers.py`
+GPU. `DeploymentPlan` is pure data (testable without Ray or torch.distributed); `ray_devices.py`
 places one Ray actor per device from it.
 """
 

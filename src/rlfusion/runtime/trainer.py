@@ -39,7 +39,7 @@ from rlfusion.runtime.stages import (ActorStage, CollapseError, CriticStage, Non
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stalesync import StalenessBook
-from rlfusion.runtime.workers import RayDevices, _split
+from rlfusion.runtime.ray_devices import RayDevices, _split
 
 
 _EMPTY_ROLLOUT = {"finished": [], "unfinished": [], "dropped": [], "generated_tokens": 0}

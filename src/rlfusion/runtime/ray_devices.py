@@ -1,0 +1,317 @@
+"""The driver's side of the device workers: `RayDevices` starts one Ray actor per device
+(`workers.DeviceWorker`) in a placement group, joins them in one torch.distributed world, and
+hands the trainer stage-shaped proxies (rollout, reward, reference, actor) that fan the work out
+to the devices, so the trainer's step is the same code for Ray and in-process stages.
+
+Also here: the dead-worker error (`WorkerDiedError`, naming the device and its roles) and the
+shared scoring of synchronous rollouts (`_RolloutProxy._generate_sharing_scoring`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rlfusion.rl.problem import Problem
+from rlfusion.rl.trajectory import Trajectory
+from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.workers import DeviceWorker
+
+
+class RayDevices:
+    """One Ray actor per device (placement group, `threads_per_device` CPUs each), joined in
+    one process-group world. `rollout`, `reward`, `reference` and `actor` have the methods of
+    the in-process stages, so the trainer's step is the same code in both backends."""
+
+    def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.owns_ray = not ray.is_initialized()  # then `shutdown` stops the Ray it started
+        if self.owns_ray:
+            ray.init(address=cfg.deploy.ray_address or None, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False,
+                     **({} if cfg.deploy.ray_address else {"num_cpus": plan.num_devices * cfg.deploy.threads_per_device}))
+        self.ray, self.plan, self.cfg = ray, plan, cfg
+        threads = cfg.deploy.threads_per_device
+        self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+        # "pool": `take_finished` answers on its own thread while the device generates
+        actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
+        self.workers = [actor_cls.options(
+            num_cpus=threads, runtime_env=env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
+        ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
+        ip, port = self.call([self.workers[0].address.remote()])[0]
+        self.call([w.connect.remote(f"tcp://{ip}:{port}" if plan.num_devices > 1 else None) for w in self.workers])
+        self.scored: dict[tuple, tuple] = {}  # this step's on-device reward / reference results
+        self.rollout = _RolloutProxy(self)
+        self.reward = _RewardProxy(self)
+        self.reference = _ReferenceProxy(self) if cfg.algo.kl_coef else None
+        self.actor = _ActorProxy(self)
+
+    def call(self, refs: list[Any]) -> list[Any]:
+        """`ray.get` that names the role and device of a worker that died. Results are checked
+        as they arrive, so a dead worker is reported at once, not after its peers give up
+        waiting for it in a collective."""
+        try:
+            pending = list(refs)
+            while pending:
+                ready, pending = self.ray.wait(pending, num_returns=1)
+                self.ray.get(ready)  # raises if that worker failed
+            return self.ray.get(refs)
+        except self.ray.exceptions.RayActorError as e:
+            dead = [d for d, w in enumerate(self.workers) if w._actor_id.hex() in str(e)]
+            raise self._died(dead[0] if dead else None, type(e).__name__) from None
+        except self.ray.exceptions.RayTaskError as e:
+            # a live worker's task failed: if a peer is gone (its collective broke because the
+            # peer died), the dead peer is the news, not the survivor's connection error
+            dead = self._dead_devices()
+            if dead:
+                raise self._died(dead[0], f"{type(e).__name__} on a peer") from e
+            raise
+
+    def _died(self, device: int | None, why: str) -> "WorkerDiedError":
+        where = f"device {device} ({'+'.join(self.plan.roles(device))})" if device is not None else "a device worker"
+        return WorkerDiedError(f"{where} died ({why}); resume the run from its last checkpoint with "
+                               f"`rlfusion train --resume RUN_DIR`")
+
+    def _dead_devices(self) -> list[int]:
+        """Devices whose worker process is gone (asked on the "pool" thread, which answers even
+        while the worker's main thread is busy)."""
+        refs = [w.ping.options(concurrency_group="pool").remote() for w in self.workers]
+        dead = []
+        for device, ref in enumerate(refs):
+            try:
+                self.ray.get(ref, timeout=DEAD_CHECK_TIMEOUT_S)
+            except self.ray.exceptions.RayActorError:
+                dead.append(device)
+            except self.ray.exceptions.GetTimeoutError:
+                pass  # alive but not answering in time: not known to be dead
+        return dead
+
+    def engine_stats(self) -> list[dict[str, float]]:
+        """Each rollout device's engine pass counts and seconds since the last call."""
+        return self.call([self.workers[d].engine_stats.remote() for d in self.plan.rollout])
+
+    def spans(self) -> dict[int, list[tuple[str, float, float]]]:
+        return dict(enumerate(self.call([w.take_spans.remote() for w in self.workers])))
+
+    def memory(self) -> list[dict[str, Any]]:
+        return self.call([w.memory.remote() for w in self.workers])
+
+    def pull_weights(self, model: torch.nn.Module) -> None:
+        model.load_state_dict(self.call([self.workers[self.plan.train[0]].weights.remote()])[0])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            self.ray.kill(w)
+        self.ray.util.remove_placement_group(self.pg)
+        if self.owns_ray:
+            self.ray.shutdown()
+
+
+DEAD_CHECK_TIMEOUT_S = 10.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A device worker process died; the message names its device and roles."""
+
+
+def _split(items: list, num_parts: int) -> list[list]:
+    """Contiguous, near-equal parts (order kept, so concatenating the results restores it)."""
+    k, r = divmod(len(items), num_parts)
+    out, start = [], 0
+    for i in range(num_parts):
+        end = start + k + (i < r)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+SHARE_POLL_S = 0.02  # how often an idle device asks a generating one for finished samples
+SHARE_MIN_SAMPLES = 8  # fewer are not worth a scoring call of their own
+
+
+def _key(t: Trajectory) -> tuple:
+    """Identifies a sample's reward and reference logprobs: a group shares one prompt, and equal
+    responses to it have equal ones. (The reward stage's rows carry no prompt ids.)"""
+    return t.group_id, tuple(t.response_ids)
+
+
+class _RolloutProxy:
+    """When every rollout device also hosts reward and reference, each device scores its own
+    samples right after generating them (no trajectories travel for it, and a device that
+    finishes its rollout early goes on at once); the reward and reference proxies then hand
+    out those results."""
+
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+        plan = devices.plan
+        self.score_here = all(dev in plan.reward and dev in plan.reference for dev in plan.rollout)
+        self.peer_scored = 0  # last shared rollout: samples scored by a device that did not generate them
+
+    def generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
+        parts, refs, offset = _split(problems, len(self.d.plan.rollout)), {}, first_group_id
+        share = self.score_here and self.d.cfg.deploy.share_scoring and len(self.d.plan.rollout) > 1
+        for dev, part in zip(self.d.plan.rollout, parts):
+            if part:
+                refs[dev] = self.d.workers[dev].generate.remote(part, offset, version, self.score_here, share)
+            offset += len(part)
+        if share:
+            trajs = self._generate_sharing_scoring(refs)
+        else:
+            trajs = [t for chunk in self.d.call(list(refs.values())) for t in chunk]
+        self.d.scored = {_key(t): (t.reward, t.metrics.get("correct"), t.ref_logprobs)
+                         for t in trajs} if self.score_here else {}
+        for t in trajs:  # the queue's reward and reference stages write these fields
+            t.reward, t.ref_logprobs = 0.0, None
+            t.metrics.pop("correct", None)
+        return trajs
+
+    def _generate_sharing_scoring(self, running: dict[int, Any]) -> list[Trajectory]:
+        """Wait for the rollouts in `running` (device → its `generate(share=True)`); a device
+        whose own work is done takes the finished samples of a device still generating and
+        scores them (reward + reference), so the long tail of one device's rollout overlaps the
+        scoring of its finished samples on the other. Samples come back in request order."""
+        ray, workers = self.d.ray, self.d.workers
+        owner = {ref: dev for dev, ref in running.items()}
+        running = dict(running)
+        self.peer_scored = 0
+        idle: list[int] = []
+        out: list[Trajectory] = []
+        while owner:
+            ready, _ = ray.wait(list(owner), num_returns=1, timeout=SHARE_POLL_S if idle and running else None)
+            for ref in ready:
+                dev = owner.pop(ref)
+                out += self.d.call([ref])[0]
+                running.pop(dev, None)
+                idle.append(dev)
+            for victim in list(running):  # devices still generating
+                if not idle:
+                    break
+                taken = self.d.call([workers[victim].take_finished.options(concurrency_group="pool")
+                                     .remote(SHARE_MIN_SAMPLES)])[0]
+                if taken:  # else too few finished yet: ask again at the next poll
+                    dev = idle.pop()
+                    owner[workers[dev].score_and_reference.remote(taken)] = dev
+                    self.peer_scored += len(taken)
+            if not running:
+                idle.clear()
+        out.sort(key=lambda t: (t.group_id, t.metrics["sample"]))
+        return out
+
+    def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool):
+        """Launch a partial rollout of `parts[i]` on rollout device i (non-blocking) that stops
+        once `quota` groups have finished over all devices and the `due` ones are done; the
+        returned function waits for it and merges the devices' results."""
+        refs = []
+        coordinated = len(self.d.plan.rollout) > 1  # every rollout device joins the stop-rule sums
+        for dev, part in zip(self.d.plan.rollout, parts):
+            if part or coordinated:
+                mine = due & {gid for gid, _, _ in part}
+                refs.append(self.d.workers[dev].rollout_groups.remote(part, version, quota, mine, drop_overdue,
+                                                                     self.score_here))
+
+        def wait() -> dict[str, Any]:
+            outs = self.d.call(refs)
+            return {"finished": [t for o in outs for t in o["finished"]],
+                    "unfinished": [t for o in outs for t in o["unfinished"]],
+                    "dropped": [g for o in outs for g in o["dropped"]],
+                    "generated_tokens": sum(o["generated_tokens"] for o in outs)}
+        return wait
+
+    def stash_scores(self, trajs: list[Trajectory]) -> None:
+        """Samples scored on their device (possibly in an earlier rollout) hand their reward and
+        reference logprobs to the reward and reference proxies, like `generate` does."""
+        self.d.scored = {_key(t): (t.reward, t.metrics.get("correct"), t.ref_logprobs)
+                         for t in trajs} if self.score_here else {}
+        for t in trajs:
+            t.reward, t.ref_logprobs = 0.0, None
+            t.metrics.pop("correct", None)
+
+    def rng_state(self) -> list[torch.Tensor]:
+        return self.d.call([self.d.workers[dev].rng_state.remote() for dev in self.d.plan.rollout])
+
+    def set_rng_state(self, states: list[torch.Tensor]) -> None:
+        self.d.call([self.d.workers[dev].set_rng_state.remote(s) for dev, s in zip(self.d.plan.rollout, states)])
+
+
+class _RewardProxy:
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def score(self, trajs: list[Trajectory]) -> None:
+        if all(_key(t) in self.d.scored for t in trajs):
+            scores = [self.d.scored[_key(t)][:2] for t in trajs]
+        else:
+            scores = self.d.call([self.d.workers[self.d.plan.reward[0]].score.remote(trajs)])[0]
+        for t, (reward, correct) in zip(trajs, scores):
+            t.reward, t.metrics["correct"] = reward, correct
+
+
+class _ReferenceProxy:
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def logprobs(self, trajs: list[Trajectory]) -> None:
+        if all(_key(t) in self.d.scored and self.d.scored[_key(t)][2] is not None for t in trajs):
+            for t in trajs:
+                t.ref_logprobs = self.d.scored[_key(t)][2]
+            return
+        parts = _split(trajs, len(self.d.plan.reference))
+        refs = [self.d.workers[dev].reference_logprobs.remote(part)
+                for dev, part in zip(self.d.plan.reference, parts) if part]
+        for t, lp in zip(trajs, [lp for chunk in self.d.call(refs) for lp in chunk]):
+            t.ref_logprobs = lp
+
+
+class _ActorProxy:
+    """Splits the batch across the train devices by tokens; each takes the same full-batch
+    step. In separated mode the new weights then go to the rollout devices."""
+
+    def __init__(self, devices: RayDevices):
+        from rlfusion.queue import split_balanced
+
+        self.d, self.split_balanced, self.version = devices, split_balanced, 0
+        self.optimizer = _RemoteOptimizer(devices)
+        self.weight_sync_bytes = 0
+        self.last_sync_s = 0.0  # separated: the broadcast, including waiting for a running rollout
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        train = self.d.plan.train
+        parts = self.split_balanced([t.num_tokens for t in trajs], len(train))
+        metrics = self.d.call([self.d.workers[dev].update.remote([trajs[i] for i in part])
+                               for dev, part in zip(train, parts)])[0]
+        self.version += 1
+        self._sync_rollout_weights()
+        return metrics
+
+    def skip_update(self) -> None:
+        self.d.call([self.d.workers[dev].skip_update.remote() for dev in self.d.plan.train])
+        self.version += 1
+
+    def _sync_rollout_weights(self) -> None:
+        if not self.d.plan.colocated_actor:
+            start = time.perf_counter()
+            group = sorted({self.d.plan.train[0], *self.d.plan.rollout})
+            self.weight_sync_bytes = self.d.call([self.d.workers[dev].sync_weights.remote() for dev in group])[0]
+            self.last_sync_s = time.perf_counter() - start
+
+
+class _RemoteOptimizer:
+    """`state_dict` / `load_state_dict` of the train devices' optimizers (identical replicas)."""
+
+    def __init__(self, devices: RayDevices):
+        self.d = devices
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.d.call([self.d.workers[self.d.plan.train[0]].state.remote()])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.d.call([w.load_state.remote(state) for w in self.d.workers])
