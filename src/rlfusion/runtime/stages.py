@@ -107,39 +107,24 @@ class RolloutStage:
         model = self.engine.runner.model
         was_training = model.training
         model.eval()
-        owner: dict[str, tuple[int, Problem, int]] = {}
-        open_count: dict[int, int] = {}
-        order: list[str] = []
-        done: dict[str, Any] = {}
-        finished_groups: set[int] = set()
-        before, steps, error, peer_failed = 0, 0, None, False
+        run = _GroupRun(self.engine)
+        steps, error, peer_failed = 0, None, False
         try:
-            for gid, problem, partial in groups:
-                if partial:
-                    requests = [Request(f"{gid}/{t.metrics['sample']}", list(t.prompt_ids), self.params,
-                                        list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
-                                for t in partial]
-                    before += sum(len(t.response_ids) for t in partial)
-                else:
-                    prompt = encode_prompt(self.tokenizer, problem.prompt)
-                    requests = [Request(f"{gid}/{i}", prompt, self.params) for i in range(self.cfg.group_size)]
-                for r in requests:
-                    owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
-                    order.append(r.request_id)
-                    self.engine.add_request(r)
-                open_count[gid] = len(requests)
+            run.add(groups, lambda problem: encode_prompt(self.tokenizer, problem.prompt), self.params,
+                    self.cfg.group_size)
         except Exception as e:  # noqa: BLE001 — re-raised below, after the peers were told
             error = e
         while True:
             busy = error is None and self.engine.has_unfinished()
             if sync is None:
                 if error is not None or not busy or (
-                        len(finished_groups) >= quota and (drop_overdue or must_finish <= finished_groups)):
+                        len(run.finished_groups) >= quota and (drop_overdue or must_finish <= run.finished_groups)):
                     break
             elif not busy or steps % SYNC_EVERY == 0:
                 # a failing device keeps joining the sums with its error flag, so no peer is left
                 # waiting in a collective; everyone stops on the same call
-                done_sum, due_sum, busy_sum, errors = sync(len(finished_groups), len(must_finish - finished_groups),
+                done_sum, due_sum, busy_sum, errors = sync(len(run.finished_groups),
+                                                           len(must_finish - run.finished_groups),
                                                            int(busy), int(error is not None))
                 if errors:
                     peer_failed = error is None
@@ -150,40 +135,77 @@ class RolloutStage:
                     continue
             steps += 1
             try:
-                completions = self.engine.step()
+                run.record(self.engine.step())
             except Exception as e:  # noqa: BLE001
                 error = e
-                continue
-            for c in completions:
-                done[c.request_id] = c
-                gid = owner[c.request_id][0]
-                open_count[gid] -= 1
-                if open_count[gid] == 0:
-                    finished_groups.add(gid)
-        aborted = {c.request_id: c for c in self.engine.abort(set(owner) - set(done))}
+        aborted = {c.request_id: c for c in self.engine.abort(set(run.owner) - set(run.done))}
         model.train(was_training)
         if error is not None:
             raise error
         if peer_failed:
             raise RuntimeError("another rollout device failed during this partial rollout (its error is reported "
                                "by its own worker)")
-        dropped = sorted(must_finish - finished_groups) if drop_overdue else []
-        finished, unfinished, generated = [], [], -before
-        for rid in order:
-            c = done.get(rid) or aborted[rid]
-            gid, problem, i = owner[rid]
-            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
-            t.metrics["sample"] = i
-            generated += len(c.output_ids)
-            (finished if rid in done else unfinished).append(t)
-        return {"finished": finished, "unfinished": unfinished, "dropped": dropped,
-                "generated_tokens": generated, "engine_steps": self.engine.num_steps}
+        dropped = sorted(must_finish - run.finished_groups) if drop_overdue else []
+        return {**run.results(aborted), "dropped": dropped, "engine_steps": self.engine.num_steps}
 
     def rng_state(self) -> torch.Tensor:
         return self.engine.runner.generator.get_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.engine.runner.generator.set_state(state)
+
+
+class _GroupRun:
+    """Bookkeeping of one `RolloutStage.run_groups`: which request is which group's sample, how
+    many of each group are still open, and what finished."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.owner: dict[str, tuple[int, Problem, int]] = {}  # request id -> (group, problem, sample)
+        self.open_count: dict[int, int] = {}
+        self.order: list[str] = []  # request order
+        self.done: dict[str, Any] = {}  # finished completions
+        self.finished_groups: set[int] = set()
+        self.resumed_tokens = 0  # tokens the resumed samples brought along
+
+    def add(self, groups: list[tuple[int, Problem, list[Trajectory]]], encode, params: SamplingParams,
+            group_size: int) -> None:
+        """A group with open samples resumes them; a group without starts `group_size` new ones."""
+        for gid, problem, partial in groups:
+            if partial:
+                requests = [Request(f"{gid}/{t.metrics['sample']}", list(t.prompt_ids), params,
+                                    list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
+                            for t in partial]
+                self.resumed_tokens += sum(len(t.response_ids) for t in partial)
+            else:
+                prompt = encode(problem)
+                requests = [Request(f"{gid}/{i}", prompt, params) for i in range(group_size)]
+            for r in requests:
+                self.owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
+                self.order.append(r.request_id)
+                self.engine.add_request(r)
+            self.open_count[gid] = len(requests)
+
+    def record(self, completions) -> None:
+        for c in completions:
+            self.done[c.request_id] = c
+            gid = self.owner[c.request_id][0]
+            self.open_count[gid] -= 1
+            if self.open_count[gid] == 0:
+                self.finished_groups.add(gid)
+
+    def results(self, aborted: dict[str, Any]) -> dict[str, Any]:
+        """Finished and unfinished (aborted, partial) samples in request order, and the tokens
+        generated in this run."""
+        finished, unfinished, generated = [], [], -self.resumed_tokens
+        for rid in self.order:
+            c = self.done.get(rid) or aborted[rid]
+            gid, problem, i = self.owner[rid]
+            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
+            t.metrics["sample"] = i
+            generated += len(c.output_ids)
+            (finished if rid in self.done else unfinished).append(t)
+        return {"finished": finished, "unfinished": unfinished, "generated_tokens": generated}
 
 
 class RewardStage:
