@@ -314,3 +314,42 @@ def test_a_peer_failing_after_a_worker_died_reports_the_dead_worker(ray_session,
             trainer.devices.call([workers[1].load_state.remote({})])
     finally:
         trainer.close()
+
+
+def test_ppo_critic_on_two_devices_equals_one_process_and_resumes(ray_session, tmp_path):
+    """PPO's value model on the Ray train devices: its data-parallel update equals the
+    one-process update on the whole batch, a run trains it, and a checkpoint carries it."""
+    from rlfusion.runtime.stages import CriticStage
+    from rlfusion.runtime.trainer import resume
+
+    base = find_base()
+    over = {"algo.advantage": "gae", "algo.kl_coef": 0, "max_steps": 2, "checkpoint_every": 1,
+            "eval_every": 100, "run_name": "ppo"}
+    cfg = _cfg(tmp_path, "colocated", **over)
+    trainer = RLTrainer(cfg, tmp_path / "ppo", base)
+    try:
+        trajs = _sample(cfg, base, 3)
+        for i, t in enumerate(trajs):
+            t.values = [0.0] * len(t.response_ids)
+            t.returns = [float(i % 2)] * len(t.response_ids)
+        model, _, _ = load_checkpoint(base)
+        one = CriticStage(model, cfg.algo, cfg.optim)
+        want = one.update(copy.deepcopy(trajs))
+        got = trainer.critic.update(copy.deepcopy(trajs))
+        assert want and got == pytest.approx(want, rel=1e-5)
+        replicas = [trainer.devices.call([w.critic_state.remote()])[0]["model"] for w in trainer.devices.workers]
+        for name, p in one.model.state_dict().items():
+            assert torch.equal(replicas[0][name], replicas[1][name]), name
+            torch.testing.assert_close(replicas[0][name], p, rtol=0, atol=1e-6)
+        metrics = trainer.run(progress=False)
+        assert metrics.steps == 2
+        saved = trainer.critic.model.state_dict()
+    finally:
+        trainer.close()
+    again = resume(tmp_path / "ppo", {"max_steps": 3})
+    try:
+        restored = again.critic.model.state_dict()
+        assert all(torch.equal(restored[k], saved[k]) for k in saved)
+        assert "value_error" in again.train_step()
+    finally:
+        again.close()

@@ -54,6 +54,7 @@ class RayDevices:
         self.reward = _RewardProxy(self)
         self.reference = _ReferenceProxy(self) if cfg.algo.kl_coef else None
         self.actor = _ActorProxy(self)
+        self.critic = _CriticProxy(self) if cfg.algo.advantage == "gae" else None
 
     def call(self, refs: list[Any]) -> list[Any]:
         """`ray.get` that names the role and device of a worker that died. Results are checked
@@ -315,3 +316,43 @@ class _RemoteOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.d.call([w.load_state.remote(state) for w in self.d.workers])
+
+
+class _CriticProxy:
+    """PPO's value model on the train devices: values and updates split across them by tokens
+    (each replica takes the full-batch step); `model` / `optimizer` give checkpoints its state."""
+
+    def __init__(self, devices: RayDevices):
+        from rlfusion.queue import split_balanced
+
+        self.d, self.split_balanced = devices, split_balanced
+        self.model, self.optimizer = _RemoteCriticPart(devices, "model"), _RemoteCriticPart(devices, "optimizer")
+
+    def _parts(self, trajs: list[Trajectory]) -> list[tuple[int, list[Trajectory]]]:
+        train = self.d.plan.train
+        parts = self.split_balanced([t.num_tokens for t in trajs], len(train))
+        return [(dev, [trajs[i] for i in part]) for dev, part in zip(train, parts)]
+
+    def values(self, trajs: list[Trajectory]) -> None:
+        parts = self._parts(trajs)
+        outs = self.d.call([self.d.workers[dev].critic_values.remote(part) for dev, part in parts])
+        for (_, part), values in zip(parts, outs):
+            for t, v in zip(part, values):
+                t.values = v
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        return self.d.call([self.d.workers[dev].critic_update.remote(part) for dev, part in self._parts(trajs)])[0]
+
+
+class _RemoteCriticPart:
+    """`state_dict` / `load_state_dict` of the critic's model or optimizer (identical replicas)."""
+
+    def __init__(self, devices: RayDevices, part: str):
+        self.d, self.part = devices, part
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.d.call([self.d.workers[self.d.plan.train[0]].critic_state.remote()])[0][self.part]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.d.call([self.d.workers[dev].load_critic_state.remote(self.part, state) for dev in self.d.plan.train])
+

@@ -311,12 +311,13 @@ def _gae(trajs: list[Trajectory], algo: AlgoConfig) -> None:
 class CriticStage:
     """The value model for PPO: the base decoder with a one-output head instead of the LM head."""
 
-    def __init__(self, base: MoETransformer, algo: AlgoConfig, optim: OptimConfig):
+    def __init__(self, base: MoETransformer, algo: AlgoConfig, optim: OptimConfig, dp_group: Any = None):
         self.model = copy.deepcopy(base).train()
         self.model.lm_head = torch.nn.Linear(base.config.d_model, 1, bias=False)
         torch.nn.init.zeros_(self.model.lm_head.weight)  # V = 0 at start: advantages = returns
         self.algo, self.microbatch_tokens = algo, optim.microbatch_tokens
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr)
+        self.dp_group = dp_group  # replicas on several devices: each its share of the samples
 
     def _values(self, trajs: list[Trajectory]):
         batch = pack(trajs)
@@ -331,10 +332,15 @@ class CriticStage:
                 t.values = v.tolist()
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One step on `trajs` (with a `dp_group`, this replica's share: the loss is normalized
+        by the group's token count and gradients are summed, so every replica takes the
+        full-batch step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = sum(len(t.response_ids) for t in trajs)
+        num_tokens = _group_sum([sum(len(t.response_ids) for t in trajs)], self.dp_group)[0]
+        if num_tokens == 0:
+            return {}
         metrics: dict[str, float] = {}
-        for micro in split_by_token_budget(trajs, self.microbatch_tokens):
+        for micro in split_by_token_budget(trajs, self.microbatch_tokens) if trajs else []:
             batch, values_N = self._values(micro)
             mask = batch.loss_mask_N.bool()
             old, ret = torch.zeros_like(values_N), torch.zeros_like(values_N)
@@ -346,6 +352,8 @@ class CriticStage:
             share = int(mask.sum()) / num_tokens
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v * share
+        if self.dp_group is not None:
+            metrics = _sum_over_replicas(list(self.model.parameters()), metrics, self.dp_group)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         return metrics
@@ -452,12 +460,8 @@ class ActorStage:
         return metrics
 
     def _global_counts(self, trajs: list[Trajectory]) -> tuple[int, int]:
-        counts = [sum(len(t.response_ids) for t in trajs), len(trajs)]
-        if self.dp_group is not None:
-            t = torch.tensor(counts, dtype=torch.int64)
-            dist.all_reduce(t, group=self.dp_group)
-            counts = t.tolist()
-        return counts[0], counts[1]
+        tokens, seqs = _group_sum([sum(len(t.response_ids) for t in trajs), len(trajs)], self.dp_group)
+        return tokens, seqs
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int64)
@@ -474,21 +478,7 @@ class ActorStage:
             r.tokens_per_expert.copy_(load)
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group."""
-        params = list(self.model.parameters())
-        for p in params:
-            if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-        gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(self.dp_group))]
-        dist.all_gather_object(gathered, metrics, group=self.dp_group)
-        keys = sorted({k for m in gathered for k in m})
-        return {k: sum(m.get(k, 0.0) for m in gathered) for k in keys}
+        return _sum_over_replicas(list(self.model.parameters()), metrics, self.dp_group)
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
         batch = pack(micro)
@@ -514,6 +504,32 @@ class ActorStage:
             loss, metrics = loss + ent, {**metrics, **m}
         loss = loss + self.model.aux_loss() * (float(mask.sum()) / num_tokens)
         return loss, metrics
+
+
+def _group_sum(counts: list[int], group: Any) -> list[int]:
+    """`counts` summed over the data-parallel group (as they are without one)."""
+    if group is None:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def _sum_over_replicas(params: list[torch.Tensor], metrics: dict[str, float], group: Any) -> dict[str, float]:
+    """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group."""
+    for p in params:
+        if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+    gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(gathered, metrics, group=group)
+    keys = sorted({k for m in gathered for k in m})
+    return {k: sum(m.get(k, 0.0) for m in gathered) for k in keys}
 
 
 def _chunks(items: list, n: int) -> list[list]:

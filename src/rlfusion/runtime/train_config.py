@@ -164,5 +164,3 @@ class TrainConfig:
         if t > 1 and t > self.rollout.prompts_per_step:
             raise ValueError(f"stalesync.rollout_finish_threshold={t:g} is invalid: a count must be at most "
                              f"rollout.prompts_per_step={self.rollout.prompts_per_step} (or use a fraction in (0, 1])")
-        if self.deploy.backend == "ray" and self.algo.advantage == "gae":
-            raise ValueError("algo.advantage='gae' (PPO with a critic) runs only with deploy.backend='local' so far")

@@ -70,7 +70,7 @@ class RLTrainer:
         if cfg.deploy.backend == "ray":  # the stages run on device workers; `model` mirrors the policy
             self.devices = RayDevices(cfg, DeploymentPlan.build(cfg.deploy), base_path)
             self.rollout, self.reward = self.devices.rollout, self.devices.reward
-            self.reference, self.actor, self.critic = self.devices.reference, self.devices.actor, None
+            self.reference, self.actor, self.critic = self.devices.reference, self.devices.actor, self.devices.critic
         else:
             reward_fn = self.task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
             self.rollout = RolloutStage(model, tokenizer, cfg.rollout, cfg.seed)

@@ -44,7 +44,7 @@ from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.stages import ActorStage, ReferenceStage, RewardStage, RolloutStage
+from rlfusion.runtime.stages import ActorStage, CriticStage, ReferenceStage, RewardStage, RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 
 
@@ -67,6 +67,7 @@ class DeviceWorker:
         self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens)
                           if "reference" in roles and cfg.algo.kl_coef else None)
         self.actor: ActorStage | None = None
+        self.critic: CriticStage | None = None  # PPO's value model, next to the actor
         self.spans: list[tuple[str, float, float]] = []
         self.sync_group = self.rollout_group = None
         self.ledger = MemoryLedger(f"device{device}")
@@ -103,9 +104,12 @@ class DeviceWorker:
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
             self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
         if self.device in self.plan.train:
+            dp_group = train_group if len(self.plan.train) > 1 else None
+            if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
+                self.critic = CriticStage(self.policy, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
             self.actor = ActorStage(self.policy, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
-                                    total_updates=self.cfg.max_steps,
-                                    dp_group=train_group if len(self.plan.train) > 1 else None)
+                                    total_updates=self.cfg.max_steps, dp_group=dp_group)
+            self._account()
 
     def ping(self) -> int:
         return self.device
@@ -221,6 +225,22 @@ class DeviceWorker:
             self._account()
         return metrics
 
+    def critic_values(self, trajs: list[Trajectory]) -> list[list[float]]:
+        with self._span("critic"):
+            self.critic.values(trajs)
+            return [t.values for t in trajs]
+
+    def critic_update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        with self._span("critic"), self.ledger.phase("train"):
+            return self.critic.update(trajs)
+
+    def critic_state(self) -> dict[str, Any]:
+        return {"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()}
+
+    def load_critic_state(self, part: str, state: dict[str, Any]) -> None:
+        """`part` "model" or "optimizer" of the critic (every train device holds the same)."""
+        getattr(self.critic, part).load_state_dict(state)
+
     def memory(self) -> dict[str, Any]:
         """Per-phase device peaks (bytes) since the last call, and the zero-redundancy check."""
         peaks = self.ledger.peaks()
@@ -241,6 +261,9 @@ class DeviceWorker:
             led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
         if self.rollout is not None:
             led.set("kv_cache", self.rollout.engine.runner.cache.nbytes)
+        if self.critic is not None:  # resident in every phase
+            led.track("weights", list(self.critic.model.parameters()), name="critic")
+            led.track("optimizer", optimizer_tensors(self.critic.optimizer), name="critic")
         if self.reference is not None:
             led.track("weights", list(self.reference.model.parameters()), name="reference")
             led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
