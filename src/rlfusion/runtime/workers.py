@@ -139,7 +139,7 @@ class DeviceWorker:
         finally:
             with self._pool_lock:
                 mine, self._pool, self._pooling = self._pool, [], False
-        return self.score_and_reference(mine) if score_here else mine
+        return self.score_and_reference(mine)
 
     def _offer(self, traj: Trajectory) -> None:
         with self._pool_lock:
