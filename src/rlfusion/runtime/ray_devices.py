@@ -272,23 +272,27 @@ class _ReferenceProxy:
             t.ref_logprobs = lp
 
 
+def _train_shards(devices: RayDevices, trajs: list[Trajectory]) -> list[tuple[int, list[Trajectory]]]:
+    """(train device, its samples): the batch split across the train devices by tokens."""
+    from rlfusion.queue import split_balanced
+
+    train = devices.plan.train
+    parts = split_balanced([t.num_tokens for t in trajs], len(train))
+    return [(dev, [trajs[i] for i in part]) for dev, part in zip(train, parts)]
+
+
 class _ActorProxy:
     """Splits the batch across the train devices by tokens; each takes the same full-batch
     step. In separated mode the new weights then go to the rollout devices."""
 
     def __init__(self, devices: RayDevices):
-        from rlfusion.queue import split_balanced
-
-        self.d, self.split_balanced, self.version = devices, split_balanced, 0
+        self.d, self.version = devices, 0
         self.optimizer = _RemoteOptimizer(devices)
         self.weight_sync_bytes = 0
         self.last_sync_s = 0.0  # separated: the broadcast, including waiting for a running rollout
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        train = self.d.plan.train
-        parts = self.split_balanced([t.num_tokens for t in trajs], len(train))
-        metrics = self.d.call([self.d.workers[dev].update.remote([trajs[i] for i in part])
-                               for dev, part in zip(train, parts)])[0]
+        metrics = self.d.call([self.d.workers[dev].update.remote(part) for dev, part in _train_shards(self.d, trajs)])[0]
         self.version += 1
         self._sync_rollout_weights()
         return metrics
@@ -323,25 +327,18 @@ class _CriticProxy:
     (each replica takes the full-batch step); `model` / `optimizer` give checkpoints its state."""
 
     def __init__(self, devices: RayDevices):
-        from rlfusion.queue import split_balanced
-
-        self.d, self.split_balanced = devices, split_balanced
+        self.d = devices
         self.model, self.optimizer = _RemoteCriticPart(devices, "model"), _RemoteCriticPart(devices, "optimizer")
 
-    def _parts(self, trajs: list[Trajectory]) -> list[tuple[int, list[Trajectory]]]:
-        train = self.d.plan.train
-        parts = self.split_balanced([t.num_tokens for t in trajs], len(train))
-        return [(dev, [trajs[i] for i in part]) for dev, part in zip(train, parts)]
-
     def values(self, trajs: list[Trajectory]) -> None:
-        parts = self._parts(trajs)
+        parts = _train_shards(self.d, trajs)
         outs = self.d.call([self.d.workers[dev].critic_values.remote(part) for dev, part in parts])
         for (_, part), values in zip(parts, outs):
             for t, v in zip(part, values):
                 t.values = v
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        return self.d.call([self.d.workers[dev].critic_update.remote(part) for dev, part in self._parts(trajs)])[0]
+        return self.d.call([self.d.workers[dev].critic_update.remote(part) for dev, part in _train_shards(self.d, trajs)])[0]
 
 
 class _RemoteCriticPart:

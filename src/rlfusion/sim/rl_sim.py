@@ -88,11 +88,21 @@ class _Engine:
     finished_tokens: int = 0  # prompt + response tokens of samples finished since last reset
     last_work: float = 0.0  # end of its latest prefill or decode step
     min_left: int | None = None  # fewest tokens any active sample still needs (None: unknown)
+    max_context: int | None = None  # longest prompt + generated of the active samples (None: unknown)
 
     def fewest_left(self) -> int:
         if self.min_left is None:  # cached: engines that did not change are asked every event
             self.min_left = min(s.length - s.generated for s in self.active)
         return self.min_left
+
+    def longest_context(self) -> int:
+        if self.max_context is None:  # cached like `min_left`
+            self.max_context = max(s.prompt_len + s.generated for s in self.active)
+        return self.max_context
+
+    def changed(self) -> None:
+        """Its active samples changed: forget the cached summaries."""
+        self.min_left = self.max_context = None
 
 
 class _Sim:
@@ -172,7 +182,7 @@ class _Sim:
         eng.clock += cost
         eng.last_work = eng.clock
         eng.active.extend(added)
-        eng.min_left = None
+        eng.changed()
 
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
@@ -183,7 +193,7 @@ class _Sim:
         """The longest context the engine's next decode step attends over."""
         if not self.cal.decode_context_ms or not eng.active:
             return 0  # context-independent decode cost: no need to look
-        return max(s.prompt_len + s.generated for s in eng.active)
+        return eng.longest_context()
 
     def decode_step_s(self, eng: _Engine) -> float:
         return self.cal.decode_step_s(len(eng.active), self.context(eng)) * self.engine_slow
@@ -203,7 +213,7 @@ class _Sim:
         eng.last_work = eng.clock
         for s in eng.active:
             s.generated += steps
-        eng.min_left = None
+        eng.changed()
         done = [s for s in eng.active if s.generated >= s.length]
         eng.active = [s for s in eng.active if s.generated < s.length]
         tokens = sum(s.prompt_len + s.length for s in done)
@@ -322,7 +332,8 @@ def _run_colocated(sim: _Sim) -> float:
             for s in eng.active:
                 s.needs_prefill = True
             sim.resume = sorted(sim.resume + eng.active, key=lambda s: s.idx)
-            eng.active, eng.min_left = [], None
+            eng.active = []
+            eng.changed()
             eng.clock = max(eng.last_work, now)  # its own rollout's end: it scores right away
             for role, seconds in sim.reference_phases(eng.finished_tokens):
                 sim.record(eng.name, role, eng.clock, eng.clock + seconds, update)
