@@ -250,15 +250,17 @@ def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_pat
 
     worker = DeviceWorker(0, plan, cfg, str(find_base()))
     worker.connect(None)
-    assert worker.take_finished() == []  # no rollout running
+    assert worker.take_finished() == ([], False)  # no rollout running
     taken, offer = [], worker._offer
 
     def offer_then_steal(t):
         offer(t)
-        taken.extend(worker.take_finished(min_count=3))
+        got, open_ = worker.take_finished(min_count=3, max_tokens=1)
+        assert open_ and len(got) in (0, 1)  # at least one sample, however long
+        taken.extend(got)
     worker._offer = offer_then_steal
     mine = worker.generate(problems, 10, 0, score_here=True, share=True)
-    assert taken and mine and worker.take_finished() == []  # the pool closes with the rollout
+    assert taken and mine and worker.take_finished() == ([], False)  # the pool closes with the rollout
     assert all(t.ref_logprobs is None for t in taken) and all(t.ref_logprobs is not None for t in mine)
     worker.score_and_reference(taken)
     got = sorted(taken + mine, key=lambda t: (t.group_id, t.metrics["sample"]))

@@ -177,33 +177,32 @@ class _RolloutProxy:
 
     def _generate_sharing_scoring(self, running: dict[int, Any]) -> list[Trajectory]:
         """Wait for the rollouts in `running` (device → its `generate(share=True)`); a device
-        whose own work is done takes the finished samples of a device still generating and
-        scores them (reward + reference), so the long tail of one device's rollout overlaps the
-        scoring of its finished samples on the other. Samples come back in request order."""
+        whose own work is done helps one still generating or scoring (`score_from`: it takes that
+        device's finished samples a chunk at a time and scores them), so one device's long tail
+        overlaps the scoring of its finished samples on the other, and both finish scoring
+        together. Samples come back in request order."""
         ray, workers = self.d.ray, self.d.workers
         owner = {ref: dev for dev, ref in running.items()}
         running = dict(running)
+        helping: dict[Any, int] = {}  # a helper's call → the device it helps
+        closed: set[int] = set()  # devices whose pool is closed: nothing left to help with
         self.peer_scored = 0
-        idle: list[int] = []
         out: list[Trajectory] = []
         while owner:
-            ready, _ = ray.wait(list(owner), num_returns=1, timeout=SHARE_POLL_S if idle and running else None)
+            ready, _ = ray.wait(list(owner), num_returns=1)
             for ref in ready:
                 dev = owner.pop(ref)
-                out += self.d.call([ref])[0]
+                got = self.d.call([ref])[0]
+                out += got
+                if ref in helping:
+                    closed.add(helping.pop(ref))
+                    self.peer_scored += len(got)
                 running.pop(dev, None)
-                idle.append(dev)
-            for victim in list(running):  # devices still generating
-                if not idle:
-                    break
-                taken = self.d.call([workers[victim].take_finished.options(concurrency_group="pool")
-                                     .remote(SHARE_MIN_SAMPLES)])[0]
-                if taken:  # else too few finished yet: ask again at the next poll
-                    dev = idle.pop()
-                    owner[workers[dev].score_and_reference.remote(taken)] = dev
-                    self.peer_scored += len(taken)
-            if not running:
-                idle.clear()
+                open_ = [v for v in running if v not in closed]
+                if open_:  # the device with the fewest helpers so far
+                    victim = min(open_, key=lambda v: sum(h == v for h in helping.values()))
+                    call = workers[dev].score_from.remote(workers[victim], SHARE_POLL_S, SHARE_MIN_SAMPLES)
+                    owner[call], helping[call] = dev, victim
         out.sort(key=lambda t: (t.group_id, t.metrics["sample"]))
         return out
 

@@ -47,6 +47,8 @@ from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stages import ActorStage, CriticStage, ReferenceStage, RewardStage, RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 
+SCORE_CHUNK_TOKENS = 1536  # a device scores its pool this many tokens at a time (a peer may take the rest)
+
 
 class DeviceWorker:
     """The roles of one device. Every span of work is recorded as (phase, wall start, wall end)."""
@@ -122,8 +124,10 @@ class DeviceWorker:
         trajectories are also scored and given reference logprobs before they leave the device.
 
         With `share`, finished samples wait in a pool that `take_finished` (served on its own
-        thread while this rollout runs) hands to an idle peer to score; this call then returns
-        only the samples nobody took, scored here."""
+        thread while this call runs) hands out, a chunk at a time, to an idle peer running
+        `score_from`; this call then returns only the samples nobody took, scored here. The pool
+        stays open while this device scores its own samples, `SCORE_CHUNK_TOKENS` at a time, so a peer
+        that runs out of work shares that too and the two finish together."""
         if share and not score_here:
             raise ValueError("generate(share=True) needs score_here=True: the samples a peer takes are "
                              "scored there, the rest here")
@@ -134,25 +138,56 @@ class DeviceWorker:
             return trajs
         with self._pool_lock:
             self._pool, self._pooling = [], True
+        mine: list[Trajectory] = []
         try:
             self._switched(lambda: self.rollout.generate(problems, first_group_id, version, on_finish=self._offer))
+            while chunk := self._take(SCORE_CHUNK_TOKENS):
+                mine += self.score_and_reference(chunk)
         finally:
             with self._pool_lock:
-                mine, self._pool, self._pooling = self._pool, [], False
-        return self.score_and_reference(mine)
+                self._pool, self._pooling = [], False
+        return mine
 
     def _offer(self, traj: Trajectory) -> None:
         with self._pool_lock:
             self._pool.append(traj)
 
-    def take_finished(self, min_count: int = 1) -> list[Trajectory]:
-        """The finished, not yet scored samples of the running `generate(share=True)` (all of
-        them, if there are at least `min_count`); they are the caller's to score from now on."""
+    def _take(self, max_tokens: int, min_count: int = 1) -> list[Trajectory]:
+        """The oldest pooled samples up to `max_tokens` tokens (at least one), if `min_count` wait."""
         with self._pool_lock:
-            if not self._pooling or len(self._pool) < min_count:
+            if len(self._pool) < min_count:
                 return []
-            out, self._pool = self._pool, []
+            n, tokens = 0, 0
+            while n < len(self._pool) and (n == 0 or tokens + self._pool[n].num_tokens <= max_tokens):
+                tokens += self._pool[n].num_tokens
+                n += 1
+            out, self._pool = self._pool[:n], self._pool[n:]
         return out
+
+    def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS) -> tuple[list[Trajectory], bool]:
+        """Finished, not yet scored samples of the running `generate(share=True)`, up to
+        `max_tokens` tokens (none if fewer than `min_count` wait), which are the caller's to score
+        from now on, and whether its pool is still open (more may come)."""
+        with self._pool_lock:
+            if not self._pooling:
+                return [], False
+        return self._take(max_tokens, min_count), True
+
+    def score_from(self, peer: Any, poll_s: float, min_count: int) -> list[Trajectory]:
+        """Score `peer`'s finished samples (another device's worker, inside `generate(share=True)`)
+        a chunk at a time until its pool closes; asks again every `poll_s` while it has fewer
+        than `min_count` waiting."""
+        import ray
+
+        out: list[Trajectory] = []
+        while True:
+            taken, open_ = ray.get(peer.take_finished.options(concurrency_group="pool").remote(min_count))
+            if taken:
+                out += self.score_and_reference(taken)
+            elif not open_:
+                return out
+            else:
+                time.sleep(poll_s)
 
     def score_and_reference(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """Reward and (if this device holds one) reference logprobs, written into `trajs`."""
