@@ -95,3 +95,32 @@ def test_split_by_token_budget_keeps_every_trajectory_once():
     assert all(sum(t.num_tokens for t in mb) <= 50 or len(mb) == 1 for mb in micro)
     with pytest.raises(ValueError, match="token budget"):
         split_by_token_budget(trajs, 0)
+
+
+def test_one_micro_batch_of_mixed_lengths_attends_in_length_buckets_and_matches_padded():
+    """One long response among short ones: the packed view is split into length buckets (so the
+    short ones are not padded to the long one), and logprobs still equal the padded reference."""
+    from rlfusion.model.kv_cache import BUCKET_LENGTH_RATIO, AttnContext, _length_buckets
+
+    torch.manual_seed(0)
+    model = MoETransformer(get_preset("tiny"))
+    trajs = _trajs(9)
+    trajs[4].response_ids = trajs[4].response_ids * 6  # the long one
+    trajs[4].behaviour_logprobs = trajs[4].behaviour_logprobs * 6
+    batch = pack(trajs)
+    ctx = AttnContext.build(1, batch.tokens_N.numel(), None, torch.device("cpu"), packed=batch.packed)
+    assert len(ctx.unpad_SL) > 1
+    lengths = [t.num_tokens for t in trajs]
+    buckets = _length_buckets(torch.tensor(lengths))
+    assert sorted(i for b in buckets for i in b.tolist()) == list(range(len(trajs)))
+    for b in buckets:
+        ls = [lengths[i] for i in b.tolist()]
+        assert max(ls) <= BUCKET_LENGTH_RATIO * min(ls)
+    packed_N, _ = token_logprobs(model, batch)
+    T = max(lengths)
+    tokens = torch.zeros(len(trajs), T, dtype=torch.long)
+    for s, t in enumerate(trajs):
+        tokens[s, :t.num_tokens] = torch.tensor(t.prompt_ids + t.response_ids)
+    lp_ST = model(tokens)[:, :-1].float().log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    want = torch.cat([lp_ST[s, len(t.prompt_ids) - 1:t.num_tokens - 1] for s, t in enumerate(trajs)])
+    torch.testing.assert_close(packed_N[batch.loss_mask_N.bool()], want, atol=1e-5, rtol=1e-4)

@@ -40,15 +40,19 @@ def _attend(q_BHTD, k_BGLD, v_BGLD, ctx: AttnContext, scale: float) -> torch.Ten
 
 
 def _attend_packed(q_1HND, k_1GND, v_1GND, ctx: AttnContext, scale: float, gqa: bool) -> torch.Tensor:
-    """Varlen attention: gather each sequence into a right-padded row, attend causally, repack.
+    """Varlen attention: gather each bucket of similar-length sequences into right-padded rows,
+    attend causally, repack.
 
     Right padding plus causal masking means no real query ever sees a padded key.
     """
-    unpad = lambda x_1HND: x_1HND[0][:, ctx.unpad_SL].transpose(0, 1)  # S H L D
-    out_SHLD = F.scaled_dot_product_attention(unpad(q_1HND), unpad(k_1GND), unpad(v_1GND),
-                                              is_causal=True, scale=scale, enable_gqa=gqa)
-    S, H, L, D = out_SHLD.shape
-    out_NHD = out_SHLD.transpose(1, 2).reshape(S * L, H, D)[ctx.repack_N]
+    outs = []
+    for unpad_SL in ctx.unpad_SL:
+        unpad = lambda x_1HND: x_1HND[0][:, unpad_SL].transpose(0, 1)  # S H L D
+        out_SHLD = F.scaled_dot_product_attention(unpad(q_1HND), unpad(k_1GND), unpad(v_1GND),
+                                                  is_causal=True, scale=scale, enable_gqa=gqa)
+        S, H, L, D = out_SHLD.shape
+        outs.append(out_SHLD.transpose(1, 2).reshape(S * L, H, D))
+    out_NHD = (outs[0] if len(outs) == 1 else torch.cat(outs))[ctx.repack_N]
     return out_NHD.transpose(0, 1).unsqueeze(0)  # 1 H N D
 
 

@@ -103,10 +103,11 @@ class AttnContext:
     slot_start: int = 0
     kv_len: int = 0  # number of cached positions to attend over
     mask_B1TL: torch.Tensor | None = None  # True where a query may attend to a cached key
-    # Packed sequences: attention runs on a right-padded [S, L] view gathered with `unpad_SL`
-    # (indices into the N packed tokens) and returns through `repack_N` (valid positions of the
-    # flattened S*L view, in packed order). Token-wise layers never see padding.
-    unpad_SL: torch.Tensor | None = None
+    # Packed sequences: attention runs on right-padded [S_b, L_b] views, one per bucket of
+    # sequences of similar length (`unpad_SL[b]`: indices into the N packed tokens), and returns
+    # through `repack_N` (for each packed token, its position in the buckets' flattened S_b*L_b
+    # views, concatenated). Token-wise layers never see padding.
+    unpad_SL: list[torch.Tensor] | None = None
     repack_N: torch.Tensor | None = None
     rope: dict = field(default_factory=dict)  # cos/sin gathered once per pass (see Rotary)
 
@@ -136,8 +137,39 @@ class AttnContext:
             raise ValueError(f"packed input must be [1, {int(cu[-1])}] to match cu_seqlens, got "
                              f"[{num_rows}, {num_tokens}]")
         lengths_S = cu[1:] - cu[:-1]
-        steps_L = torch.arange(int(lengths_S.max()), device=device)
-        valid_SL = steps_L < lengths_S.unsqueeze(1)
-        unpad_SL = torch.where(valid_SL, cu[:-1].unsqueeze(1) + steps_L, 0)
-        pos_1N = steps_L.expand_as(valid_SL)[valid_SL].unsqueeze(0)
-        return cls(pos_BT=pos_1N, unpad_SL=unpad_SL, repack_N=valid_SL.flatten().nonzero().squeeze(1))
+        starts_N = torch.repeat_interleave(cu[:-1], lengths_S, output_size=num_tokens)
+        pos_1N = (torch.arange(num_tokens, device=device) - starts_N).unsqueeze(0)
+        unpad, flat_parts, token_parts, offset = [], [], [], 0
+        for seqs_S in _length_buckets(lengths_S):
+            lengths_b = lengths_S[seqs_S]
+            steps_L = torch.arange(int(lengths_b.max()), device=device)
+            valid_SL = steps_L < lengths_b.unsqueeze(1)
+            tokens_SL = torch.where(valid_SL, cu[seqs_S].unsqueeze(1) + steps_L, 0)
+            unpad.append(tokens_SL)
+            flat_parts.append(valid_SL.flatten().nonzero().squeeze(1) + offset)
+            token_parts.append(tokens_SL[valid_SL])
+            offset += valid_SL.numel()
+        repack_N = torch.empty(num_tokens, dtype=torch.long, device=device)
+        repack_N[torch.cat(token_parts)] = torch.cat(flat_parts)
+        return cls(pos_BT=pos_1N, unpad_SL=unpad, repack_N=repack_N)
+
+
+# sequences whose lengths are within this factor of a bucket's longest share its padded view
+BUCKET_LENGTH_RATIO = 1.5
+
+
+def _length_buckets(lengths_S: torch.Tensor) -> list[torch.Tensor]:
+    """Sequence indices grouped, longest first, so that each group's padded attention view wastes
+    little: a group holds the longest remaining sequence and every one at least 1/`ratio` as
+    long. Padding everything to the longest would cost S * L_max^2 attention, mostly on padding,
+    when one long response sits among short ones."""
+    order_S = torch.argsort(lengths_S, descending=True, stable=True)
+    sorted_S = lengths_S[order_S].tolist()
+    buckets, start = [], 0
+    while start < len(sorted_S):
+        end = start + 1
+        while end < len(sorted_S) and sorted_S[end] * BUCKET_LENGTH_RATIO >= sorted_S[start]:
+            end += 1
+        buckets.append(order_S[start:end])
+        start = end
+    return buckets
