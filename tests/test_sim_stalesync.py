@@ -192,3 +192,10 @@ def test_matches_the_runtime_book_and_scheduler(s, threshold):
     rollout_s = [sum(e.end - e.start for e in sim.timeline if e.role == "rollout" and e.version == k)
                  for k in range(cfg.num_steps)]
     assert rollout_s == pytest.approx([sec for _, _, sec in real], rel=1e-9, abs=1e-12)
+
+
+def test_stop_rule_cadence_mirrors_the_runtime():
+    """The runtime model meets as often as `RolloutStage.run_groups` does."""
+    from rlfusion.runtime.stages import SYNC_EVERY
+
+    assert RLSimConfig().stop_sync_every == SYNC_EVERY

@@ -406,6 +406,8 @@ def test_ray_modes_run_under_the_bound(tmp_path):
         finally:
             trainer.close()
         assert all(m["staleness_max"] <= 1 for m in ms)
+        if mode == "colocated":  # both rollout devices meet in the stop-rule sums, and it is reported
+            assert any(m["stop_sync_calls"] > 0 for m in ms) and all(m["time_stop_sync_s"] >= 0 for m in ms)
         if mode == "separated":
             # the pipeline fill's batch is fresh; from then on each batch is one version old
             assert trainer.overlap and [m["staleness_mean"] for m in ms] == [0, 1, 1]

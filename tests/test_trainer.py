@@ -18,7 +18,8 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 
 TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
-               "time_update_s", "time_step_s", "time_queue_s", "time_decode_s", "time_prefill_s"}
+               "time_update_s", "time_step_s", "time_queue_s", "time_decode_s", "time_prefill_s",
+               "time_stop_sync_s"}
 
 
 @pytest.fixture(scope="module")

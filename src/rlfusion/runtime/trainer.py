@@ -402,5 +402,8 @@ def _engine_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
     passes = busiest["decode_passes"]
     return {"time_decode_s": busiest["decode_s"], "time_prefill_s": busiest["prefill_s"],
             "engine_decode_passes": passes, "engine_prefill_passes": busiest["prefill_passes"],
-            "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0}
+            "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0,
+            # StaleSync's stop-rule sums on the busiest engine: the time it waited for the others
+            "time_stop_sync_s": busiest.get("stop_sync_s", 0.0),
+            "stop_sync_calls": busiest.get("stop_sync_calls", 0.0)}
 

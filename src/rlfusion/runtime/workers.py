@@ -50,6 +50,10 @@ from rlfusion.runtime.train_config import TrainConfig
 SCORE_CHUNK_TOKENS = 1536  # a device scores its pool this many tokens at a time (a peer may take the rest)
 
 
+def _no_stop_sync() -> dict[str, float]:
+    return {"stop_sync_calls": 0.0, "stop_sync_s": 0.0}
+
+
 class DeviceWorker:
     """The roles of one device. Every span of work is recorded as (phase, wall start, wall end)."""
 
@@ -76,6 +80,7 @@ class DeviceWorker:
         # finished samples a peer may score (`generate(share=True)`, `take_finished`)
         self._pool: list[Trajectory] = []
         self._pooling = False
+        self._stop_sync = _no_stop_sync()
         self._pool_lock = threading.Lock()
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         if self.rollout is not None:
@@ -208,8 +213,11 @@ class DeviceWorker:
         return out
 
     def _sum_over_rollout_devices(self, *counts: int) -> list[int]:
+        start = time.perf_counter()
         t = torch.tensor(counts, dtype=torch.int64)
         dist.all_reduce(t, group=self.rollout_group)
+        self._stop_sync["stop_sync_calls"] += 1
+        self._stop_sync["stop_sync_s"] += time.perf_counter() - start  # waiting for the peers included
         return t.tolist()
 
     def _generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
@@ -356,8 +364,12 @@ class DeviceWorker:
         self.rollout.set_rng_state(state)
 
     def engine_stats(self) -> dict[str, float]:
-        """The rollout engine's pass counts and seconds since the last call."""
-        return self.rollout.engine.runner.take_stats() if self.rollout is not None else {}
+        """The rollout engine's pass counts and seconds since the last call, and the partial
+        rollouts' stop-rule sums (calls and seconds, waiting for the other devices included)."""
+        if self.rollout is None:
+            return {}
+        out, self._stop_sync = {**self.rollout.engine.runner.take_stats(), **self._stop_sync}, _no_stop_sync()
+        return out
 
     def take_spans(self) -> list[tuple[str, float, float]]:
         out, self.spans = self.spans, []

@@ -48,7 +48,9 @@ class Calibration:
     grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across
     #                            the train devices (data-parallel replicas); 0: in the train rate
     stop_sync_s: float = 0.0  # one stop-rule sum of the rollout devices (a 4-integer gloo
-    #                          all-reduce) during a StaleSync partial rollout, s
+    #                          all-reduce) during a StaleSync partial rollout, s, measured
+    #                          while both devices decode (the wait for the other's step
+    #                          jitter included)
     decode_context_ms: float = 0.0  # extra decode-step time per active row and per context
     #                                 position beyond `decode_reference_context`, ms (attention
     #                                 over the KV cache; every row attends over the longest

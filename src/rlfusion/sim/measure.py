@@ -227,7 +227,7 @@ def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
     import torch
     import torch.distributed as dist
 
-    model, _ = _load(setup)
+    model, tokenizer = _load(setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     params = [p.data for p in model.parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in params)
@@ -258,8 +258,40 @@ def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
         dist.all_reduce(counts)
     sum_s = (time.perf_counter() - start) / reps
     dist.barrier()
-    out.put((rank, nbytes, bcast_s, sum_s))
+    loaded_s = _stop_sums_while_decoding(model, tokenizer, rank, setup.quick)
+    dist.barrier()
+    out.put((rank, nbytes, bcast_s, sum_s, loaded_s))
     dist.destroy_process_group()
+
+
+def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float:
+    """Seconds per stop-rule sum while both processes decode, as in a partial rollout on two
+    devices (`RolloutStage.run_groups`: a sum every `SYNC_EVERY` engine steps): both run the
+    same number of steps (fixed-length generation), so the time in the sum is the collective
+    plus the wait for the other process's share of step-to-step jitter."""
+    import torch
+    import torch.distributed as dist
+
+    from rlfusion.engine.engine import EngineConfig, LLMEngine
+    from rlfusion.engine.types import Request, SamplingParams
+    from rlfusion.runtime.stages import SYNC_EVERY
+
+    model.eval()
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=rank))
+    params = SamplingParams(temperature=1.0, max_new_tokens=32 if quick else 64)  # no stop ids
+    for i, ids in enumerate(_prompts(tokenizer, 64, seed=100 + rank)):
+        engine.add_request(Request(f"r{i}", list(ids), params))
+    counts = torch.zeros(4, dtype=torch.int64)
+    waited, calls, steps = 0.0, 0, 0
+    while engine.has_unfinished():
+        if steps % SYNC_EVERY == 0:
+            start = time.perf_counter()
+            dist.all_reduce(counts)
+            waited += time.perf_counter() - start
+            calls += 1
+        engine.step()
+        steps += 1
+    return waited / calls
 
 
 def measure_pair(setup: _Setup) -> dict:
@@ -290,7 +322,9 @@ def measure_pair(setup: _Setup) -> dict:
     bcast_s = max(r[2] for r in results)
     return {"transfer_GBps": nbytes / bcast_s / 1e9, "weight_GB": nbytes / 1e9,
             "grad_sync_GB": nbytes / 1e9,  # fp32 grads, one per parameter, same bytes
-            "stop_sync_s": max(r[3] for r in results), "_bcast_s": bcast_s}
+            # both ranks wait in the same sums: their mean is the cost of one
+            "stop_sync_s": statistics.mean(r[4] for r in results), "_bcast_s": bcast_s,
+            "_idle_sum_s": max(r[3] for r in results)}
 
 
 class ContentionWorker:
@@ -389,10 +423,10 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"{train['reference_overhead_s'] * 1e3:.1f} ms, switch {train['switch_s'] * 1e3:.1f} ms, "
         f"reference switch {train['reference_switch_s'] * 1e3:.1f} ms")
     pair = measure_pair(setup)
-    bcast_s = pair.pop("_bcast_s")
+    bcast_s, idle_sum_s = pair.pop("_bcast_s"), pair.pop("_idle_sum_s")
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
         f"({pair['transfer_GBps']:.2f} GB/s); stop-rule sum (4-int all-reduce) "
-        f"{pair['stop_sync_s'] * 1e6:.0f} us")
+        f"{pair['stop_sync_s'] * 1e6:.0f} us while both decode ({idle_sum_s * 1e6:.0f} us idle)")
     contention = measure_contention(setup)
     alone, together = contention.pop("_contention")
     log(f"  2 Ray device actors, rollout+update workload: alone {alone:.3f} s, both at once "
@@ -408,7 +442,8 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "switch_s: optimizer offload + KV cache restore and back, / 2; reference_switch_s: "
             "reference weights to host and back",
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
-            "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes",
+            "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes while "
+            "both decode 64 rows, one every SYNC_EVERY engine steps (waiting for the other included)",
             "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once; "
             "probe_s: that workload alone (machine-speed mark)",
             "not measured (small here): reward rule scoring, Ray calls and driver queue traffic",

@@ -54,8 +54,8 @@ class RLSimConfig:
     stalesync_model: str = "samples"
     rollout_finish_threshold: float = 1.0  # runtime model: a fraction in (0, 1] or a count > 1
     max_batched_tokens: int = 4096  # runtime model: the engine's padded token budget per step
-    stop_sync_every: int = 2  # runtime model: engine steps between the rollout devices'
-    #                           stop-rule sums (stages.SYNC_EVERY)
+    stop_sync_every: int = 8  # runtime model: engine steps between the rollout devices'
+    #                           stop-rule sums (mirrors stages.SYNC_EVERY; a test checks)
     reward_model: bool = False  # shared mode: a reward-model forward (else a free verifier)
     queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version
     padding_free: bool = True  # DistQueue packs samples without padding
