@@ -171,20 +171,34 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved_medians(fns: list, reps: int) -> list[float]:
+    """Median seconds of each of `fns`, timed in turn `reps` times (after a warm-up of each), so
+    a change in this shared machine's speed shifts them all alike instead of bending the line
+    drawn through them."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def measure_train_and_reference(model, tokenizer, quick: bool) -> dict:
     from rlfusion.runtime.stages import ActorStage, ReferenceStage
     from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
-    reps = 2 if quick else 3
+    reps = 2 if quick else 5
     vocab = model.config.vocab_size
     actor = ActorStage(copy.deepcopy(model), AlgoConfig(), OptimConfig(), temperature=1.0)
     reference = ReferenceStage(copy.deepcopy(model), 1.0, OptimConfig().microbatch_tokens)
-    train, ref = {}, {}
-    for n in (64, 256):
-        trajs = synthetic_trajectories(tokenizer, n, vocab, seed=n)
-        tokens = sum(t.num_tokens for t in trajs)
-        train[tokens] = _median_time(lambda: actor.update(trajs), reps)
-        ref[tokens] = _median_time(lambda: reference.logprobs(trajs), reps)
+    batches = [synthetic_trajectories(tokenizer, n, vocab, seed=n) for n in (64, 256)]
+    tokens = [sum(t.num_tokens for t in trajs) for trajs in batches]
+    seconds = _interleaved_medians([lambda trajs=trajs: actor.update(trajs) for trajs in batches]
+                                   + [lambda trajs=trajs: reference.logprobs(trajs) for trajs in batches], reps)
+    train, ref = dict(zip(tokens, seconds[:2])), dict(zip(tokens, seconds[2:]))
     train_fixed, train_rate = _line(train)
     ref_fixed, ref_rate = _line(ref)
     switch_s, ref_switch_s = _measure_switches(actor, reference, model, reps)
