@@ -232,3 +232,20 @@ def test_float32_cells_are_stored_as_they_travel():
     q.put({"reward": [0.1], "prompt": [[1]]})
     got = q.get("a", ["reward"], 1).columns["reward"][0]
     assert got == torch.tensor(0.1, dtype=torch.float32).item() != 0.1  # what the Ray wire returns too
+
+
+@pytest.mark.parametrize("spec, values", [
+    (ColumnSpec("lp", "float32", variable_length=True), [[0.1, 2], [], torch.tensor([0.3, -1.5])]),
+    (ColumnSpec("ids", "int16", variable_length=True), [[1, 2, 3], torch.tensor([4, 5]), []]),
+    (ColumnSpec("reward", "float32"), [0.1, 1, -2.5]),
+    (ColumnSpec("n", "int64"), [3, -4, 2**40]),
+])
+def test_a_column_normalized_at_once_equals_cell_by_cell(spec, values):
+    assert spec.normalize_many(values) == [spec.normalize(v) for v in values]
+
+
+def test_a_bad_cell_in_a_column_names_the_column_and_value():
+    with pytest.raises(ValueError, match="column 'ids': value 40000 is outside the int16 range"):
+        ColumnSpec("ids", "int16", variable_length=True).normalize_many([[1], [40000]])
+    with pytest.raises(ValueError, match="column 'lp': expected a sequence of float32, got str"):
+        ColumnSpec("lp", "float32", variable_length=True).normalize_many([[0.5], "x"])

@@ -47,16 +47,36 @@ class ColumnSpec:
             return value
         if not self.variable_length:
             return self._check_scalars([value])[0]
+        return self._check_scalars(self._sequence(value))
+
+    def normalize_many(self, values: Sequence[Any]) -> list[Any]:
+        """`normalize` of each of a column's `values`, checked and rounded as one flat list (a
+        scalar column costs one check, not one per row)."""
+        if self.dtype == "object":
+            return list(values)
+        if not self.variable_length:
+            return self._check_scalars(list(values))
+        rows = [self._sequence(v) for v in values]
+        flat = self._check_scalars([x for row in rows for x in row])
+        out, start = [], 0
+        for row in rows:
+            out.append(flat[start:start + len(row)])
+            start += len(row)
+        return out
+
+    def _sequence(self, value: Any) -> list[Any]:
+        """A variable-length cell as a new list, or a one-line ValueError if it is not a 1-D
+        sequence of the column's kind."""
         if isinstance(value, torch.Tensor):
             if value.dim() != 1:
                 raise ValueError(f"column {self.name!r}: expected a 1-D sequence, got a tensor of shape {tuple(value.shape)}")
             want_int = self.dtype in INT_RANGES
             if want_int != (not value.dtype.is_floating_point and value.dtype != torch.bool):
                 raise ValueError(f"column {self.name!r}: expected {self.dtype} values, got a {value.dtype} tensor")
-            value = value.tolist()
-        elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            return value.tolist()
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise ValueError(f"column {self.name!r}: expected a sequence of {self.dtype}, got {type(value).__name__}")
-        return self._check_scalars(list(value))
+        return list(value)
 
     def _check_scalars(self, xs: list[Any]) -> list[Any]:
         """`xs` checked against the dtype; ints in a float column become floats, and float32
@@ -115,7 +135,7 @@ class Schema:
                 raise ValueError(f"column {name!r}: expected one value per row (a list), got {type(values).__name__}")
             if len(values) != num_rows:
                 raise ValueError(f"column {name!r}: {len(values)} values for {num_rows} rows")
-            out[name] = [spec.normalize(v) for v in values]
+            out[name] = spec.normalize_many(values)
         return out
 
     def to_list(self) -> list[tuple[str, str, bool]]:

@@ -47,7 +47,7 @@ from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stages import ActorStage, CriticStage, ReferenceStage, RewardStage, RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 
-SCORE_CHUNK_TOKENS = 1536  # a device scores its pool this many tokens at a time (a peer may take the rest)
+SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
 
 
 def _no_stop_sync() -> dict[str, float]:
@@ -79,7 +79,7 @@ class DeviceWorker:
         self.ledger = MemoryLedger(f"device{device}")
         # finished samples a peer may score (`generate(share=True)`, `take_finished`)
         self._pool: list[Trajectory] = []
-        self._pooling = False
+        self._pooling = self._decoding = False
         self._stop_sync = _no_stop_sync()
         self._pool_lock = threading.Lock()
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
@@ -142,15 +142,17 @@ class DeviceWorker:
                 self.score_and_reference(trajs)
             return trajs
         with self._pool_lock:
-            self._pool, self._pooling = [], True
+            self._pool, self._pooling, self._decoding = [], True, True
         mine: list[Trajectory] = []
         try:
             self._switched(lambda: self.rollout.generate(problems, first_group_id, version, on_finish=self._offer))
+            with self._pool_lock:
+                self._decoding = False  # from now on a helper takes even the last few samples
             while chunk := self._take(SCORE_CHUNK_TOKENS):
                 mine += self.score_and_reference(chunk)
         finally:
             with self._pool_lock:
-                self._pool, self._pooling = [], False
+                self._pool, self._pooling, self._decoding = [], False, False
         return mine
 
     def _offer(self, traj: Trajectory) -> None:
@@ -171,12 +173,14 @@ class DeviceWorker:
 
     def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS) -> tuple[list[Trajectory], bool]:
         """Finished, not yet scored samples of the running `generate(share=True)`, up to
-        `max_tokens` tokens (none if fewer than `min_count` wait), which are the caller's to score
-        from now on, and whether its pool is still open (more may come)."""
+        `max_tokens` tokens, which are the caller's to score from now on, and whether its pool is
+        still open (more may come). While this device still decodes, none unless `min_count`
+        wait (more will come); once it scores its own, any that wait."""
         with self._pool_lock:
             if not self._pooling:
                 return [], False
-        return self._take(max_tokens, min_count), True
+            decoding = self._decoding
+        return self._take(max_tokens, min_count if decoding else 1), True
 
     def score_from(self, peer: Any, poll_s: float, min_count: int) -> list[Trajectory]:
         """Score `peer`'s finished samples (another device's worker, inside `generate(share=True)`)
