@@ -290,7 +290,9 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                     f"{concurrent_speed(alone, together):.2f}", flush=True)
             cfg = trainers[MODES[0]].cfg
             for c in STALESYNC_CASES:
-                stale_lengths[c] = (trainers[c].cfg, recorders[c].group_lengths(cfg.rollout.group_size))
+                plan = trainers[c].devices.plan
+                placement = "rollout" if plan.reference == plan.rollout else "train"
+                stale_lengths[c] = (trainers[c].cfg, recorders[c].group_lengths(cfg.rollout.group_size), placement)
             for t in trainers.values():
                 t.close()
     finally:
@@ -302,13 +304,14 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                        max_response_len=cfg.rollout.max_new_tokens)
     cases = [Case(m, base.replace(mode=sim_mode[m]), steps[m]) for m in MODES]
     for c in STALESYNC_CASES:
-        tcfg, (lengths, drawn, prompt) = stale_lengths[c]
+        tcfg, (lengths, drawn, prompt), placement = stale_lengths[c]
         st = tcfg.stalesync
         print(f"  {c}: {len(lengths)} admitted samples replayed by group id, {drawn} of them "
               f"(unfinished when the measurement ended) drawn from the run's lengths above their "
               f"partial length")
         sim = base.replace(mode=sim_mode[tcfg.deploy.mode], staleness=st.max_staleness, partial_rollout=True,
                            stalesync_model="runtime", rollout_finish_threshold=st.rollout_finish_threshold,
+                           reference_placement=placement,
                            response_lengths=lengths, prompt_len=prompt,
                            max_response_len=max(base.max_response_len, max(lengths)))
         cases.append(Case(c, sim, steps[c], warmup=1))

@@ -35,8 +35,21 @@ def test_plan_roles(mode, n, want):
     assert plan.colocated_actor == (mode != "separated")
 
 
+@pytest.mark.parametrize("scorers, overlap, on_train", [
+    ("auto", False, False), ("auto", True, True), ("rollout", True, False), ("train", False, True)])
+def test_separated_scorers_sit_next_to_rollout_or_train(scorers, overlap, on_train):
+    """StaleSync's overlap ("auto") moves reference and reward to the train devices, so the
+    rollout devices only generate while the train devices score and update."""
+    plan = DeploymentPlan.build(DeployConfig(mode="separated", num_devices=4, backend="ray", scorers=scorers),
+                                overlap=overlap)
+    assert plan.rollout == (0, 1) and plan.train == (2, 3)
+    assert plan.reference == plan.reward == ((2, 3) if on_train else (0, 1))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "mixed"}, "deploy.mode"),
+    ({"mode": "separated", "scorers": "ref"}, "deploy.scorers"),
+    ({"mode": "colocated", "scorers": "train"}, "mode 'separated' only"),
     ({"mode": "separated", "num_devices": 1}, "needs >= 2"),
     ({"mode": "separated", "backend": "local"}, "needs >= 2"),
     ({"backend": "local", "num_devices": 2}, "exactly 1 device"),

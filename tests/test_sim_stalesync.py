@@ -199,3 +199,14 @@ def test_stop_rule_cadence_mirrors_the_runtime():
     from rlfusion.runtime.stages import SYNC_EVERY
 
     assert RLSimConfig().stop_sync_every == SYNC_EVERY
+
+
+def test_separated_overlap_with_scorers_on_the_train_devices():
+    """reference_placement "train": the rollout engine only generates and the reference pass
+    runs on the train lane before each update."""
+    cfg = BASE.replace(mode="separated", staleness=1, devices_per_supernode=2)
+    on_rollout = simulate(cfg, CAL)
+    on_train = simulate(cfg.replace(reference_placement="train"), CAL)
+    lanes = lambda r: {e.device for e in r.timeline if e.role == "ref"}
+    assert lanes(on_rollout) == {"engine0"} and lanes(on_train) == {"train"}
+    assert max(on_train.staleness_per_sample) <= 1 and on_train.updates == cfg.num_steps

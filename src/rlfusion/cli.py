@@ -73,7 +73,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.deployment import DeploymentPlan
     from rlfusion.runtime.train_config import TrainConfig
-    from rlfusion.runtime.trainer import RLTrainer, resume
+    from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps
 
     if args.resume:
         if args.config:
@@ -97,7 +97,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ValueError(f"run folder {run_dir} already exists; pick another run_name= or "
                              f"continue it with --resume {run_dir}")
         run_dir.mkdir(parents=True, exist_ok=True)
-        print(f"deployment: {DeploymentPlan.build(cfg.deploy).describe()} ({cfg.deploy.backend})")
+        print(f"deployment: {DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg)).describe()} "
+              f"({cfg.deploy.backend})")
         trainer = RLTrainer(cfg, run_dir, base)
     try:
         result = trainer.run()

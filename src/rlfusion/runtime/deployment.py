@@ -1,8 +1,11 @@
 """Deployment: which devices run which RL roles, in which mode (MISSION.md §1).
 
     separated     rollout devices ≠ train devices; new weights go rollout-ward after every update
-                  (bucketed broadcast). N devices: the first ⌈N/2⌉ generate and host reference
-                  and reward (each scores its own samples), the rest train.
+                  (bucketed broadcast). N devices: the first ⌈N/2⌉ generate, the rest train;
+                  reference and reward (the scorers) sit next to the rollout (each rollout
+                  device scores its own samples) or, with `scorers="train"`, on the train
+                  devices — what StaleSync's rollout/update overlap wants, so the rollout
+                  devices only generate while the train devices score and update.
     colocated     the actor trains and generates on the same devices, switching layouts;
                   reference and reward get their own device when N ≥ 3, else share the actor's
                   devices with their weights kept resident.
@@ -24,6 +27,7 @@ from rlfusion.config import check_fields
 MODES = ("separated", "colocated", "fully_shared")
 BACKENDS = ("ray", "local")
 ROLES = ("rollout", "train", "reference", "reward")
+SCORERS = ("auto", "rollout", "train")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class DeployConfig:
     # synchronous rollout on several devices that also score: a device that finishes early
     # scores (reward + reference logprobs) samples another device has finished
     share_scoring: bool = True
+    # separated mode: where reference and reward run, "rollout" or "train" devices; "auto" =
+    # "train" when StaleSync overlaps rollout and update (max_staleness >= 1), else "rollout"
+    scorers: str = "auto"
 
     def __post_init__(self) -> None:
         check_fields("deploy", {
@@ -50,7 +57,11 @@ class DeployConfig:
             "threads_per_device": (self.threads_per_device >= 1, "must be >= 1"),
             "backend": (self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
             "bucket_mb": (self.bucket_mb > 0, "must be > 0"),
+            "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
         }, self)
+        if self.scorers != "auto" and self.mode != "separated":
+            raise ValueError(f"deploy.scorers={self.scorers} is invalid with mode '{self.mode}': it places "
+                             "reference and reward in mode 'separated' only (keep 'auto')")
         if self.backend == "local" and self.num_devices > 1:
             raise ValueError(f"deploy.num_devices={self.num_devices} is invalid: backend 'local' runs "
                              "in one process, so it has exactly 1 device (use backend='ray' for more)")
@@ -85,14 +96,14 @@ class DeploymentPlan:
     reward: tuple[int, ...]
 
     @classmethod
-    def build(cls, cfg: DeployConfig) -> "DeploymentPlan":
+    def build(cls, cfg: DeployConfig, overlap: bool = False) -> "DeploymentPlan":
+        """`overlap`: StaleSync will run rollout and update at once (resolves `scorers="auto"`)."""
         n, devices = cfg.devices, tuple(range(cfg.devices))
         if cfg.mode == "separated":
             k = (n + 1) // 2
-            # reference and reward next to the rollout that feeds them: each rollout device scores
-            # its own samples, and with StaleSync's overlap the two sides carry similar work
-            return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:],
-                       reference=devices[:k], reward=devices[:k])
+            on_train = cfg.scorers == "train" or (cfg.scorers == "auto" and overlap)
+            scorers = devices[k:] if on_train else devices[:k]
+            return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
         if cfg.mode == "colocated" and n >= 3:
             return cls(cfg.mode, n, rollout=devices[:-1], train=devices[:-1],
                        reference=devices[-1:], reward=devices[-1:])

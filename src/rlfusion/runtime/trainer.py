@@ -68,7 +68,7 @@ class RLTrainer:
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         self.devices = None
         if cfg.deploy.backend == "ray":  # the stages run on device workers; `model` mirrors the policy
-            self.devices = RayDevices(cfg, DeploymentPlan.build(cfg.deploy), base_path)
+            self.devices = RayDevices(cfg, DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg)), base_path)
             self.rollout, self.reward = self.devices.rollout, self.devices.reward
             self.reference, self.actor, self.critic = self.devices.reference, self.devices.actor, self.devices.critic
         else:
@@ -357,6 +357,11 @@ class RLTrainer:
         save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
                         {"rl_steps": self.step, "heldout_accuracy": final})
         return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
+
+
+def stalesync_overlaps(cfg: TrainConfig) -> bool:
+    """Whether StaleSync will run the next rollout alongside the update (separated, s >= 1)."""
+    return cfg.deploy.mode == "separated" and cfg.stalesync.enabled and cfg.stalesync.max_staleness >= 1
 
 
 def _balanced_parts(items: list, num_parts: int) -> list[list]:

@@ -40,9 +40,9 @@ class RLSimConfig:
     min_prefill_batch: int = 1  # while decoding, admit only once this many slots are free (or
     #                             every waiting sample fits), as the engine's scheduler does
     reference_placement: str = "rollout"  # "rollout": each engine computes reference logprobs
-    #                                       of its samples after generating them (the runtime
-    #                                       does this in every mode); "train": the trainer does
-    #                                       (separated mode only)
+    #                                       of its samples after generating them; "train": the
+    #                                       train devices do, before the update (separated
+    #                                       mode only; the runtime's deploy.scorers)
     staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
     partial_rollout: bool = False  # co-located: end rollout at N finished, resume the rest
     # How StaleSync (staleness >= 1, partial_rollout) is modelled. "samples": the idealised

@@ -20,7 +20,9 @@ with the costs of a measured `Calibration` (nothing fitted):
   `stop_sync_every` engine steps (a collective, so they meet there; each sum costs the measured
   `Calibration.stop_sync_s`), and a device out of work waits in it. Unfinished samples are
   aborted and resume next rollout (re-prefilling prompt + partial output). Each device then scores its finished samples (reference forward, measured
-  rate + fixed cost per pass).
+  rate + fixed cost per pass) — unless, separated, `reference_placement = "train"`: then the
+  train devices run the reference pass of the update's batch before the update (the runtime's
+  `deploy.scorers = "train"`, its default with the overlap).
 - **Update k** trains every due finished group, then the oldest finished ones, up to B groups;
   every sample's staleness (k - version of its first token) is checked against s.
 - **Co-located**: rollout on every device, reference, switch, data-parallel update, switch back.
@@ -182,6 +184,8 @@ class RuntimeStaleSync:
                 t = max(d.clock for d in devs) + sim.cal.stop_sync_s
             end = t
         generated = -before
+        # separated with reference_placement "train": the train devices score, in `learn`
+        scorers_on_train = sim.cfg.mode == "separated" and sim.cfg.reference_placement == "train"
         for dev, part in zip(devs, parts):
             aborted = list(dev.waiting) + dev.running
             # run_groups returns samples in request order: a group's open samples resume in
@@ -195,7 +199,7 @@ class RuntimeStaleSync:
             tokens = sum(smp.prompt_len + smp.length for smp in dev.finished)
             eng = next(e for e in sim.engines if e.name == dev.name)
             eng.clock = end
-            if tokens:  # the device scores what finished (reward is free; reference forward)
+            if tokens and not scorers_on_train:  # the device scores what finished (reward is free; reference forward)
                 for role, seconds in sim.reference_phases(tokens):
                     sim.record(eng.name, role, eng.clock, eng.clock + seconds, version)
                     eng.clock += seconds
