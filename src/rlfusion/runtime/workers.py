@@ -411,6 +411,3 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
             out.append([t])
             size = nbytes
     return out
-
-
-# ---- the driver's side: stage-shaped proxies over the device workers ----
