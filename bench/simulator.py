@@ -23,8 +23,9 @@
    on both sides (as bench/fusion.py reports: one step disturbed by other work on this shared
    machine does not decide the comparison).
 
-StaleSync (`bench/stalesync.py`'s "stalesync s=1 colocated", threshold 0.75, and "stalesync
-s=1 separated", rollout/update overlap) runs interleaved with the synchronous modes. The
+StaleSync (`bench/stalesync.py`'s "stalesync s=1/s=2 colocated", threshold 0.75, "stalesync
+s=1 separated", rollout/update overlap, and "stalesync s=2 separated", overlap with threshold
+0.75) runs interleaved with the synchronous modes. The
 trainer's `StalenessBook.take_batch` is wrapped to record every trained sample's final length
 by (group id, sample index); the groups still in flight at the end keep their finished
 samples' lengths, and their partial samples get a length drawn from the run's lengths above
@@ -36,7 +37,7 @@ own generated tokens / simulated time, median over steps.
 
 A validation entry is a `Case` builder in `VALIDATIONS`.
 
-    python bench/simulator.py            # 4 rounds (about 3 min)
+    python bench/simulator.py            # 4 rounds (about 4 min)
     python bench/simulator.py --quick    # 2 rounds, quick calibration
 """
 
@@ -176,7 +177,9 @@ class Probes:
 
 # StaleSync variants of bench/stalesync.py validated here: case name -> its VARIANTS name
 STALESYNC_CASES = {"stalesync_s1_colocated": "stalesync s=1 colocated",  # threshold 0.75
-                   "stalesync_s1_separated": "stalesync s=1 separated"}  # threshold 1, overlap
+                   "stalesync_s2_colocated": "stalesync s=2 colocated",  # threshold 0.75
+                   "stalesync_s1_separated": "stalesync s=1 separated",  # threshold 1, overlap
+                   "stalesync_s2_separated": "stalesync s=2 separated"}  # threshold 0.75, overlap
 
 
 class _BatchRecorder:
