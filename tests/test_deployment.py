@@ -368,3 +368,23 @@ def test_ppo_critic_on_two_devices_equals_one_process_and_resumes(ray_session, t
         assert "value_error" in again.train_step()
     finally:
         again.close()
+
+
+def test_devices_that_cannot_be_placed_fail_fast_and_leave_nothing_behind(ray_session, tmp_path, monkeypatch):
+    """More devices than the cluster has CPUs: a one-line error naming the numbers, and the
+    placement group is removed (it would otherwise hold CPUs for the rest of the session)."""
+    import rlfusion.runtime.ray_devices as rd
+
+    monkeypatch.setattr(rd, "PLACEMENT_TIMEOUT_S", 2.0)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        cpus = int(ray.cluster_resources()["CPU"])
+        cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": cpus + 1})
+        with pytest.raises(RuntimeError, match=f"cannot place {cpus + 1} devices of 1 CPU"):
+            rd.RayDevices(cfg, DeploymentPlan.build(cfg.deploy), str(find_base()))
+        assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    finally:
+        if started:
+            ray.shutdown()

@@ -47,12 +47,15 @@ class QueueController:
         self.group_size = group_size
         self.rows: dict[int, RowMeta] = {}  # live rows, in insertion (= row id) order
         self.groups: dict[int, list[int]] = {}  # group id -> live row ids
-        self.retired: set[int] = set()
-        self.next_row_id = 0
+        self.next_row_id = 0  # ids below it that are not live are retired (no set that grows)
 
     @property
     def num_live(self) -> int:
         return len(self.rows)
+
+    def is_retired(self, row_id: int) -> bool:
+        """Rows are only ever added with the next ids and removed by `retire`."""
+        return 0 <= row_id < self.next_row_id and row_id not in self.rows
 
     # ---- checks (raise before anything changes) ----
 
@@ -60,7 +63,7 @@ class QueueController:
         if len(set(row_ids)) != len(row_ids):
             raise ValueError(f"row ids repeat in one put: {list(row_ids)}")
         for r in row_ids:
-            if r in self.retired:
+            if self.is_retired(r):
                 raise ValueError(f"row {r} is retired; it cannot be written")
             if r not in self.rows:
                 raise ValueError(f"row {r} does not exist (next new row id is {self.next_row_id})")
@@ -138,7 +141,6 @@ class QueueController:
             members.remove(r)
             if not members:
                 del self.groups[meta.group_id]
-            self.retired.add(r)
             done.append(r)
         return done
 
@@ -184,15 +186,13 @@ class QueueController:
         return {
             "group_size": self.group_size,
             "next_row_id": self.next_row_id,
-            "retired": sorted(self.retired),
             # pending cells were never stored: a restored queue sees them as unwritten
             "rows": [(r, m.group_id, m.version, sorted(m.ready), sorted(m.consumed)) for r, m in self.rows.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.group_size = state["group_size"]
-        self.next_row_id = state["next_row_id"]
-        self.retired = set(state["retired"])
+        self.next_row_id = state["next_row_id"]  # (older checkpoints also list "retired": derivable)
         self.rows, self.groups = {}, {}
         for r, g, v, ready, consumed in state["rows"]:
             self.rows[r] = RowMeta(group_id=g, version=v, ready=set(ready), consumed=set(consumed))

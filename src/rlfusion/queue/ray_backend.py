@@ -96,7 +96,7 @@ class QueueControllerActor:
     async def commit(self, row_ids: list[int], columns: list[str]) -> None:
         self.controller.commit(row_ids, columns)
         # rows retired while their data was on the way: the shards just stored it again
-        self._drop([r for r in row_ids if r in self.controller.retired])
+        self._drop([r for r in row_ids if self.controller.is_retired(r)])
         await self._notify()
 
     async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,

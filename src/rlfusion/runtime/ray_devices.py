@@ -37,15 +37,30 @@ class RayDevices:
                      configure_logging=False,
                      **({} if cfg.deploy.ray_address else {"num_cpus": plan.num_devices * cfg.deploy.threads_per_device}))
         self.ray, self.plan, self.cfg = ray, plan, cfg
+        self.workers: list[Any] = []
         threads = cfg.deploy.threads_per_device
         self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            self._start(base_path, threads, PlacementGroupSchedulingStrategy)
+        except BaseException as e:  # nothing may outlive a failed start: workers, the group, Ray
+            cpus = ray.cluster_resources().get("CPU", 0)
+            self.shutdown()
+            if isinstance(e, ray.exceptions.GetTimeoutError):
+                raise RuntimeError(
+                    f"the Ray cluster cannot place {plan.num_devices} devices of {threads} CPU(s) each "
+                    f"within {PLACEMENT_TIMEOUT_S:.0f} s (deploy.num_devices x deploy.threads_per_device; "
+                    f"it has {cpus:g} CPUs)") from e
+            raise
+
+    def _start(self, base_path: str, threads: int, strategy) -> None:
+        ray, plan, cfg = self.ray, self.plan, self.cfg
+        ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
         # "pool": `take_finished` answers on its own thread while the device generates
         actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
         self.workers = [actor_cls.options(
             num_cpus=threads, runtime_env=env,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
+            scheduling_strategy=strategy(self.pg, placement_group_bundle_index=d),
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
         ip, port = self.call([self.workers[0].address.remote()])[0]
         self.call([w.connect.remote(f"tcp://{ip}:{port}" if plan.num_devices > 1 else None) for w in self.workers])
@@ -118,6 +133,7 @@ class RayDevices:
 
 
 DEAD_CHECK_TIMEOUT_S = 10.0
+PLACEMENT_TIMEOUT_S = 120.0  # how long the device bundles may wait for free CPUs
 
 
 class WorkerDiedError(RuntimeError):
