@@ -126,12 +126,13 @@ def decode_context_ms(model, reference: int, quick: bool, rows: int = 64) -> flo
     cache = model.new_kv_cache(rows, longest + 1)
     tokens_B1 = torch.randint(1, model.config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
 
-    def step_ms(context: int) -> float:
+    def step(context: int):
         start_B = torch.full((rows,), context - 1)  # the new token sits at position context - 1
-        with torch.inference_mode():
-            return _median_time(lambda: model(tokens_B1, CacheBatch(cache, 0, start_B)), 5 if quick else 15) * 1e3
+        return lambda: model(tokens_B1, CacheBatch(cache, 0, start_B))
 
-    return max(0.0, (step_ms(longest) - step_ms(reference)) / (rows * (longest - reference)))
+    with torch.inference_mode():  # the two contexts in turn, so drift in machine speed cancels
+        long_s, ref_s = _interleaved_medians([step(longest), step(reference)], 10 if quick else 30)
+    return max(0.0, (long_s - ref_s) * 1e3 / (rows * (longest - reference)))
 
 
 # ---- trainer, reference, switch ------------------------------------------------------------
