@@ -62,8 +62,8 @@ class RayDevices:
             num_cpus=threads, runtime_env=env,
             scheduling_strategy=strategy(self.pg, placement_group_bundle_index=d),
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
-        ip, port = self.call([self.workers[0].address.remote()])[0]
-        self.call([w.connect.remote(f"tcp://{ip}:{port}" if plan.num_devices > 1 else None) for w in self.workers])
+        address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
+        self.call([w.connect.remote(address) for w in self.workers])
         self.scored: dict[tuple, tuple] = {}  # this step's on-device reward / reference results
         self.rollout = _RolloutProxy(self)
         self.reward = _RewardProxy(self)

@@ -26,7 +26,6 @@ columns flow (`dataflow.py`).
 from __future__ import annotations
 
 import copy
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -82,6 +81,7 @@ class DeviceWorker:
         self._pooling = self._decoding = False
         self._stop_sync = _no_stop_sync()
         self._pool_lock = threading.Lock()
+        self._store = None  # device 0: the rendezvous store of the device world
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         if self.rollout is not None:
             self.rollout.engine.runner.cache.release()  # allocated only while generating
@@ -92,20 +92,23 @@ class DeviceWorker:
     # ---- wiring ----
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port, for the rendezvous of the device world."""
+        """Start the rendezvous of the device world here: a store listening on a port the OS
+        picks (held from now on, so no other process can take it first). Returns this node's IP
+        and that port."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        self._store = dist.TCPStore("0.0.0.0", 0, self.plan.num_devices, is_master=True, wait_for_workers=False)
+        return ray.util.get_node_ip_address(), self._store.port
 
-    def connect(self, init_method: str | None) -> None:
-        """Join the device world (None: a world of one, no process group) and build the actor."""
+    def connect(self, address: tuple[str, int] | None) -> None:
+        """Join the device world through the rendezvous store at `address` (device 0's
+        `address()`; None: a world of one, no process group) and build the actor."""
         train_group = None
-        if init_method is not None:
+        if address is not None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=init_method, rank=self.device,
-                                    world_size=self.plan.num_devices)
+            store = self._store if self.device == 0 else dist.TCPStore(
+                address[0], address[1], self.plan.num_devices, is_master=False)
+            dist.init_process_group(backend, store=store, rank=self.device, world_size=self.plan.num_devices)
             # every rank creates every group, in the same order
             train_group = dist.new_group(list(self.plan.train))
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
