@@ -41,6 +41,12 @@ def test_colocated_step_by_hand():
     assert _step_s(TWO, FLAT) == pytest.approx(expected)
 
 
+def test_driver_work_is_charged_per_trained_sample_between_reference_and_update():
+    # the same step plus 4 samples x 5 ms of driver work, on the critical path
+    with_driver = FLAT.replace(driver_s_per_sample=0.005)
+    assert _step_s(TWO, with_driver) == pytest.approx(_step_s(TWO, FLAT) + 4 * 0.005)
+
+
 def test_replayed_lengths_are_the_trained_tokens():
     result = simulate(TWO, FLAT)
     assert result.tokens_per_s * result.makespan_s == pytest.approx(2 * (10 + 30 + 20 + 20))

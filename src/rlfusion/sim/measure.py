@@ -230,6 +230,53 @@ def _measure_switches(actor, reference, model, reps: int) -> tuple[float, float]
     return _median_time(round_trip, reps) / 2, _median_time(reference_round_trip, reps)
 
 
+def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
+    """Seconds per sample the driver spends on one synchronous update's batch between the
+    devices' phases, as `RLTrainer._learn` does it: the rollouts into a DistQueue, the reward,
+    reference and advantage stages (their device work stubbed: it is timed on the devices),
+    the update's read, plus pickling the batch to and from the devices (what the Ray calls
+    carry) — on `n` synthetic samples."""
+    import pickle
+
+    from rlfusion.queue import DistQueue
+    from rlfusion.runtime.dataflow import QueueDataflow, queue_config
+    from rlfusion.runtime.stages import compute_advantages
+    from rlfusion.runtime.train_config import AlgoConfig
+
+    algo, group = AlgoConfig(), 8
+    base = synthetic_trajectories(tokenizer, n, vocab, seed=1)
+    rewards = {id(t): float(i % 3 == 0) for i, t in enumerate(base)}
+
+    def one_update() -> None:
+        trajs = pickle.loads(pickle.dumps(base))  # the rollouts coming back from the devices
+        flow = QueueDataflow(DistQueue(queue_config(group)))
+        flow.put_rollouts(trajs)
+
+        def reward(ts):
+            for i, t in enumerate(ts):
+                t.reward, t.metrics["correct"] = rewards[id(base[i % n])], 1.0
+
+        def reference(ts):
+            for t in ts:
+                t.ref_logprobs = t.behaviour_logprobs
+
+        def advantages(ts):
+            kept = {id(t) for t in compute_advantages(ts, algo, group)}
+            for t in ts:
+                t.metrics["train"] = int(id(t) in kept)
+
+        flow.run_stage("reward", ["problem", "response_ids"], ["reward", "correct"], n, reward)
+        flow.run_stage("reference", ["prompt_ids", "response_ids"], ["ref_logprobs"], n, reference)
+        flow.run_stage("advantage", ["reward", "correct", "response_ids"], ["advantage", "train"], n,
+                       advantages, policy="group")
+        batch, _ = flow.run_stage("actor", ["prompt_ids", "response_ids", "behaviour_logprobs", "train",
+                                            "advantage", "ref_logprobs"], [], n, lambda ts: None)
+        flow.retire_done("actor")
+        pickle.loads(pickle.dumps(batch))  # the update's shards going out
+
+    return _median_time(one_update, 3 if quick else 7) / n
+
+
 # ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
 
 def _mixed_workload(model, tokenizer, actor, trajs) -> None:
@@ -437,6 +484,9 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"reference {train['reference_tokens_per_s_per_device']:,.0f} tok/s + "
         f"{train['reference_overhead_s'] * 1e3:.1f} ms, switch {train['switch_s'] * 1e3:.1f} ms, "
         f"reference switch {train['reference_switch_s'] * 1e3:.1f} ms")
+    driver = measure_driver(tokenizer, model.config.vocab_size, quick)
+    log(f"  driver: {driver * 1e6:.0f} us per sample between the devices' phases (queue stages, "
+        f"advantages, the batch pickled out and back)")
     pair = measure_pair(setup)
     bcast_s, idle_sum_s = pair.pop("_bcast_s"), pair.pop("_idle_sum_s")
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
@@ -447,7 +497,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     log(f"  2 Ray device actors, rollout+update workload: alone {alone:.3f} s, both at once "
         f"{together:.3f} s -> concurrent speed {contention['concurrent_speed']:.2f}")
     cal = Calibration(
-        **engine, **train, **pair, **contention, devices_per_engine=1,
+        **engine, **train, **pair, **contention, devices_per_engine=1, driver_s_per_sample=driver,
         source=f"measured on this machine by rlfusion.sim.measure ({threads} thread(s) per "
                f"device, {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s)",
         source_notes=(
@@ -459,9 +509,11 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
             "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes while "
             "both decode 64 rows, one every SYNC_EVERY engine steps (waiting for the other included)",
+            "driver_s_per_sample: RLTrainer._learn's queue stages on 256 synthetic samples "
+            "(device work stubbed) + pickling the batch in and out, per sample",
             "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once; "
             "probe_s: that workload alone (machine-speed mark)",
-            "not measured (small here): reward rule scoring, Ray calls and driver queue traffic",
+            "not measured (small here): reward rule scoring, Ray's own call latency",
         ),
     )
     if path is not None:

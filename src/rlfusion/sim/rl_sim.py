@@ -254,7 +254,8 @@ class _Sim:
                                                                + cfg.max_response_len)
         devices = self.train_devices()
         rate = cal.train_tokens_per_s_per_device * devices
-        phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9))]
+        phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9)
+                   + len(batch) * cal.driver_s_per_sample)]
         if cfg.mode == "separated" and cfg.reference_placement == "train":
             phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
         if cfg.mode == "shared" and cfg.reward_model:
