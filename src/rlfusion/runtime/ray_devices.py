@@ -29,7 +29,6 @@ class RayDevices:
     def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.owns_ray = not ray.is_initialized()  # then `shutdown` stops the Ray it started
         if self.owns_ray:
@@ -41,7 +40,7 @@ class RayDevices:
         threads = cfg.deploy.threads_per_device
         self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
         try:
-            self._start(base_path, threads, PlacementGroupSchedulingStrategy)
+            self._start(base_path, threads)
         except BaseException as e:  # nothing may outlive a failed start: workers, the group, Ray
             cpus = ray.cluster_resources().get("CPU", 0)
             self.shutdown()
@@ -52,7 +51,9 @@ class RayDevices:
                     f"it has {cpus:g} CPUs)") from e
             raise
 
-    def _start(self, base_path: str, threads: int, strategy) -> None:
+    def _start(self, base_path: str, threads: int) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         ray, plan, cfg = self.ray, self.plan, self.cfg
         ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
@@ -60,7 +61,7 @@ class RayDevices:
         actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
         self.workers = [actor_cls.options(
             num_cpus=threads, runtime_env=env,
-            scheduling_strategy=strategy(self.pg, placement_group_bundle_index=d),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
         address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
         self.call([w.connect.remote(address) for w in self.workers])

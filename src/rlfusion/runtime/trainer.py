@@ -90,8 +90,7 @@ class RLTrainer:
         self.stale = (StalenessBook(cfg.stalesync, cfg.rollout.prompts_per_step, cfg.rollout.group_size)
                       if cfg.stalesync.enabled else None)
         # separated devices with s >= 1: the next update's rollout runs alongside this update
-        self.overlap = bool(self.stale and self.devices is not None and not self.devices.plan.colocated_actor
-                            and cfg.stalesync.max_staleness >= 1)
+        self.overlap = self.devices is not None and stalesync_overlaps(cfg)
         self.pending = None  # (batch, stats) the next update trains, when overlapping
 
     # ---- one RL step ----------------------------------------------------------------------
