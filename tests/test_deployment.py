@@ -283,6 +283,40 @@ def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_pat
         torch.testing.assert_close(torch.tensor(a.ref_logprobs), torch.tensor(b.ref_logprobs), rtol=0, atol=1e-5)
 
 
+def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_path):
+    """A helper's request waits on the pool (up to `wait_s`) instead of polling: it returns the
+    moment enough samples are offered, and the moment the pool closes."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from rlfusion.runtime.workers import DeviceWorker
+
+    cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
+    worker = DeviceWorker(0, DeploymentPlan.build(cfg.deploy), cfg, str(find_base()))
+    with worker._pool_changed:
+        worker._pool, worker._pooling, worker._decoding = [], True, True
+    assert worker.take_finished(min_count=2, wait_s=0.0) == ([], True)  # too few, no wait
+
+    def later(action, delay=0.2):
+        threading.Timer(delay, action).start()
+
+    samples = [SimpleNamespace(num_tokens=5) for _ in range(2)]
+    later(lambda: [worker._offer(t) for t in samples])
+    start = time.monotonic()
+    got, open_ = worker.take_finished(min_count=2, wait_s=30.0)
+    assert open_ and got == samples and time.monotonic() - start < 5.0
+
+    def close():
+        with worker._pool_changed:
+            worker._pooling = False
+            worker._pool_changed.notify_all()
+    later(close)
+    start = time.monotonic()
+    assert worker.take_finished(min_count=2, wait_s=30.0) == ([], False)
+    assert time.monotonic() - start < 5.0
+
+
 def test_colocated_rollout_with_shared_scoring_equals_one_without(ray_session, tmp_path):
     """Two devices, one with far more prompts (it keeps generating while the other is idle and
     takes its finished samples): same samples, rewards and reference logprobs, in request order."""

@@ -152,7 +152,7 @@ def _split(items: list, num_parts: int) -> list[list]:
     return out
 
 
-SHARE_POLL_S = 0.02  # how often an idle device asks a generating one for finished samples
+SHARE_WAIT_S = 0.2  # how long a generating device holds an idle one's request for finished samples
 SHARE_MIN_SAMPLES = 8  # fewer are not worth a scoring call of their own
 
 
@@ -218,7 +218,7 @@ class _RolloutProxy:
                 open_ = [v for v in running if v not in closed]
                 if open_:  # the device with the fewest helpers so far
                     victim = min(open_, key=lambda v: sum(h == v for h in helping.values()))
-                    call = workers[dev].score_from.remote(workers[victim], SHARE_POLL_S, SHARE_MIN_SAMPLES)
+                    call = workers[dev].score_from.remote(workers[victim], SHARE_WAIT_S, SHARE_MIN_SAMPLES)
                     owner[call], helping[call] = dev, victim
         out.sort(key=lambda t: (t.group_id, t.metrics["sample"]))
         return out

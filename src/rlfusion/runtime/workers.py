@@ -81,6 +81,7 @@ class DeviceWorker:
         self._pooling = self._decoding = False
         self._stop_sync = _no_stop_sync()
         self._pool_lock = threading.Lock()
+        self._pool_changed = threading.Condition(self._pool_lock)  # an offer, or the pool's state moved on
         self._store = None  # device 0: the rendezvous store of the device world
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         if self.rollout is not None:
@@ -149,18 +150,21 @@ class DeviceWorker:
         mine: list[Trajectory] = []
         try:
             self._switched(lambda: self.rollout.generate(problems, first_group_id, version, on_finish=self._offer))
-            with self._pool_lock:
+            with self._pool_changed:
                 self._decoding = False  # from now on a helper takes even the last few samples
+                self._pool_changed.notify_all()
             while chunk := self._take(SCORE_CHUNK_TOKENS):
                 mine += self.score_and_reference(chunk)
         finally:
-            with self._pool_lock:
+            with self._pool_changed:
                 self._pool, self._pooling, self._decoding = [], False, False
+                self._pool_changed.notify_all()  # a waiting helper learns at once that the pool closed
         return mine
 
     def _offer(self, traj: Trajectory) -> None:
-        with self._pool_lock:
+        with self._pool_changed:
             self._pool.append(traj)
+            self._pool_changed.notify_all()
 
     def _take(self, max_tokens: int, min_count: int = 1) -> list[Trajectory]:
         """The oldest pooled samples up to `max_tokens` tokens (at least one), if `min_count` wait."""
@@ -174,32 +178,43 @@ class DeviceWorker:
             out, self._pool = self._pool[:n], self._pool[n:]
         return out
 
-    def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS) -> tuple[list[Trajectory], bool]:
+    def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS,
+                      wait_s: float = 0.0) -> tuple[list[Trajectory], bool]:
         """Finished, not yet scored samples of the running `generate(share=True)`, up to
         `max_tokens` tokens, which are the caller's to score from now on, and whether its pool is
         still open (more may come). While this device still decodes, none unless `min_count`
-        wait (more will come); once it scores its own, any that wait."""
-        with self._pool_lock:
-            if not self._pooling:
-                return [], False
+        wait (more will come); once it scores its own, any that wait. With `wait_s`, an open pool
+        with too few samples is waited on for up to that long: the answer comes as soon as
+        enough are offered or the pool closes."""
+        deadline = time.monotonic() + wait_s
+        with self._pool_changed:
+            while True:
+                if not self._pooling:
+                    return [], False
+                if len(self._pool) >= (min_count if self._decoding else 1):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return [], True
+                self._pool_changed.wait(left)
             decoding = self._decoding
         return self._take(max_tokens, min_count if decoding else 1), True
 
-    def score_from(self, peer: Any, poll_s: float, min_count: int) -> list[Trajectory]:
+    def score_from(self, peer: Any, wait_s: float, min_count: int) -> list[Trajectory]:
         """Score `peer`'s finished samples (another device's worker, inside `generate(share=True)`)
-        a chunk at a time until its pool closes; asks again every `poll_s` while it has fewer
-        than `min_count` waiting."""
+        a chunk at a time until its pool closes. While it has fewer than `min_count` waiting, the
+        peer holds each request up to `wait_s` and answers as soon as that changes, so this
+        call ends the moment the pool closes."""
         import ray
 
         out: list[Trajectory] = []
         while True:
-            taken, open_ = ray.get(peer.take_finished.options(concurrency_group="pool").remote(min_count))
+            taken, open_ = ray.get(peer.take_finished.options(concurrency_group="pool").remote(
+                min_count, SCORE_CHUNK_TOKENS, wait_s))
             if taken:
                 out += self.score_and_reference(taken)
             elif not open_:
                 return out
-            else:
-                time.sleep(poll_s)
 
     def score_and_reference(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """Reward and (if this device holds one) reference logprobs, written into `trajs`."""
