@@ -54,6 +54,8 @@ def test_separated_scorers_sit_next_to_rollout_or_train(scorers, overlap, on_tra
     ({"mode": "separated", "backend": "local"}, "needs >= 2"),
     ({"backend": "local", "num_devices": 2}, "exactly 1 device"),
     ({"backend": "mpi"}, "deploy.backend"),
+    ({"train_tp": 0}, "deploy.train_tp"),
+    ({"mode": "separated", "num_devices": 2, "train_tp": 2}, "training layout needs"),
 ])
 def test_bad_deploy_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -100,6 +102,64 @@ def _kill(worker) -> None:
 
 def _worker_params(trainer, device):
     return trainer.devices.call([trainer.devices.workers[device].weights.remote()])[0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_devices": 2, "train_tp": 3}, "must divide the 2 train devices"),
+    ({"mode": "colocated", "num_devices": 3, "train_tp": 2}, "spans every device"),
+])
+def test_bad_train_layout(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeploymentPlan.build(DeployConfig(backend="ray", **kwargs))
+
+
+def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_start(tmp_path):
+    cfg = _cfg(tmp_path, "fully_shared", **{"deploy.num_devices": 4, "deploy.train_tp": 4})  # 2 kv heads
+    with pytest.raises(ValueError, match="deploy.train_tp=4 does not fit the model"):
+        RLTrainer(cfg, tmp_path / "run", find_base())
+    with pytest.raises(ValueError, match="algo.advantage=gae"):
+        RLTrainer(_cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "algo.advantage": "gae"}),
+                  tmp_path / "run", find_base())
+
+
+def test_tensor_parallel_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path):
+    """`deploy.train_tp=2`: the actor trains on TP shards over both devices and takes exactly
+    the one-process step; each rollout runs on a full replica filled from the shards (bucketed
+    reshard) and freed after it, within the zero-redundancy bound; checkpoints hold whole
+    tensors and load back into the shards."""
+    base = find_base()
+    cfg = _cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "deploy.bucket_mb": 0.25})
+    trainer = RLTrainer(cfg, tmp_path / "run", base)
+    try:
+        model, _, _ = load_checkpoint(base)
+        trajs = _sample(cfg, base, 4)
+        for i, t in enumerate(trajs):
+            t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
+        reference = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature, total_updates=cfg.max_steps)
+        want = reference.update(copy.deepcopy(trajs))
+        got = trainer.actor.update(copy.deepcopy(trajs))
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        gathered = trainer.devices.on_train_devices("weights")
+        for name, p in model.state_dict().items():
+            assert torch.equal(gathered[0][name], gathered[1][name]), name
+            torch.testing.assert_close(gathered[0][name], p, rtol=0, atol=1e-5)
+
+        m = trainer.train_step()  # rollout on the replica, then a TP update
+        assert m["zero_redundancy_ok"] == 1.0 and m["time_switch_s"] > 0
+        assert m["memory_peak_rollout_mb"] > m["memory_peak_train_mb"]  # the replica lives only for the rollout
+        state = trainer.actor.optimizer.state_dict()
+        assert all(not isinstance(v, torch.distributed.tensor.DTensor)
+                   for st in state["optimizer"]["state"].values() for v in st.values())
+        trainer.actor.update(copy.deepcopy(trajs))  # moves away from the saved state...
+        trainer.actor.optimizer.load_state_dict(state)  # ...and back
+        again = trainer.actor.optimizer.state_dict()
+        for name, t in state["model"].items():
+            assert torch.equal(again["model"][name], t), name
+        for i, st in state["optimizer"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(again["optimizer"]["state"][i][k], v), (i, k)
+    finally:
+        trainer.close()
 
 
 def test_colocated_data_parallel_update_equals_one_process(ray_session, tmp_path):

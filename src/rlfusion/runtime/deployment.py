@@ -49,6 +49,11 @@ class DeployConfig:
     # separated mode: where reference and reward run, "rollout" or "train" devices; "auto" =
     # "train" when StaleSync overlaps rollout and update (max_staleness >= 1), else "rollout"
     scorers: str = "auto"
+    # the actor's training layout: tensor-parallel degree over the train devices (the rest data
+    # parallel). 1 = a full replica per device. > 1 (colocated / fully_shared): the actor trains
+    # on TP shards and every rollout runs on a full replica per device, filled from the shards
+    # in buckets of `bucket_mb` before it (fusion/reshard.py) and freed after it
+    train_tp: int = 1
 
     def __post_init__(self) -> None:
         check_fields("deploy", {
@@ -58,7 +63,14 @@ class DeployConfig:
             "backend": (self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
             "bucket_mb": (self.bucket_mb > 0, "must be > 0"),
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
+            "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),
         }, self)
+        if self.train_tp > 1:
+            if self.mode == "separated" or self.backend != "ray":
+                raise ValueError(f"deploy.train_tp={self.train_tp} is invalid with mode '{self.mode}' and backend "
+                                 f"'{self.backend}': a training layout needs backend 'ray' and mode 'colocated' "
+                                 "or 'fully_shared' (the actor's devices both train and generate)")
+
         if self.scorers != "auto" and self.mode != "separated":
             raise ValueError(f"deploy.scorers={self.scorers} is invalid with mode '{self.mode}': it places "
                              "reference and reward in mode 'separated' only (keep 'auto')")
@@ -94,6 +106,7 @@ class DeploymentPlan:
     train: tuple[int, ...]
     reference: tuple[int, ...]
     reward: tuple[int, ...]
+    train_tp: int = 1  # tensor-parallel degree of the actor's training layout (`deploy.train_tp`)
 
     @classmethod
     def build(cls, cfg: DeployConfig, overlap: bool = False) -> "DeploymentPlan":
@@ -105,9 +118,29 @@ class DeploymentPlan:
             scorers = devices[k:] if on_train else devices[:k]
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
         if cfg.mode == "colocated" and n >= 3:
-            return cls(cfg.mode, n, rollout=devices[:-1], train=devices[:-1],
-                       reference=devices[-1:], reward=devices[-1:])
-        return cls(cfg.mode, n, rollout=devices, train=devices, reference=devices, reward=devices)
+            plan = cls(cfg.mode, n, rollout=devices[:-1], train=devices[:-1],
+                       reference=devices[-1:], reward=devices[-1:], train_tp=cfg.train_tp)
+        else:
+            plan = cls(cfg.mode, n, rollout=devices, train=devices, reference=devices, reward=devices,
+                       train_tp=cfg.train_tp)
+        train = len(plan.train)
+        if cfg.train_tp > 1 and train != n:
+            raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid with {n} devices in mode '{cfg.mode}': the "
+                             "training layout spans every device, so reference and reward may not have their own "
+                             "(use mode 'fully_shared', or colocated on at most 2 devices)")
+        if train % cfg.train_tp:
+            raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid: it must divide the {train} train devices "
+                             f"(allowed: {', '.join(str(d) for d in range(1, train + 1) if train % d == 0)})")
+        return plan
+
+    def dp_index(self, device: int) -> int:
+        """The data-parallel rank of a train device: its tensor-parallel group (`train_tp`
+        consecutive train devices) sees the same samples."""
+        return self.train.index(device) // self.train_tp
+
+    @property
+    def train_dp(self) -> int:
+        return len(self.train) // self.train_tp
 
     @property
     def colocated_actor(self) -> bool:

@@ -123,7 +123,13 @@ class RayDevices:
         return self.call([w.memory.remote() for w in self.workers])
 
     def pull_weights(self, model: torch.nn.Module) -> None:
-        model.load_state_dict(self.call([self.workers[self.plan.train[0]].weights.remote()])[0])
+        model.load_state_dict(self.on_train_devices("weights")[0])
+
+    def on_train_devices(self, method: str, *args: Any) -> list[Any]:
+        """Call a method of the train devices whose result they all hold: on the first one, or
+        on every one when the actor is split over a training layout (gathering is collective)."""
+        devices = self.plan.train if self.plan.train_tp > 1 else self.plan.train[:1]
+        return self.call([getattr(self.workers[d], method).remote(*args) for d in devices])
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -178,7 +184,7 @@ class _RolloutProxy:
         parts, refs, offset = _split(problems, len(self.d.plan.rollout)), {}, first_group_id
         share = self.score_here and self.d.cfg.deploy.share_scoring and len(self.d.plan.rollout) > 1
         for dev, part in zip(self.d.plan.rollout, parts):
-            if part:
+            if part or self.d.plan.train_tp > 1:  # a layout's switch is collective: every device joins
                 refs[dev] = self.d.workers[dev].generate.remote(part, offset, version, self.score_here, share)
             offset += len(part)
         if share:
@@ -289,12 +295,13 @@ class _ReferenceProxy:
 
 
 def _train_shards(devices: RayDevices, trajs: list[Trajectory]) -> list[tuple[int, list[Trajectory]]]:
-    """(train device, its samples): the batch split across the train devices by tokens."""
+    """(train device, its samples): the batch split by tokens across the data-parallel ranks
+    of the train devices (the devices of one tensor-parallel group get the same part)."""
     from rlfusion.queue import split_balanced
 
-    train = devices.plan.train
-    parts = split_balanced([t.num_tokens for t in trajs], len(train))
-    return [(dev, [trajs[i] for i in part]) for dev, part in zip(train, parts)]
+    plan = devices.plan
+    parts = split_balanced([t.num_tokens for t in trajs], plan.train_dp)
+    return [(dev, [trajs[i] for i in parts[plan.dp_index(dev)]]) for dev in plan.train]
 
 
 class _ActorProxy:
@@ -332,7 +339,7 @@ class _RemoteOptimizer:
         self.d = devices
 
     def state_dict(self) -> dict[str, Any]:
-        return self.d.call([self.d.workers[self.d.plan.train[0]].state.remote()])[0]
+        return self.d.on_train_devices("state")[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.d.call([w.load_state.remote(state) for w in self.d.workers])

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rlfusion.errors import RunError
 from rlfusion.engine.engine import EngineConfig, LLMEngine
@@ -444,7 +445,7 @@ class ActorStage:
             raise NonFiniteLossError(f"loss became {bad_loss} at policy version {self.version}")
         if self.dp_group is not None:
             metrics = self._sync(metrics)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        grad_norm = _clip_grad_norm(list(self.model.parameters()), self.optim_cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
@@ -515,17 +516,33 @@ def _group_sum(counts: list[int], group: Any) -> list[int]:
     return t.tolist()
 
 
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` that also takes tensor-parallel shards (DTensors) mixed with whole
+    tensors: a shard's norm is reduced over its mesh, a whole tensor counts once."""
+    if not any(isinstance(p, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = [torch.linalg.vector_norm(g.detach()) for g in grads]
+    total = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in squares]).sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef)
+    return total
+
+
 def _sum_over_replicas(params: list[torch.Tensor], metrics: dict[str, float], group: Any) -> dict[str, float]:
-    """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group."""
+    """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group (a
+    tensor-parallel shard is summed with the same shard of the other replicas)."""
     for p in params:
         if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
     gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(gathered, metrics, group=group)
     keys = sorted({k for m in gathered for k in m})

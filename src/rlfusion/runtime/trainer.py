@@ -68,7 +68,10 @@ class RLTrainer:
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         self.devices = None
         if cfg.deploy.backend == "ray":  # the stages run on device workers; `model` mirrors the policy
-            self.devices = RayDevices(cfg, DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg)), base_path)
+            plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
+            if plan.train_tp > 1:
+                _check_train_layout(cfg, plan, model.config)
+            self.devices = RayDevices(cfg, plan, base_path)
             self.rollout, self.reward = self.devices.rollout, self.devices.reward
             self.reference, self.actor, self.critic = self.devices.reference, self.devices.actor, self.devices.critic
         else:
@@ -356,6 +359,19 @@ class RLTrainer:
         save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
                         {"rl_steps": self.step, "heldout_accuracy": final})
         return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
+
+
+def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> None:
+    """Refuse a training layout this run cannot use, before any worker starts."""
+    from rlfusion.parallel.layout import ParallelLayout
+
+    if cfg.algo.advantage == "gae":
+        raise ValueError(f"deploy.train_tp={plan.train_tp} is invalid with algo.advantage=gae: the critic trains "
+                         "full replicas only (use deploy.train_tp=1, or a group advantage such as grpo)")
+    try:
+        ParallelLayout(dp=plan.train_dp, tp=plan.train_tp).validate(len(plan.train), model_cfg)
+    except ValueError as e:
+        raise ValueError(f"deploy.train_tp={plan.train_tp} does not fit the model: {e}") from None
 
 
 def stalesync_overlaps(cfg: TrainConfig) -> bool:

@@ -13,7 +13,11 @@ The driver reaches them through `ray_devices.RayDevices` and its stage-shaped pr
 In colocated and fully-shared modes the engine generates from the very tensors the optimizer
 updates, so the switch to rollout moves no weights: it offloads the optimizer state to host and
 frees the gradients, and allocates the KV cache; the switch back releases the KV cache and
-restores the optimizer state. In fully-shared mode the reference weights also live on host
+restores the optimizer state. With a training layout (`deploy.train_tp` > 1) the actor trains
+on tensor-parallel shards instead (`train_model`; data parallel across the TP groups), and the
+engine generates from a full replica per device (`policy`): the switch to rollout fills the
+replica from the shards in buckets of `deploy.bucket_mb` (`fusion/reshard.py`, collective over
+the devices), the switch back frees it. In fully-shared mode the reference weights also live on host
 except while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
 phase) and checks the zero-redundancy rule: peak during a switch ≤ max(train, rollout peak).
 `ray_devices.RayDevices` starts one Ray actor per device in a placement group and joins them in
@@ -34,10 +38,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlfusion.fusion.memory import MemoryLedger
-from rlfusion.fusion.offload import HostPool, optimizer_tensors
+from rlfusion.fusion.offload import HostPool, local_tensor, optimizer_tensors
+from rlfusion.fusion.reshard import build_inference_model, infer_to_train, release, train_to_infer
 from rlfusion.model.checkpoint import load_base
+from rlfusion.parallel.api import ParallelModel, lm_loss
+from rlfusion.parallel.layout import ParallelLayout
+from rlfusion.parallel.mesh import build_mesh
+from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks import make_task
@@ -62,9 +72,18 @@ class DeviceWorker:
         self.device, self.plan, self.cfg = device, plan, cfg
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path)
-        self.policy = model
-        self.rollout = (RolloutStage(model, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
+        # `train_model` is what the optimizer updates, `policy` what the engine generates from:
+        # one model, unless the actor trains in a layout (`deploy.train_tp`): then its TP shards
+        # (applied in `connect`) and a full replica, filled from them before every rollout
+        self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp)
+                       if plan.train_tp > 1 and device in plan.train else None)
+        self.train_model = model
+        self.policy = model if self.layout is None else build_inference_model(model.config)
+        self.pm: ParallelModel | None = None
+        self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
                         if "rollout" in roles else None)
+        if self.layout is not None:
+            release(self.policy)  # resident only while generating
         task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         reward_fn = task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
         self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
@@ -116,11 +135,23 @@ class DeviceWorker:
             self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
         if self.device in self.plan.train:
             dp_group = train_group if len(self.plan.train) > 1 else None
+            if self.layout is not None:
+                dp_group = self._apply_layout()
             if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
-                self.critic = CriticStage(self.policy, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
-            self.actor = ActorStage(self.policy, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
+                self.critic = CriticStage(self.train_model, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
+            self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
                                     total_updates=self.cfg.max_steps, dp_group=dp_group)
             self._account()
+
+    def _apply_layout(self) -> Any:
+        """Split the actor over its training layout: TP over `train_tp` consecutive train devices
+        (attention heads, dense and shared-expert FFN columns), data parallel across those groups.
+        Returns the data-parallel group (None with one TP group). Collective: every device joins."""
+        mesh = build_mesh(self.layout, self.train_model.config)
+        for block in self.train_model.layers:
+            apply_tensor_parallel(block, mesh.device_mesh["tp"])
+        self.pm = ParallelModel(mesh, [self.train_model], self.train_model.config, 1, lm_loss, torch.device("cpu"))
+        return mesh.group("dp") if self.layout.dp > 1 else None
 
     def ping(self) -> int:
         return self.device
@@ -249,7 +280,16 @@ class DeviceWorker:
         """Run `rollout()` in the inference layout: optimizer state to host and grads freed, KV
         cache in; the cache goes again afterwards, even if the rollout fails."""
         with self._span("switch"), self.ledger.phase("switch"):
-            if self.actor is not None and not self.optimizer_pool.entries:  # train → rollout
+            if self.pm is not None:  # train layout → replica, bucket by bucket (collective)
+                self.actor.optimizer.zero_grad(set_to_none=True)
+                offload = not self.optimizer_pool.entries  # not already on host (no update since)
+                stats = train_to_infer(self.pm, self.policy, int(self.cfg.deploy.bucket_mb * 2**20),
+                                       optimizer=self.actor.optimizer if offload else None,
+                                       pool=self.optimizer_pool if offload else None)
+                self.ledger.set("buckets", stats.peak_extra_bytes)  # the largest bucket in flight
+                self._account()
+                self.ledger.set("buckets", 0)
+            elif self.actor is not None and not self.optimizer_pool.entries:  # train → rollout
                 self.actor.optimizer.zero_grad(set_to_none=True)  # stale after the step
                 self.optimizer_pool.offload(optimizer_tensors(self.actor.optimizer))
                 self._account()
@@ -258,9 +298,11 @@ class DeviceWorker:
         try:
             with self._span("rollout"), self.ledger.phase("rollout"):
                 trajs = rollout()
-        finally:  # the cache never outlives the rollout, even a failed one
+        finally:  # the cache (and a replica) never outlive the rollout, even a failed one
             with self._span("switch"), self.ledger.phase("switch"):
                 self.rollout.engine.runner.cache.release()
+                if self.pm is not None:  # the optimizer state comes back for the update
+                    infer_to_train(self.pm, self.policy)
                 self._account()
         return trajs
 
@@ -307,11 +349,13 @@ class DeviceWorker:
         getattr(self.critic, part).load_state_dict(state)
 
     def memory(self) -> dict[str, Any]:
-        """Per-phase device peaks (bytes) since the last call, and the zero-redundancy check."""
+        """Per-phase device peaks (bytes) since the last call, and the zero-redundancy check
+        (one bucket allowed: a training layout's reshard fills the replica through one)."""
         peaks = self.ledger.peaks()
         ok = True
         if {"switch", "train", "rollout"} <= set(peaks):
-            ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=0)
+            bucket = int(self.cfg.deploy.bucket_mb * 2**20) if self.pm is not None else 0
+            ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=bucket)
         self.ledger = _fresh_ledger(self.ledger)
         return {"peaks": peaks, "zero_redundancy": ok}
 
@@ -320,9 +364,11 @@ class DeviceWorker:
         counted)."""
         led = self.ledger
         led.track("weights", list(self.policy.parameters()))
+        if self.train_model is not self.policy:  # the actor's shards in its training layout
+            led.track("weights", list(self.train_model.parameters()), name="train")
         if self.actor is not None:
             led.track("optimizer", optimizer_tensors(self.actor.optimizer))
-            led.track("grads", [p.grad for p in self.policy.parameters() if p.grad is not None])
+            led.track("grads", [p.grad for p in self.train_model.parameters() if p.grad is not None])
             led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
         if self.rollout is not None:
             led.set("kv_cache", self.rollout.engine.runner.cache.nbytes)
@@ -359,20 +405,38 @@ class DeviceWorker:
     # ---- state ----
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.policy.state_dict()
+        """The policy's full weights (in a training layout: gathered, collective over the train
+        devices)."""
+        return self.pm.full_state_dict() if self.pm is not None else self.policy.state_dict()
 
     def state(self) -> dict[str, Any]:
-        """The policy weights and optimizer state (train devices hold identical replicas)."""
+        """The policy weights and optimizer state, whole (train devices hold identical replicas;
+        in a training layout the shards are gathered: every train device must call this)."""
         if self.optimizer_pool.entries:  # offloaded for a rollout whose update was skipped
             self.optimizer_pool.restore()
             self._account()
-        return {"model": self.policy.state_dict(), "optimizer": self.actor.optimizer.state_dict(),
-                "version": self.actor.version}
+        optimizer = self.actor.optimizer.state_dict()
+        if self.pm is not None:
+            optimizer = {**optimizer, "state": {
+                i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
+                for i, st in sorted(optimizer["state"].items())}}
+        return {"model": self.weights(), "optimizer": optimizer, "version": self.actor.version}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.policy.load_state_dict(state["model"])
+        if self.pm is None:
+            self.policy.load_state_dict(state["model"])
+        else:  # each device keeps its shard of the whole tensors; the replica is filled per rollout
+            with torch.no_grad():
+                for name, t in self.train_model.state_dict(keep_vars=True).items():
+                    local_tensor(t).copy_(_local_part(state["model"][name], t))
         if self.actor is not None:
-            self.actor.optimizer.load_state_dict(state["optimizer"])
+            optimizer = state["optimizer"]
+            if self.pm is not None:  # whole optimizer states → this device's shards
+                params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
+                optimizer = {**optimizer, "state": {
+                    i: {k: _to_layout(v, params[int(i)]) if k != "step" else v for k, v in st.items()}
+                    for i, st in optimizer["state"].items()}}
+            self.actor.optimizer.load_state_dict(optimizer)
             self.actor.version = state["version"]
 
     def skip_update(self) -> None:
@@ -404,6 +468,20 @@ class DeviceWorker:
             yield
         finally:
             self.spans.append((phase, start, time.time()))
+
+
+def _local_part(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This device's part of a whole tensor, shaped like `like` (a DTensor's local shard)."""
+    if not isinstance(like, DTensor):
+        return whole
+    return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _to_layout(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole optimizer-state tensor laid out like its parameter (a DTensor for TP shards)."""
+    if not isinstance(param, DTensor) or not isinstance(whole, torch.Tensor) or whole.shape != param.shape:
+        return whole
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
 
 
 def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
