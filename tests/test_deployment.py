@@ -115,26 +115,38 @@ def test_bad_train_layout(kwargs, match):
 
 def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_start(tmp_path):
     cfg = _cfg(tmp_path, "fully_shared", **{"deploy.num_devices": 4, "deploy.train_tp": 4})  # 2 kv heads
-    with pytest.raises(ValueError, match="deploy.train_tp=4 does not fit the model"):
+    with pytest.raises(ValueError, match="deploy.train_tp=4 / train_ep=1 does not fit the model"):
         RLTrainer(cfg, tmp_path / "run", find_base())
     with pytest.raises(ValueError, match="algo.advantage=gae"):
         RLTrainer(_cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "algo.advantage": "gae"}),
                   tmp_path / "run", find_base())
 
 
-def test_tensor_parallel_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path):
-    """`deploy.train_tp=2`: the actor trains on TP shards over both devices and takes exactly
-    the one-process step; each rollout runs on a full replica filled from the shards (bucketed
+@pytest.mark.parametrize("layout, pick", [
+    ({"deploy.train_tp": 2}, None),
+    ({"deploy.train_ep": 2}, None),
+    # the three longest samples in 64-token micro-batches: one data-parallel rank gets two
+    # (two micro-batches), the other one, which joins the first's second expert all-to-alls
+    # with a pass that contributes nothing
+    ({"deploy.train_ep": 2, "optim.microbatch_tokens": 64}, "3 longest"),
+])
+def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path, layout, pick):
+    """`deploy.train_tp=2` / `train_ep=2`: the actor trains on TP shards over both devices, or
+    with its routed experts split over them (data parallel otherwise), and takes exactly the
+    one-process step; each rollout runs on a full replica filled from the shards (bucketed
     reshard) and freed after it, within the zero-redundancy bound; checkpoints hold whole
     tensors and load back into the shards."""
     base = find_base()
-    cfg = _cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "deploy.bucket_mb": 0.25})
+    cfg = _cfg(tmp_path, "colocated", **layout, **{"deploy.bucket_mb": 0.25})
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
         model, _, _ = load_checkpoint(base)
         trajs = _sample(cfg, base, 4)
         for i, t in enumerate(trajs):
             t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
+        if pick:
+            trajs = sorted(trajs, key=lambda t: t.num_tokens)[-3:]
+            assert sum(t.num_tokens for t in trajs[-2:]) > 64
         reference = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature, total_updates=cfg.max_steps)
         want = reference.update(copy.deepcopy(trajs))
         got = trainer.actor.update(copy.deepcopy(trajs))
@@ -292,11 +304,12 @@ def test_skipped_update_keeps_versions_and_checkpoints_with_offloaded_optimizer(
         trainer.close()
 
 
-def test_non_finite_loss_on_one_train_device_stops_both(ray_session, tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"deploy.train_ep": 2, "optim.microbatch_tokens": 64}])
+def test_non_finite_loss_on_one_train_device_stops_both(ray_session, tmp_path, layout):
     """A NaN on one data-parallel rank raises on every rank instead of leaving its peer waiting
-    in the gradient sum."""
+    in the gradient sum (or, with experts split over the ranks, in the next all-to-all)."""
     base = find_base()
-    cfg = _cfg(tmp_path, "colocated")
+    cfg = _cfg(tmp_path, "colocated", **layout)
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
         trajs = _sample(cfg, base, 4)

@@ -49,11 +49,13 @@ class DeployConfig:
     # separated mode: where reference and reward run, "rollout" or "train" devices; "auto" =
     # "train" when StaleSync overlaps rollout and update (max_staleness >= 1), else "rollout"
     scorers: str = "auto"
-    # the actor's training layout: tensor-parallel degree over the train devices (the rest data
-    # parallel). 1 = a full replica per device. > 1 (colocated / fully_shared): the actor trains
-    # on TP shards and every rollout runs on a full replica per device, filled from the shards
-    # in buckets of `bucket_mb` before it (fusion/reshard.py) and freed after it
+    # the actor's training layout over the train devices: tensor-parallel degree (the rest data
+    # parallel) and expert-parallel degree (routed experts split over that many devices, a
+    # multiple of train_tp). 1 and 1 = a full replica per device. Otherwise (colocated /
+    # fully_shared) the actor trains on its shards and every rollout runs on a full replica per
+    # device, filled from them in buckets of `bucket_mb` before it (fusion/reshard.py), freed after
     train_tp: int = 1
+    train_ep: int = 1
 
     def __post_init__(self) -> None:
         check_fields("deploy", {
@@ -64,12 +66,12 @@ class DeployConfig:
             "bucket_mb": (self.bucket_mb > 0, "must be > 0"),
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
             "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),
+            "train_ep": (self.train_ep >= 1, "must be >= 1 (1 = every device holds every expert)"),
         }, self)
-        if self.train_tp > 1:
-            if self.mode == "separated" or self.backend != "ray":
-                raise ValueError(f"deploy.train_tp={self.train_tp} is invalid with mode '{self.mode}' and backend "
-                                 f"'{self.backend}': a training layout needs backend 'ray' and mode 'colocated' "
-                                 "or 'fully_shared' (the actor's devices both train and generate)")
+        if self.train_layout and (self.mode == "separated" or self.backend != "ray"):
+            raise ValueError(f"deploy.train_tp={self.train_tp} / train_ep={self.train_ep} is invalid with mode "
+                             f"'{self.mode}' and backend '{self.backend}': a training layout needs backend 'ray' and "
+                             "mode 'colocated' or 'fully_shared' (the actor's devices both train and generate)")
 
         if self.scorers != "auto" and self.mode != "separated":
             raise ValueError(f"deploy.scorers={self.scorers} is invalid with mode '{self.mode}': it places "
@@ -80,6 +82,11 @@ class DeployConfig:
         if self.mode == "separated" and self.devices < 2:
             raise ValueError(f"deploy.num_devices={self.devices} is invalid: mode 'separated' "
                              "needs >= 2 (rollout and training devices are disjoint)")
+
+    @property
+    def train_layout(self) -> bool:
+        """The actor trains split over a layout instead of as full replicas."""
+        return self.train_tp > 1 or self.train_ep > 1
 
     @property
     def devices(self) -> int:
@@ -106,7 +113,8 @@ class DeploymentPlan:
     train: tuple[int, ...]
     reference: tuple[int, ...]
     reward: tuple[int, ...]
-    train_tp: int = 1  # tensor-parallel degree of the actor's training layout (`deploy.train_tp`)
+    train_tp: int = 1  # the actor's training layout (`deploy.train_tp`, `deploy.train_ep`)
+    train_ep: int = 1
 
     @classmethod
     def build(cls, cfg: DeployConfig, overlap: bool = False) -> "DeploymentPlan":
@@ -119,15 +127,16 @@ class DeploymentPlan:
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
         if cfg.mode == "colocated" and n >= 3:
             plan = cls(cfg.mode, n, rollout=devices[:-1], train=devices[:-1],
-                       reference=devices[-1:], reward=devices[-1:], train_tp=cfg.train_tp)
+                       reference=devices[-1:], reward=devices[-1:], train_tp=cfg.train_tp,
+                       train_ep=cfg.train_ep)
         else:
             plan = cls(cfg.mode, n, rollout=devices, train=devices, reference=devices, reward=devices,
-                       train_tp=cfg.train_tp)
+                       train_tp=cfg.train_tp, train_ep=cfg.train_ep)
         train = len(plan.train)
-        if cfg.train_tp > 1 and train != n:
-            raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid with {n} devices in mode '{cfg.mode}': the "
-                             "training layout spans every device, so reference and reward may not have their own "
-                             "(use mode 'fully_shared', or colocated on at most 2 devices)")
+        if cfg.train_layout and train != n:
+            raise ValueError(f"deploy.train_tp={cfg.train_tp} / train_ep={cfg.train_ep} is invalid with {n} devices in "
+                             f"mode '{cfg.mode}': the training layout spans every device, so reference and reward may "
+                             "not have their own (use mode 'fully_shared', or colocated on at most 2 devices)")
         if train % cfg.train_tp:
             raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid: it must divide the {train} train devices "
                              f"(allowed: {', '.join(str(d) for d in range(1, train + 1) if train % d == 0)})")
@@ -141,6 +150,10 @@ class DeploymentPlan:
     @property
     def train_dp(self) -> int:
         return len(self.train) // self.train_tp
+
+    @property
+    def train_layout(self) -> bool:
+        return self.train_tp > 1 or self.train_ep > 1
 
     @property
     def colocated_actor(self) -> bool:

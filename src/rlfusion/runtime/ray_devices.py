@@ -128,7 +128,7 @@ class RayDevices:
     def on_train_devices(self, method: str, *args: Any) -> list[Any]:
         """Call a method of the train devices whose result they all hold: on the first one, or
         on every one when the actor is split over a training layout (gathering is collective)."""
-        devices = self.plan.train if self.plan.train_tp > 1 else self.plan.train[:1]
+        devices = self.plan.train if self.plan.train_layout else self.plan.train[:1]
         return self.call([getattr(self.workers[d], method).remote(*args) for d in devices])
 
     def shutdown(self) -> None:
@@ -184,7 +184,7 @@ class _RolloutProxy:
         parts, refs, offset = _split(problems, len(self.d.plan.rollout)), {}, first_group_id
         share = self.score_here and self.d.cfg.deploy.share_scoring and len(self.d.plan.rollout) > 1
         for dev, part in zip(self.d.plan.rollout, parts):
-            if part or self.d.plan.train_tp > 1:  # a layout's switch is collective: every device joins
+            if part or self.d.plan.train_layout:  # a layout's switch is collective: every device joins
                 refs[dev] = self.d.workers[dev].generate.remote(part, offset, version, self.score_here, share)
             offset += len(part)
         if share:

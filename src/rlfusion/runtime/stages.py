@@ -22,6 +22,7 @@ from rlfusion.errors import RunError
 from rlfusion.engine.engine import EngineConfig, LLMEngine
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.evaluate import encode_prompt
+from rlfusion.model.kv_cache import PackedSeqs
 from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl import advantages as adv
@@ -368,9 +369,18 @@ class ActorStage:
     group before clipping, so every rank takes the full-batch step and the replicas stay equal."""
 
     def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig,
-                 temperature: float, total_updates: int = 0, dp_group: Any = None):
+                 temperature: float, total_updates: int = 0, dp_group: Any = None, layout: Any = None):
         self.model, self.algo, self.optim_cfg, self.temperature = model, algo, optim, temperature
         self.dp_group = dp_group
+        # `layout`: the `ParallelModel` when `model` is split over a training layout. Its routed
+        # experts' shards are summed over their expert-data-parallel group (not the dp group),
+        # and its forward passes are collectives (expert all-to-all) across data-parallel ranks,
+        # so those ranks run equally many (`_lockstep`)
+        experts = list(layout.experts) if layout is not None else []
+        self.expert_params = {id(p) for m in experts for p in m.parameters(recurse=False)}
+        self.edp_group = experts[0].edp_group if experts else None
+        self.ep_group = experts[0].ep.group if experts and experts[0].ep.size > 1 else None
+        self.lockstep = bool(experts) and dp_group is not None
         self.total_updates = total_updates  # horizon of the lr decay; 0 = constant
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
                                            betas=(optim.beta1, optim.beta2),
@@ -405,7 +415,10 @@ class ActorStage:
 
     @torch.no_grad()
     def _set_proximal(self, trajs: list[Trajectory]) -> None:
-        for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens):
+        for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
+            if micro is None:
+                self._dummy_pass(backward=False)
+                continue
             batch = pack(micro)
             logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
             per_seq = logprobs_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in micro])
@@ -431,11 +444,17 @@ class ActorStage:
             return None
         metrics: dict[str, float] = {}
         bad_loss = None
-        for micro in split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []:
+        for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
+            if micro is None or bad_loss is not None:  # only keeps in step with the other ranks
+                self._dummy_pass(backward=True)
+                continue
             loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
             if not math.isfinite(loss.item()):
                 bad_loss = loss.item()
-                break  # with a DP group the peers learn of it below instead of hanging in the sum
+                if not self.lockstep:
+                    break  # with a DP group the peers learn of it below instead of hanging in the sum
+                (loss * 0.0).backward()  # its backward is a collective too
+                continue
             loss.backward()
             for k, v in m.items():  # token-weighted average over micro-batches
                 metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
@@ -445,7 +464,8 @@ class ActorStage:
             raise NonFiniteLossError(f"loss became {bad_loss} at policy version {self.version}")
         if self.dp_group is not None:
             metrics = self._sync(metrics)
-        grad_norm = _clip_grad_norm(list(self.model.parameters()), self.optim_cfg.grad_clip)
+        grad_norm = _clip_grad_norm(list(self.model.parameters()), self.optim_cfg.grad_clip,
+                                    self.expert_params, self.ep_group)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
@@ -479,7 +499,34 @@ class ActorStage:
             r.tokens_per_expert.copy_(load)
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
-        return _sum_over_replicas(list(self.model.parameters()), metrics, self.dp_group)
+        params = list(self.model.parameters())
+        metrics = _sum_over_replicas([p for p in params if id(p) not in self.expert_params], metrics, self.dp_group)
+        for p in params:
+            if id(p) in self.expert_params and self.edp_group is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.edp_group)
+        return metrics
+
+    def _lockstep(self, micros: list) -> list:
+        """`micros` padded with None to the most any data-parallel rank has, when the forward
+        passes are collectives across those ranks (expert parallelism); else as they are."""
+        if not self.lockstep:
+            return micros
+        most = torch.tensor([len(micros)], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return micros + [None] * (int(most) - len(micros))
+
+    def _dummy_pass(self, backward: bool) -> None:
+        """A forward (and backward) over one token that contributes nothing: it joins the
+        collectives of the other ranks' pass. The routers' load counts are left as they were."""
+        routers = self.model.routers()
+        counts = [r.tokens_per_expert.clone() for r in routers]
+        out = self.model(torch.zeros(1, 1, dtype=torch.long), packed=PackedSeqs.from_lengths([1]))
+        if backward:
+            (out.float().sum() * 0.0).backward()
+        for r, c in zip(routers, counts):
+            r.tokens_per_expert.copy_(c)
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
         batch = pack(micro)
@@ -516,14 +563,24 @@ def _group_sum(counts: list[int], group: Any) -> list[int]:
     return t.tolist()
 
 
-def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` that also takes tensor-parallel shards (DTensors) mixed with whole
-    tensors: a shard's norm is reduced over its mesh, a whole tensor counts once."""
-    if not any(isinstance(p, DTensor) for p in params):
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: set[int] = frozenset(),
+                    ep_group: Any = None) -> torch.Tensor:
+    """`clip_grad_norm_` that also takes the shards of a training layout mixed with whole
+    tensors: a tensor-parallel shard's (DTensor) norm is reduced over its mesh, expert shards'
+    (`expert_params`) over their expert-parallel group, a whole tensor counts once."""
+    if not expert_params and not any(isinstance(p, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [p.grad for p in params if p.grad is not None]
-    squares = [torch.linalg.vector_norm(g.detach()) for g in grads]
-    total = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in squares]).sum().sqrt()
+    dense = [torch.linalg.vector_norm(p.grad.detach()) for p in params
+             if p.grad is not None and id(p) not in expert_params]
+    squares = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in dense]).sum()
+    experts = [p.grad.detach() for p in params if p.grad is not None and id(p) in expert_params]
+    if experts:
+        expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum()
+        if ep_group is not None:
+            dist.all_reduce(expert_sq, group=ep_group)
+        squares = squares + expert_sq
+    total = squares.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef)

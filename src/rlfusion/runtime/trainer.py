@@ -69,7 +69,7 @@ class RLTrainer:
         self.devices = None
         if cfg.deploy.backend == "ray":  # the stages run on device workers; `model` mirrors the policy
             plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
-            if plan.train_tp > 1:
+            if plan.train_layout:
                 _check_train_layout(cfg, plan, model.config)
             self.devices = RayDevices(cfg, plan, base_path)
             self.rollout, self.reward = self.devices.rollout, self.devices.reward
@@ -366,12 +366,14 @@ def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> No
     from rlfusion.parallel.layout import ParallelLayout
 
     if cfg.algo.advantage == "gae":
-        raise ValueError(f"deploy.train_tp={plan.train_tp} is invalid with algo.advantage=gae: the critic trains "
-                         "full replicas only (use deploy.train_tp=1, or a group advantage such as grpo)")
+        raise ValueError(f"deploy.train_tp={plan.train_tp} / train_ep={plan.train_ep} is invalid with "
+                         "algo.advantage=gae: the critic trains full replicas only (use deploy.train_tp=1 and "
+                         "train_ep=1, or a group advantage such as grpo)")
     try:
-        ParallelLayout(dp=plan.train_dp, tp=plan.train_tp).validate(len(plan.train), model_cfg)
+        ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep).validate(len(plan.train), model_cfg)
     except ValueError as e:
-        raise ValueError(f"deploy.train_tp={plan.train_tp} does not fit the model: {e}") from None
+        raise ValueError(f"deploy.train_tp={plan.train_tp} / train_ep={plan.train_ep} does not fit the model: "
+                         f"{e}") from None
 
 
 def stalesync_overlaps(cfg: TrainConfig) -> bool:

@@ -13,9 +13,10 @@ The driver reaches them through `ray_devices.RayDevices` and its stage-shaped pr
 In colocated and fully-shared modes the engine generates from the very tensors the optimizer
 updates, so the switch to rollout moves no weights: it offloads the optimizer state to host and
 frees the gradients, and allocates the KV cache; the switch back releases the KV cache and
-restores the optimizer state. With a training layout (`deploy.train_tp` > 1) the actor trains
-on tensor-parallel shards instead (`train_model`; data parallel across the TP groups), and the
-engine generates from a full replica per device (`policy`): the switch to rollout fills the
+restores the optimizer state. With a training layout (`deploy.train_tp` / `deploy.train_ep`)
+the actor trains on its shards instead (`train_model`: attention heads and dense FFN columns
+over TP, routed experts over EP, data parallel across the TP groups), and the engine generates
+from a full replica per device (`policy`): the switch to rollout fills the
 replica from the shards in buckets of `deploy.bucket_mb` (`fusion/reshard.py`, collective over
 the devices), the switch back frees it. In fully-shared mode the reference weights also live on host
 except while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
@@ -45,6 +46,7 @@ from rlfusion.fusion.offload import HostPool, local_tensor, optimizer_tensors
 from rlfusion.fusion.reshard import build_inference_model, infer_to_train, release, train_to_infer
 from rlfusion.model.checkpoint import load_base
 from rlfusion.parallel.api import ParallelModel, lm_loss
+from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import build_mesh
 from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
@@ -73,13 +75,14 @@ class DeviceWorker:
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path)
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
-        # one model, unless the actor trains in a layout (`deploy.train_tp`): then its TP shards
-        # (applied in `connect`) and a full replica, filled from them before every rollout
-        self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp)
-                       if plan.train_tp > 1 and device in plan.train else None)
+        # one model, unless the actor trains in a layout (`deploy.train_tp` / `train_ep`): then its
+        # shards (applied in `connect`) and a full replica, filled from them before every rollout
+        self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep)
+                       if plan.train_layout and device in plan.train else None)
         self.train_model = model
         self.policy = model if self.layout is None else build_inference_model(model.config)
         self.pm: ParallelModel | None = None
+        self._experts_of: dict[int, ExpertParallelExperts] = {}  # expert-parallel parameter → its module
         self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
                         if "rollout" in roles else None)
         if self.layout is not None:
@@ -140,17 +143,23 @@ class DeviceWorker:
             if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
                 self.critic = CriticStage(self.train_model, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
             self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
-                                    total_updates=self.cfg.max_steps, dp_group=dp_group)
+                                    total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm)
             self._account()
 
     def _apply_layout(self) -> Any:
         """Split the actor over its training layout: TP over `train_tp` consecutive train devices
-        (attention heads, dense and shared-expert FFN columns), data parallel across those groups.
-        Returns the data-parallel group (None with one TP group). Collective: every device joins."""
+        (attention heads, dense and shared-expert FFN columns), routed experts over `train_ep`
+        devices, data parallel across the TP groups (no FSDP: `ActorStage` sums the replicas'
+        gradients, expert shards over their expert-data-parallel group). Returns the
+        data-parallel group (None with one TP group). Collective: every device joins."""
         mesh = build_mesh(self.layout, self.train_model.config)
         for block in self.train_model.layers:
-            apply_tensor_parallel(block, mesh.device_mesh["tp"])
+            if self.layout.tp > 1:
+                apply_tensor_parallel(block, mesh.device_mesh["tp"])
+            if block.is_moe and self.layout.ep > 1:
+                block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
         self.pm = ParallelModel(mesh, [self.train_model], self.train_model.config, 1, lm_loss, torch.device("cpu"))
+        self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
         return mesh.group("dp") if self.layout.dp > 1 else None
 
     def ping(self) -> int:
@@ -417,10 +426,33 @@ class DeviceWorker:
             self._account()
         optimizer = self.actor.optimizer.state_dict()
         if self.pm is not None:
-            optimizer = {**optimizer, "state": {
-                i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
-                for i, st in sorted(optimizer["state"].items())}}
+            params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
+            optimizer = {**optimizer, "state": {i: {k: self._whole(v, params[i]) for k, v in st.items()}
+                                                for i, st in sorted(optimizer["state"].items())}}
         return {"model": self.weights(), "optimizer": optimizer, "version": self.actor.version}
+
+    def _whole(self, t: Any, param: torch.Tensor) -> Any:
+        """A parameter's (or its optimizer state's) whole tensor from this device's shard:
+        TP shards gathered over their mesh, expert shards over their expert-parallel group
+        (collective: every train device calls it in the same order)."""
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+        experts = self._experts_of.get(id(param))
+        if experts is not None and isinstance(t, torch.Tensor) and t.shape == param.shape:
+            return experts.gather_full(t)
+        return t
+
+    def _part(self, whole: Any, param: torch.Tensor) -> Any:
+        """This device's part of a whole tensor, laid out like `param` (the inverse of `_whole`)."""
+        if not isinstance(whole, torch.Tensor):
+            return whole
+        if isinstance(param, DTensor):
+            return distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        experts = self._experts_of.get(id(param))
+        if experts is not None and whole.shape[1:] == param.shape[1:] and whole.shape[0] != param.shape[0]:
+            assert experts.expert_to_slot_E is None, "expert placement moved: experts are not in logical order"
+            return whole[experts.first_expert:experts.first_expert + experts.num_local]
+        return whole
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.pm is None:
@@ -428,13 +460,13 @@ class DeviceWorker:
         else:  # each device keeps its shard of the whole tensors; the replica is filled per rollout
             with torch.no_grad():
                 for name, t in self.train_model.state_dict(keep_vars=True).items():
-                    local_tensor(t).copy_(_local_part(state["model"][name], t))
+                    local_tensor(t).copy_(local_tensor(self._part(state["model"][name], t)))
         if self.actor is not None:
             optimizer = state["optimizer"]
             if self.pm is not None:  # whole optimizer states → this device's shards
                 params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
                 optimizer = {**optimizer, "state": {
-                    i: {k: _to_layout(v, params[int(i)]) if k != "step" else v for k, v in st.items()}
+                    i: {k: self._part(v, params[int(i)]) if k != "step" else v for k, v in st.items()}
                     for i, st in optimizer["state"].items()}}
             self.actor.optimizer.load_state_dict(optimizer)
             self.actor.version = state["version"]
@@ -468,20 +500,6 @@ class DeviceWorker:
             yield
         finally:
             self.spans.append((phase, start, time.time()))
-
-
-def _local_part(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This device's part of a whole tensor, shaped like `like` (a DTensor's local shard)."""
-    if not isinstance(like, DTensor):
-        return whole
-    return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
-def _to_layout(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A whole optimizer-state tensor laid out like its parameter (a DTensor for TP shards)."""
-    if not isinstance(param, DTensor) or not isinstance(whole, torch.Tensor) or whole.shape != param.shape:
-        return whole
-    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
 
 
 def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
