@@ -233,10 +233,11 @@ def test_killed_worker_names_its_device_and_roles(ray_session, tmp_path):
         trainer.close()
 
 
-def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"deploy.train_tp": 2, "deploy.train_ep": 2}])
+def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path, layout):
     from rlfusion.runtime.trainer import resume
 
-    cfg = _cfg(tmp_path, "colocated", max_steps=2, checkpoint_every=1, eval_every=100, run_name="r")
+    cfg = _cfg(tmp_path, "colocated", max_steps=2, checkpoint_every=1, eval_every=100, run_name="r", **layout)
     trainer = RLTrainer(cfg, tmp_path / "r", find_base())
     try:
         trainer.run(progress=False)  # 2 steps, checkpointed
@@ -248,7 +249,8 @@ def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path)
     again = resume(tmp_path / "r", {"max_steps": 3})
     try:
         assert again.step == 2 and again.actor.version == 2
-        weights = again.devices.call([w.weights.remote() for w in again.devices.workers])
+        weights = again.devices.on_train_devices("weights") if layout else again.devices.call(
+            [w.weights.remote() for w in again.devices.workers])
         saved = again.model.state_dict()  # the driver's copy, loaded from the checkpoint
         assert all(torch.equal(weights[d][k], saved[k]) for d in (0, 1) for k in saved)
         result = again.run(progress=False)
