@@ -10,6 +10,11 @@ the colocated modes the engine generates from the very tensors the optimizer upd
 weights move: the switch offloads the optimizer state and allocates the KV cache (and back).
 Switch time counts both kinds (transfer and switch spans, the busier device).
 
+Two more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
+`deploy.train_ep=2`: routed experts split over the two devices): their switch gathers the shards
+into a full replica per device in buckets before every rollout (fusion/reshard.py) and frees it
+after. They run after the three modes in each round and take no part in the targets.
+
     python bench/fusion.py            # 9 rounds (~2 min)
     python bench/fusion.py --quick    # 3 rounds
 """
@@ -29,13 +34,16 @@ from rlfusion.config import load_config
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
-MODES = ("separated", "colocated", "fully_shared")
+DEPLOY_MODES = ("separated", "colocated", "fully_shared")
+MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2")
+LAYOUTS = {"colocated_tp2": ("colocated", ["deploy.train_tp=2"]), "colocated_ep2": ("colocated", ["deploy.train_ep=2"])}
 PHASES = ("rollout", "reference", "reward", "train", "switch", "transfer")
 
 
 def make_trainer(mode: str, out: Path) -> RLTrainer:
-    cfg = load_config(TrainConfig, None, [f"deploy.mode={mode}", "deploy.backend=ray", "deploy.num_devices=2",
-                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\""])
+    deploy_mode, layout = LAYOUTS.get(mode, (mode, []))
+    cfg = load_config(TrainConfig, None, [f"deploy.mode={deploy_mode}", "deploy.backend=ray", "deploy.num_devices=2",
+                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *layout])
     return RLTrainer(cfg, out / mode, find_base())
 
 
@@ -87,8 +95,8 @@ def main() -> None:
     rounds = 3 if parser.parse_args().quick else 9
     ceiling = two_process_ceiling(5)
     print(f"two-process throughput ceiling on this machine: {ceiling:.2f}x (2.00 = two independent cores)", flush=True)
-    # logical CPUs for three 2-device placement groups; only one mode runs at a time
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # logical CPUs for one 2-device placement group per mode; only one mode runs at a time
+    ray.init(num_cpus=2 * len(MODES), include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {m: make_trainer(m, Path(tmp)) for m in MODES}

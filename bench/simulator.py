@@ -258,7 +258,7 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
     of `bench/stalesync.py` in STALESYNC_CASES (2 Ray devices, 1 thread each, 32 prompts x 8
     samples), interleaved: a warm-up step each, then rounds of one step per run in turn."""
     import ray
-    from fusion import MODES, make_trainer  # bench/fusion.py, next to this file
+    from fusion import DEPLOY_MODES as MODES, make_trainer  # bench/fusion.py, next to this file
     from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
 
     sim_mode = {"separated": "separated", "colocated": "colocated", "fully_shared": "shared"}

@@ -7,7 +7,10 @@ it into the replica) and `infer_to_train` (free the replica, restore what was of
 replica's `release` / `materialize`, and the per-switch `SwitchStats`.
 
 Where a tensor comes from in the training layout, for one bucket:
-- TP / FSDP shards (DTensors): `full_tensor()` over that tensor's own mesh;
+- TP shards split evenly along one dim: several per all-gather (packed, as much as gathering
+  the bucket's largest tensor would hold), each full tensor put back from its pieces; other
+  DTensors (FSDP, uneven splits) and a shard that batches alone: `full_tensor()` over that
+  tensor's own mesh;
 - routed-expert shards (EP): one `all_gather_single` over the EP group, straight into the
   bucket (experts are split along dim 0, so the shards land contiguously); when the replica
   is expert-parallel too, one `all_to_all_single` instead that sends each rank only the
@@ -255,13 +258,64 @@ def _owner_runs(bucket: Bucket, owner: dict[str, int]) -> list[tuple[int, int, i
     return runs
 
 
+def _evenly_sharded(t: torch.Tensor) -> bool:
+    """A DTensor split in equal pieces along one dim of a 1-D mesh (a TP shard)."""
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or len(t.placements) != 1:
+        return False
+    p = t.placements[0]
+    return p.is_shard() and t.shape[p.dim] % t.device_mesh.size() == 0
+
+
+def _gather_shards(bucket: Bucket, flat: torch.Tensor, src: _Source) -> tuple[set[str], int, int]:
+    """The bucket's evenly sharded TP slots, several per all-gather instead of one each: local
+    shards packed, gathered, and each full tensor written piece by piece into `flat`. A batch's
+    packed and gathered buffers together stay within the bucket's largest tensor (what gathering
+    that one tensor would hold); a slot that would batch alone is left to `_gather_slot`.
+    Returns (the names done, received bytes, temporary bytes)."""
+    limit = max(slot.spec.numel for slot in bucket.slots) * flat.element_size()
+    batches: list[list] = []
+    size = 0
+    for slot in bucket.slots:
+        t = src.tensors.get(slot.spec.name)
+        if not _evenly_sharded(t):
+            continue
+        world = t.device_mesh.size()
+        cost = slot.spec.numel * flat.element_size() * (world + 1) // world  # its packed + gathered bytes
+        if batches and batches[-1][-1][1].device_mesh == t.device_mesh and size + cost <= limit:
+            batches[-1].append((slot, t))
+            size += cost
+        else:
+            batches.append([(slot, t)])
+            size = cost
+    done, recv, temp = set(), 0, 0
+    for items in (b for b in batches if len(b) > 1):
+        mesh = items[0][1].device_mesh
+        world = mesh.size()
+        send = torch.cat([t._local_tensor.reshape(-1).to(flat.dtype) for _, t in items])
+        gathered = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+        dist.all_gather_single(gathered, send, group=mesh.get_group())
+        pieces_R = gathered.view(world, -1)
+        offset = 0
+        for slot, t in items:
+            local, dim = t._local_tensor, t.placements[0].dim
+            n, chunk = local.numel(), local.shape[dim]
+            full = slot_view(flat, slot).view(t.shape)
+            for r in range(world):
+                full.narrow(dim, r * chunk, chunk).copy_(pieces_R[r, offset:offset + n].view(local.shape))
+            offset += n
+            done.add(slot.spec.name)
+        recv += (world - 1) * send.nbytes
+        temp = max(temp, send.nbytes + gathered.nbytes)
+    return done, recv, temp
+
+
 def _fill_bucket(bucket: Bucket, flat: torch.Tensor, src: _Source, pm: ParallelModel
                  ) -> tuple[int, int]:
     """Gather every slot of `bucket` into `flat` on every rank. Returns (received, temp) bytes."""
-    recv, temp = 0, 0
+    done, recv, temp = _gather_shards(bucket, flat, src)
     for slot in bucket.slots:
         name = slot.spec.name
-        if name in src.tensors:  # this rank's pipeline stage holds it
+        if name in src.tensors and name not in done:  # this rank's pipeline stage holds it
             experts = src.experts.get(name)
             wants = src.wants if experts is not None else None
             r, t = _gather_slot(slot_view(flat, slot), src.tensors[name], experts, wants)
