@@ -8,9 +8,14 @@ concurrently), so all variants share the machine's load; after `--updates` updat
 is evaluated greedily on the same held-out problems. Tokens/s = generated tokens / step wall time
 summed over the updates after the first two (the separated pipeline fills in its first step).
 
-    python bench/stalesync.py            # 30 updates per variant, 500 held-out problems (~15 min)
-    python bench/stalesync.py --quick    # 8 updates, 100 held-out problems
-    python bench/stalesync.py --seed 1 --variants "sync colocated,stalesync s=1 colocated"
+Held-out accuracy after 30 updates moves by several points with the seed alone (two synchronous
+runs of the same algorithm that differ only in their random streams have differed by 3.8
+points), so the whole interleaved run repeats for `--seeds` seeds and the accuracy gap is taken
+between the variants' mean accuracies; every seed's accuracy is printed. Tokens/s pools all seeds.
+
+    python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~45 min)
+    python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
+    python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
 """
 
 from __future__ import annotations
@@ -57,57 +62,69 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--updates", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds to run (default 3; --quick 1)")
     parser.add_argument("--gantt", default="", help="folder for one Gantt PNG per variant (its last update); "
                                                    "default: docs/img for the full default run")
     parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
     updates = args.updates or (8 if args.quick else 30)
+    seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     eval_problems = 100 if args.quick else 500
     names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or BASELINE not in names:
         raise SystemExit(f"--variants: unknown {unknown} or missing {BASELINE!r}; allowed: {', '.join(VARIANTS)}")
-    if updates < 4:
-        raise SystemExit(f"--updates={updates}: need >= 4 (the first two are not timed)")
+    if updates < 4 or not seeds:
+        raise SystemExit(f"--updates={updates} --seeds={len(seeds)}: need >= 4 updates (the first two are not "
+                         "timed) and >= 1 seed")
     ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
-    rows: dict[str, list[dict]] = {n: [] for n in names}
-    acc: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, args.seed) for n in names}
-        base_acc = trainers[BASELINE].evaluate().accuracy
-        print(f"base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
-        for u in range(updates):
+    rows: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
+    every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
+    accs: dict[str, list[float]] = {n: [] for n in names}
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed) for n in names}
+            base_acc = trainers[BASELINE].evaluate().accuracy
+            print(f"seed {seed}: base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
+            for u in range(updates):
+                for n in names:
+                    m = trainers[n].train_step()
+                    every[n].append(m)
+                    if u >= 2:
+                        rows[n].append(m)
+                print(f"seed {seed} update {u + 1}: " + ", ".join(
+                    f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
+                      + " tok/s", flush=True)
             for n in names:
-                m = trainers[n].train_step()
-                rows[n].append(m)
-            print(f"update {u + 1}: " + ", ".join(f"{n} {rows[n][-1]['generated_tokens'] / rows[n][-1]['time_step_s']:.0f}"
-                                               for n in names) + " tok/s", flush=True)
-        for n in names:
-            acc[n] = trainers[n].evaluate().accuracy
-            gantt = args.gantt or ("" if (args.variants or args.quick or args.seed) else "docs/img")
-            if gantt:
-                png = Path(gantt) / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png"
-                last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
-                plot_gantt(last, png, title=f"{n}: device timeline of update {updates}")
-        for t in trainers.values():
-            t.close()
+                accs[n].append(trainers[n].evaluate().accuracy)
+                gantt = args.gantt or ("" if (args.variants or args.quick or args.seed) else "docs/img")
+                if gantt and seed == seeds[-1]:
+                    png = Path(gantt) / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png"
+                    last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
+                    plot_gantt(last, png, title=f"{n}: device timeline of update {updates}")
+            for t in trainers.values():
+                t.close()
     ray.shutdown()
 
-    timed = {n: r[2:] for n, r in rows.items()}
+    acc = {n: statistics.mean(a) for n, a in accs.items()}
+    timed = rows
     tok_s = {n: sum(m["generated_tokens"] for m in r) / sum(m["time_step_s"] for m in r) for n, r in timed.items()}
-    print(f"\n## 2 devices, 32 prompts x 8 samples per update, {updates} updates per variant, interleaved")
-    print(f"(partial-rollout threshold {THRESHOLD}; held-out accuracy: greedy, {eval_problems} problems; base {base_acc:.1%})")
+    print(f"\n## 2 devices, 32 prompts x 8 samples per update, {updates} updates per variant, interleaved, "
+          f"seeds {', '.join(map(str, seeds))}")
+    print(f"(partial-rollout threshold {THRESHOLD}; held-out accuracy: greedy, {eval_problems} problems, mean over "
+          f"seeds, each seed's in brackets)")
     print("| variant | tokens/s | vs sync colocated | util mean | staleness mean | staleness max | "
           "dropped groups | held-out acc |")
     print("|---|---|---|---|---|---|---|---|")
     for n in names:
         r = timed[n]
-        st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in rows[n])
-        st_max = max(m.get("staleness_max", 0.0) for m in rows[n])
+        st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in every[n])
+        st_max = max(m.get("staleness_max", 0.0) for m in every[n])
         print(f"| {n} | {tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | "
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
-              f"{sum(m.get('dropped_groups', 0) for m in rows[n]):.0f} | {acc[n]:.1%} |")
+              f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} | {acc[n]:.1%} "
+              f"({', '.join(f'{a:.1%}' for a in accs[n])}) |")
     stale = [n for n in names if n.startswith("stalesync")]
     if stale:
         best = max(stale, key=lambda n: tok_s[n])
@@ -115,7 +132,7 @@ def main() -> None:
         print(f"target stalesync_vs_sync_colocated: {tok_s[best] / tok_s[BASELINE]:.2f} (goal >= 1.4)")
         print(f"target accuracy_gap_points: {100 * (acc[BASELINE] - acc[best]):.1f} (goal <= 3.0)")
         print(f"target max_staleness_violations: "
-              f"{sum(m.get('staleness_max', 0) > int(VARIANTS[n][1][1].split('=')[1]) for n in stale for m in rows[n])} (goal <= 0)")
+              f"{sum(m.get('staleness_max', 0) > int(VARIANTS[n][1][1].split('=')[1]) for n in stale for m in every[n])} (goal <= 0)")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ frees the gradients, and allocates the KV cache; the switch back releases the KV
 restores the optimizer state. With a training layout (`deploy.train_tp` / `deploy.train_ep`)
 the actor trains on its shards instead (`train_model`: attention heads and dense FFN columns
 over TP, routed experts over EP, data parallel across the TP groups), and the engine generates
-from a full replica per device (`policy`): the switch to rollout fills the
-replica from the shards in buckets of `deploy.bucket_mb` (`fusion/reshard.py`, collective over
-the devices), the switch back frees it. In fully-shared mode the reference weights also live on host
-except while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
+from a full replica per device (`policy`): the switch to rollout fills the replica from the
+shards in buckets of `deploy.bucket_mb` (`fusion/reshard.py`, collective over the devices), the
+switch back frees it. In fully-shared mode the reference weights also live on host except
+while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
 phase) and checks the zero-redundancy rule: peak during a switch ≤ max(train, rollout peak).
 `ray_devices.RayDevices` starts one Ray actor per device in a placement group and joins them in
 one gloo (CPU) / nccl (CUDA) world; `deploy.backend=local` keeps the stages in the driver instead.
