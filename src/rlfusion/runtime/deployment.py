@@ -163,5 +163,8 @@ class DeploymentPlan:
         return tuple(r for r in ROLES if device in getattr(self, r))
 
     def describe(self) -> str:
-        return f"{self.mode}: " + ", ".join(f"device {d} = {'+'.join(self.roles(d))}"
-                                            for d in range(self.num_devices))
+        out = f"{self.mode}: " + ", ".join(f"device {d} = {'+'.join(self.roles(d))}"
+                                           for d in range(self.num_devices))
+        if self.train_layout:
+            out += f"; the actor trains as tp{self.train_tp} x ep{self.train_ep} x dp{self.train_dp}, generates on full replicas"
+        return out
