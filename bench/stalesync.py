@@ -13,7 +13,7 @@ runs of the same algorithm that differ only in their random streams have differe
 points), so the whole interleaved run repeats for `--seeds` seeds and the accuracy gap is taken
 between the variants' mean accuracies; every seed's accuracy is printed. Tokens/s pools all seeds.
 
-    python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~45 min)
+    python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~17 min)
     python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
 """
