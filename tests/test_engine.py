@@ -160,12 +160,39 @@ def test_engine_rejects_bad_config(model):
         SamplingParams(temperature=-1)
 
 
-def test_token_budget_counts_the_padded_prefill():
+def test_token_budget_counts_the_packed_prefill():
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=30, max_seq_len=50))
-    for n in (4, 12, 4):
+    for n in (4, 12, 4, 12):
         sched.add(Request(f"r{n}-{len(sched.waiting)}", [1] * n))
-    plan = sched.schedule()  # 4 + 12 = 16 real tokens, but padded 2 x 12 = 24; a third row: 36
-    assert len(plan.prefill) == 2 and plan.num_tokens == 24 <= 30
+    plan = sched.schedule()  # packed: 4 + 12 + 4 = 20 tokens (padded it would be 3 x 12 = 36); + 12 = 32
+    assert len(plan.prefill) == 3 and plan.num_tokens == 20 <= 30
+
+
+def test_packed_prefill_equals_one_sequence_at_a_time():
+    """A prefill of sequences of very different lengths, packed into one pass, gives each the
+    logits and cache entries it gets alone, and decoding continues from them."""
+    from rlfusion.model.kv_cache import CacheBatch, PackedSeqs
+
+    for attention in ("gqa", "mla"):
+        torch.manual_seed(0)
+        model = MoETransformer(get_preset("tiny" if attention == "gqa" else "tiny-mla")).eval()
+        seqs = [torch.randint(0, model.config.vocab_size, (n,)).tolist() for n in (3, 40, 7)]
+        packed_cache, alone_cache = model.new_kv_cache(5, 64), model.new_kv_cache(5, 64)
+        with torch.inference_mode():
+            tokens = torch.tensor([[t for s in seqs for t in s]])
+            got = model(tokens, CacheBatch(packed_cache, 2, torch.zeros(3, dtype=torch.long)),
+                        packed=PackedSeqs.from_lengths([len(s) for s in seqs]))[0]
+            ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+            for i, s in enumerate(seqs):
+                want = model(torch.tensor([s]), CacheBatch(alone_cache, 2 + i, torch.zeros(1, dtype=torch.long)))[0, -1]
+                torch.testing.assert_close(got[ends[i]], want, rtol=1e-4, atol=1e-5)
+            for packed_buf, alone_buf in zip((b for layer in packed_cache.layers for b in layer),
+                                             (b for layer in alone_cache.layers for b in layer)):
+                torch.testing.assert_close(packed_buf, alone_buf, rtol=1e-4, atol=1e-5)
+            nxt = torch.tensor([[1], [2], [3]])
+            start = torch.tensor([len(s) for s in seqs])
+            torch.testing.assert_close(model(nxt, CacheBatch(packed_cache, 2, start)),
+                                       model(nxt, CacheBatch(alone_cache, 2, start)), rtol=1e-4, atol=1e-5)
 
 
 def test_scheduler_batches_admissions_once_enough_slots_are_free():

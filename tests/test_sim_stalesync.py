@@ -146,7 +146,7 @@ def _real_run(cfg: RLSimConfig):
             if step.decode:
                 seconds += CAL.decode_step_s(len(step.decode))
             if step.prefill:
-                seconds += CAL.prefill_s(len(step.prefill) * max(s.num_tokens for s in step.prefill))
+                seconds += CAL.prefill_s(sum(s.num_tokens for s in step.prefill))
             for seq in step.decode + step.prefill:
                 r = seq.request
                 r.output_ids.append(0)

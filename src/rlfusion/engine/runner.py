@@ -13,7 +13,7 @@ import torch
 
 from rlfusion.engine.sampling import sample
 from rlfusion.engine.scheduler import Sequence, StepPlan
-from rlfusion.model.kv_cache import CacheBatch
+from rlfusion.model.kv_cache import CacheBatch, PackedSeqs
 from rlfusion.model.transformer import MoETransformer
 
 
@@ -28,7 +28,7 @@ class ModelRunner:
         self.stats = _fresh_stats()
 
     def take_stats(self) -> dict[str, float]:
-        """Decode / prefill passes, their rows (prefill: padded tokens) and seconds; resets."""
+        """Decode / prefill passes, their rows (prefill: tokens) and seconds; resets."""
         out, self.stats = self.stats, _fresh_stats()
         return out
 
@@ -48,7 +48,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             logits.append(self._prefill(plan.prefill, slot_start=len(plan.decode)))
             st["prefill_passes"] += 1
-            st["prefill_padded_tokens"] += len(plan.prefill) * max(s.num_tokens for s in plan.prefill)
+            st["prefill_tokens"] += sum(s.num_tokens for s in plan.prefill)
             st["prefill_s"] += time.perf_counter() - t0
         seqs = plan.decode + plan.prefill
         tokens_B, logprobs_B = sample(torch.cat(logits), [s.request.params for s in seqs],
@@ -64,21 +64,21 @@ class ModelRunner:
         return logits_B1V[:, -1]
 
     def _prefill(self, seqs: list[Sequence], slot_start: int) -> torch.Tensor:
-        # Right-padded batch; causal masking keeps real tokens from seeing the padding, and the
-        # padding's cache entries are overwritten before any real token can attend to them.
+        # Packed, no padding: the sequences concatenated, each attending only to itself and
+        # writing its keys/values into its own cache row; a resumed request's hundreds of tokens
+        # no longer pad a batch of short prompts to its length.
         lengths = [s.num_tokens for s in seqs]
-        tokens_BT = torch.zeros(len(seqs), max(lengths), dtype=torch.long, device=self.device)
-        for b, s in enumerate(seqs):
-            tokens_BT[b, :lengths[b]] = torch.tensor(s.token_ids)
+        tokens_1N = torch.tensor([[t for s in seqs for t in s.token_ids]], device=self.device)
         start_B = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-        logits_BTV = self.model(tokens_BT, CacheBatch(self.cache, slot_start, start_B))
+        logits_1NV = self.model(tokens_1N, CacheBatch(self.cache, slot_start, start_B),
+                                packed=PackedSeqs.from_lengths(lengths))
         for s, n in zip(seqs, lengths):
             s.num_cached = n
-        last_B = torch.tensor(lengths, device=self.device) - 1
-        return logits_BTV[torch.arange(len(seqs), device=self.device), last_B]
+        last_B = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return logits_1NV[0, last_B]
 
 
 def _fresh_stats() -> dict[str, float]:
     return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
-                          "prefill_padded_tokens", "prefill_s"), 0.0)
+                          "prefill_tokens", "prefill_s"), 0.0)
 

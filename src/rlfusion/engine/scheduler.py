@@ -70,9 +70,8 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the runner computes: one per decode row plus the padded prefill batch."""
-        longest = max((s.num_tokens for s in self.prefill), default=0)
-        return len(self.decode) + len(self.prefill) * longest
+        """Tokens the runner computes: one per decode row plus every prefill token (packed)."""
+        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
 
 
 class Scheduler:
@@ -102,19 +101,17 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(moves=self._pending_moves, decode=list(self.running))
         self._pending_moves = []
-        # The runner prefills new rows as one right-padded batch, so the budget counts the padded
-        # size: rows x the longest prompt admitted this step.
+        # The runner prefills new rows packed (no padding), so the budget counts their tokens.
         budget = self.config.max_num_batched_tokens - len(plan.decode)
-        longest = 0
         free = self.config.max_num_seqs - len(self.running)
         if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
             return plan
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if (len(plan.prefill) + 1) * max(longest, seq.num_tokens) > budget:
+            if seq.num_tokens > budget:
                 break
             self.waiting.popleft()
-            longest = max(longest, seq.num_tokens)
+            budget -= seq.num_tokens
             seq.slot = len(self.running)
             self.running.append(seq)
             plan.prefill.append(seq)

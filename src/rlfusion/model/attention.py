@@ -28,6 +28,21 @@ def _write_rows(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) ->
     return buf_SL[ctx.slot_start:ctx.slot_start + num_rows, :ctx.kv_len]
 
 
+def _store_packed(buf_SL: torch.Tensor, ctx: AttnContext, new_1N: torch.Tensor) -> torch.Tensor:
+    """Packed prefill: store each token's entry in its sequence's cache row; the pass attends
+    over the packed tokens themselves (returned unchanged)."""
+    buf_SL[ctx.cache_rows_N, ctx.pos_BT[0]] = new_1N[0].to(buf_SL.dtype)
+    return new_1N
+
+
+def _cache(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) -> torch.Tensor:
+    """Write the pass's new entries into the cache; returns what attention reads: the rows'
+    cached prefix, or in a packed prefill the packed entries themselves."""
+    if ctx.cache_rows_N is not None:
+        return _store_packed(buf_SL, ctx, new_BT)
+    return _write_rows(buf_SL, ctx, new_BT)
+
+
 def _attend(q_BHTD, k_BGLD, v_BGLD, ctx: AttnContext, scale: float) -> torch.Tensor:
     gqa = q_BHTD.shape[1] != k_BGLD.shape[1]
     if ctx.unpad_SL is not None:
@@ -83,7 +98,7 @@ class GroupedQueryAttention(nn.Module):
         v = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         if ctx.cache is not None:
             k_buf, v_buf = ctx.cache.layers[self.layer_idx]
-            k, v = _write_rows(k_buf, ctx, k), _write_rows(v_buf, ctx, v)
+            k, v = _cache(k_buf, ctx, k), _cache(v_buf, ctx, v)
         out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx,
                       1.0 / math.sqrt(self.head_dim))
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
@@ -127,7 +142,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope_BTP = self.rotary(k_rope.unsqueeze(2), ctx.pos_BT, ctx.rope).squeeze(2)
         if ctx.cache is not None:
             lat_buf, rope_buf = ctx.cache.layers[self.layer_idx]
-            latent_BTR, k_rope_BTP = _write_rows(lat_buf, ctx, latent_BTR), _write_rows(rope_buf, ctx, k_rope_BTP)
+            latent_BTR, k_rope_BTP = _cache(lat_buf, ctx, latent_BTR), _cache(rope_buf, ctx, k_rope_BTP)
         L = latent_BTR.shape[1]
         k_nope, v = self.wkv_b(latent_BTR).view(B, L, H, self.nope_dim + self.v_dim).split(
             [self.nope_dim, self.v_dim], dim=-1)

@@ -109,6 +109,9 @@ class AttnContext:
     # views, concatenated). Token-wise layers never see padding.
     unpad_SL: list[torch.Tensor] | None = None
     repack_N: torch.Tensor | None = None
+    # Packed prefill into the cache: the cache row (slot) of each packed token; its position is
+    # `pos_BT[0]`. The sequences start at position 0, so attention needs nothing from the cache.
+    cache_rows_N: torch.Tensor | None = None
     rope: dict = field(default_factory=dict)  # cos/sin gathered once per pass (see Rotary)
 
     @classmethod
@@ -116,7 +119,18 @@ class AttnContext:
               device: torch.device, packed: PackedSeqs | None = None) -> "AttnContext":
         steps_T = torch.arange(num_tokens, device=device)
         if packed is not None:
-            return cls._packed(packed, num_rows, num_tokens, device)
+            ctx = cls._packed(packed, num_rows, num_tokens, device)
+            if batch is not None:  # a packed prefill: each sequence fills its own cache row
+                if bool(batch.start_pos_B.ne(0).any()):
+                    raise ValueError("a packed prefill starts every sequence at position 0 (nothing cached)")
+                lengths_S = packed.lengths.to(device)
+                rows_S = torch.arange(len(lengths_S), device=device) + batch.slot_start
+                ctx.cache, ctx.slot_start = batch.cache, batch.slot_start
+                ctx.cache_rows_N = torch.repeat_interleave(rows_S, lengths_S, output_size=num_tokens)
+                if int(lengths_S.max()) > batch.cache.max_len:
+                    raise ValueError(f"sequence length {int(lengths_S.max())} exceeds the KV cache length "
+                                     f"{batch.cache.max_len}")
+            return ctx
         if batch is None:
             return cls(pos_BT=steps_T.unsqueeze(0).expand(num_rows, -1))
         pos_BT = batch.start_pos_B.to(device).unsqueeze(1) + steps_T

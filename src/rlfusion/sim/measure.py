@@ -100,8 +100,8 @@ def measure_engine(model, tokenizer, quick: bool) -> dict:
         prompts = _prompts(tokenizer, b, seed=b)
         runs = [_engine_run(model, prompts, new_tokens) for _ in range(1 if quick else 2)]
         decode[b] = statistics.median(t for run in runs for t in run[1:]) * 1e3
-        padded = b * max(len(p) for p in prompts)
-        prefill[padded] = statistics.median(run[0] for run in runs) * 1e3
+        tokens = sum(len(p) for p in prompts)  # the engine prefills them packed
+        prefill[tokens] = statistics.median(run[0] for run in runs) * 1e3
     (t_small, ms_small), (t_big, ms_big) = min(prefill.items()), max(prefill.items())
     per_token = max(0.0, (ms_big - ms_small) / (t_big - t_small))
     # the table's steps attend over the longest prompt plus about half the new tokens
@@ -279,9 +279,16 @@ def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
 
 # ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
 
+PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
+
+
 def _mixed_workload(model, tokenizer, actor, trajs) -> None:
+    """The contention probe's fixed work, sized like one colocated device's step: a rollout of
+    `PROBE_SAMPLES` rows (a full KV cache's worth) and an update on as many samples. Two busy
+    processes slow each other by how much their working sets crowd the shared caches and memory
+    bus, so the probe's must be the real one's size, not smaller."""
     model.eval()
-    _engine_run(model, _prompts(tokenizer, 64), 24)
+    _engine_run(model, _prompts(tokenizer, PROBE_SAMPLES), 24)
     actor.update(trajs)
 
 
@@ -398,7 +405,7 @@ class ContentionWorker:
 
         self.model, self.tokenizer = _load(setup)
         self.actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0)
-        self.trajs = synthetic_trajectories(self.tokenizer, 64, self.model.config.vocab_size,
+        self.trajs = synthetic_trajectories(self.tokenizer, PROBE_SAMPLES, self.model.config.vocab_size,
                                             seed=seed)
 
     def work(self) -> float:

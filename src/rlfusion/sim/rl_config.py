@@ -53,7 +53,7 @@ class RLSimConfig:
     # and the due ones are done (overdue = wait), separated rollout/update overlap for s >= 1.
     stalesync_model: str = "samples"
     rollout_finish_threshold: float = 1.0  # runtime model: a fraction in (0, 1] or a count > 1
-    max_batched_tokens: int = 4096  # runtime model: the engine's padded token budget per step
+    max_batched_tokens: int = 4096  # runtime model: the engine's token budget per step (packed prefill)
     stop_sync_every: int = 8  # runtime model: engine steps between the rollout devices'
     #                           stop-rule sums (mirrors stages.SYNC_EVERY; a test checks)
     reward_model: bool = False  # shared mode: a reward-model forward (else a free verifier)

@@ -12,8 +12,8 @@ with the costs of a measured `Calibration` (nothing fitted):
 - **Rollout.** Every unfinished group runs, oldest first per device: new groups in contiguous
   parts over the rollout devices, resumed groups one at a time to the part with the fewest
   groups. Each device steps its engine (continuous batching, `max_batch_per_engine` slots,
-  admission once `min_prefill_batch` slots are free, a padded prefill budget of
-  `max_batched_tokens` per step; a step costs the decode pass over the running rows plus the
+  admission once `min_prefill_batch` slots are free, a (packed) prefill budget of
+  `max_batched_tokens` tokens per step; a step costs the decode pass over the running rows plus the
   prefill pass over the admitted ones, whose first token comes from the prefill) until the
   finished groups reach the quota and all due groups are done (overdue = wait). With several
   rollout devices the stop rule is global: the devices sum their counts every
@@ -210,23 +210,23 @@ class RuntimeStaleSync:
         sim, cfg, cal = self.sim, self.sim.cfg, self.sim.cal
         decode = list(dev.running)
         prefill: list[Sample] = []
-        longest = 0
+        prefill_tokens = 0
         free = cfg.max_batch_per_engine - len(dev.running)
         if not (dev.running and free < min(len(dev.waiting), cfg.min_prefill_batch)):
             budget = cfg.max_batched_tokens - len(decode)
             while dev.waiting and len(dev.running) + len(prefill) < cfg.max_batch_per_engine:
                 smp = dev.waiting[0]
                 n = smp.prompt_len + smp.generated
-                if (len(prefill) + 1) * max(longest, n) > budget:
+                if prefill_tokens + n > budget:
                     break
                 dev.waiting.popleft()
-                longest = max(longest, n)
+                prefill_tokens += n
                 prefill.append(smp)
         seconds = 0.0
         if decode:
             seconds += cal.decode_step_s(len(decode), max(smp.prompt_len + smp.generated for smp in decode))
         if prefill:
-            seconds += cal.prefill_s(len(prefill) * longest)
+            seconds += cal.prefill_s(prefill_tokens)
         seconds *= sim.engine_slow
         self._record_rollout(dev.name, dev.clock, dev.clock + seconds, version)
         dev.clock += seconds
