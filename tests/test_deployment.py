@@ -15,7 +15,8 @@ from rlfusion.cli import find_base
 from rlfusion.config import load_config
 from rlfusion.model.checkpoint import load_checkpoint
 from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan
-from rlfusion.runtime.stages import ActorStage, RolloutStage
+from rlfusion.runtime.actor import ActorStage
+from rlfusion.runtime.stages import RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 from rlfusion.runtime.ray_devices import WorkerDiedError

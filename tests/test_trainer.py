@@ -12,8 +12,8 @@ from rlfusion.model.config import get_preset
 from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.obs.metrics import read_metrics
-from rlfusion.runtime.stages import (ActorStage, CollapseError, NonFiniteLossError, apply_kl_reward_penalty,
-                                     compute_advantages)
+from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
+from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 

@@ -33,8 +33,8 @@ from rlfusion.rl.tasks import make_task
 from rlfusion.queue import DistQueue
 from rlfusion.runtime import run_state
 from rlfusion.runtime.dataflow import QueueDataflow, queue_config
-from rlfusion.runtime.stages import (ActorStage, CollapseError, CriticStage, NonFiniteLossError,
-                                     ReferenceStage, RewardStage, RolloutStage,
+from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
+from rlfusion.runtime.stages import (CollapseError, CriticStage, ReferenceStage, RewardStage, RolloutStage,
                                      apply_kl_reward_penalty, compute_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan

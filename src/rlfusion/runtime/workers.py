@@ -55,7 +55,8 @@ from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.stages import ActorStage, CriticStage, ReferenceStage, RewardStage, RolloutStage
+from rlfusion.runtime.actor import ActorStage
+from rlfusion.runtime.stages import CriticStage, ReferenceStage, RewardStage, RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)

@@ -188,7 +188,8 @@ def _interleaved_medians(fns: list, reps: int) -> list[float]:
 
 
 def measure_train_and_reference(model, tokenizer, quick: bool) -> dict:
-    from rlfusion.runtime.stages import ActorStage, ReferenceStage
+    from rlfusion.runtime.actor import ActorStage
+    from rlfusion.runtime.stages import ReferenceStage
     from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
     reps = 2 if quick else 5
@@ -400,7 +401,7 @@ class ContentionWorker:
     """A device-like process (a Ray actor) running a fixed rollout + update workload."""
 
     def __init__(self, setup: _Setup, seed: int):
-        from rlfusion.runtime.stages import ActorStage
+        from rlfusion.runtime.actor import ActorStage
         from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
         self.model, self.tokenizer = _load(setup)

@@ -1,0 +1,65 @@
+"""Data-parallel replicas of a trained model — full copies, or shards of a training layout
+whose dp replicas hold the same shard: the sums over the data-parallel group that make every
+replica take the full-batch step, and gradient clipping that also takes layout shards. Used by
+the actor (`actor.py`) and the critic (`stages.CriticStage`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def group_sum(counts: list[int], group: Any) -> list[int]:
+    """`counts` summed over the data-parallel group (as they are without one)."""
+    if group is None:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: set[int] = frozenset(),
+                    ep_group: Any = None) -> torch.Tensor:
+    """`clip_grad_norm_` that also takes the shards of a training layout mixed with whole
+    tensors: a tensor-parallel shard's (DTensor) norm is reduced over its mesh, expert shards'
+    (`expert_params`) over their expert-parallel group, a whole tensor counts once."""
+    if not expert_params and not any(isinstance(p, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    dense = [torch.linalg.vector_norm(p.grad.detach()) for p in params
+             if p.grad is not None and id(p) not in expert_params]
+    squares = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in dense]).sum()
+    experts = [p.grad.detach() for p in params if p.grad is not None and id(p) in expert_params]
+    if experts:
+        expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum()
+        if ep_group is not None:
+            dist.all_reduce(expert_sq, group=ep_group)
+        squares = squares + expert_sq
+    total = squares.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef)
+    return total
+
+
+def sum_over_replicas(params: list[torch.Tensor], metrics: dict[str, float], group: Any) -> dict[str, float]:
+    """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group (a
+    tensor-parallel shard is summed with the same shard of the other replicas)."""
+    for p in params:
+        if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(gathered, metrics, group=group)
+    keys = sorted({k for m in gathered for k in m})
+    return {k: sum(m.get(k, 0.0) for m in gathered) for k in keys}
