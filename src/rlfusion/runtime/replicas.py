@@ -33,9 +33,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: s
     dense = [torch.linalg.vector_norm(p.grad.detach()) for p in params
              if p.grad is not None and id(p) not in expert_params]
     squares = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in dense]).sum()
-    experts = [p.grad.detach() for p in params if p.grad is not None and id(p) in expert_params]
-    if experts:
-        expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum()
+    if expert_params:  # every rank joins the sum, also one whose local experts got no tokens
+        experts = [p.grad.detach() for p in params if p.grad is not None and id(p) in expert_params]
+        expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum() if experts else torch.zeros(())
         if ep_group is not None:
             dist.all_reduce(expert_sq, group=ep_group)
         squares = squares + expert_sq
