@@ -123,6 +123,11 @@ class ActorStage:
             loss.backward()
             for k, v in m.items():  # token-weighted average over micro-batches
                 metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+        # an expert shard that no token reached still takes its (zero-gradient) step, as one
+        # process's stacked experts do, so every rank's optimizer state covers the same tensors
+        for p in self.model.parameters():
+            if p.grad is None and id(p) in self.expert_params:
+                p.grad = torch.zeros_like(p)
         if self.dp_group is not None and self._any_rank(bad_loss is not None) and bad_loss is None:
             bad_loss = float("nan")  # another rank's loss
         if bad_loss is not None:
@@ -168,8 +173,6 @@ class ActorStage:
         metrics = sum_over_replicas([p for p in params if id(p) not in self.expert_params], metrics, self.dp_group)
         for p in params:
             if id(p) in self.expert_params and self.edp_group is not None:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.edp_group)
         return metrics
 
