@@ -79,7 +79,7 @@ def main() -> None:
         raise SystemExit(f"--updates={updates} --seeds={len(seeds)}: need >= 4 updates (the first two are not "
                          "timed) and >= 1 seed")
     ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
-    rows: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
+    timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
     accs: dict[str, list[float]] = {n: [] for n in names}
     for seed in seeds:
@@ -92,7 +92,7 @@ def main() -> None:
                     m = trainers[n].train_step()
                     every[n].append(m)
                     if u >= 2:
-                        rows[n].append(m)
+                        timed[n].append(m)
                 print(f"seed {seed} update {u + 1}: " + ", ".join(
                     f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
                       + " tok/s", flush=True)
@@ -108,7 +108,6 @@ def main() -> None:
     ray.shutdown()
 
     acc = {n: statistics.mean(a) for n, a in accs.items()}
-    timed = rows
     tok_s = {n: sum(m["generated_tokens"] for m in r) / sum(m["time_step_s"] for m in r) for n, r in timed.items()}
     print(f"\n## 2 devices, 32 prompts x 8 samples per update, {updates} updates per variant, interleaved, "
           f"seeds {', '.join(map(str, seeds))}")

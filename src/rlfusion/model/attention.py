@@ -28,19 +28,14 @@ def _write_rows(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) ->
     return buf_SL[ctx.slot_start:ctx.slot_start + num_rows, :ctx.kv_len]
 
 
-def _store_packed(buf_SL: torch.Tensor, ctx: AttnContext, new_1N: torch.Tensor) -> torch.Tensor:
-    """Packed prefill: store each token's entry in its sequence's cache row; the pass attends
-    over the packed tokens themselves (returned unchanged)."""
-    buf_SL[ctx.cache_rows_N, ctx.pos_BT[0]] = new_1N[0].to(buf_SL.dtype)
-    return new_1N
-
-
 def _cache(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) -> torch.Tensor:
     """Write the pass's new entries into the cache; returns what attention reads: the rows'
-    cached prefix, or in a packed prefill the packed entries themselves."""
-    if ctx.cache_rows_N is not None:
-        return _store_packed(buf_SL, ctx, new_BT)
-    return _write_rows(buf_SL, ctx, new_BT)
+    cached prefix, or in a packed prefill (each token to its sequence's row, `cache_rows_N`)
+    the packed entries themselves."""
+    if ctx.cache_rows_N is None:
+        return _write_rows(buf_SL, ctx, new_BT)
+    buf_SL[ctx.cache_rows_N, ctx.pos_BT[0]] = new_BT[0].to(buf_SL.dtype)
+    return new_BT
 
 
 def _attend(q_BHTD, k_BGLD, v_BGLD, ctx: AttnContext, scale: float) -> torch.Tensor:

@@ -124,12 +124,12 @@ class AttnContext:
                 if bool(batch.start_pos_B.ne(0).any()):
                     raise ValueError("a packed prefill starts every sequence at position 0 (nothing cached)")
                 lengths_S = packed.lengths.to(device)
-                rows_S = torch.arange(len(lengths_S), device=device) + batch.slot_start
-                ctx.cache, ctx.slot_start = batch.cache, batch.slot_start
-                ctx.cache_rows_N = torch.repeat_interleave(rows_S, lengths_S, output_size=num_tokens)
                 if int(lengths_S.max()) > batch.cache.max_len:
                     raise ValueError(f"sequence length {int(lengths_S.max())} exceeds the KV cache length "
                                      f"{batch.cache.max_len}")
+                rows_S = torch.arange(len(lengths_S), device=device) + batch.slot_start
+                ctx.cache = batch.cache
+                ctx.cache_rows_N = torch.repeat_interleave(rows_S, lengths_S, output_size=num_tokens)
             return ctx
         if batch is None:
             return cls(pos_BT=steps_T.unsqueeze(0).expand(num_rows, -1))

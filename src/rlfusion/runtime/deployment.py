@@ -72,7 +72,6 @@ class DeployConfig:
             raise ValueError(f"deploy.train_tp={self.train_tp} / train_ep={self.train_ep} is invalid with mode "
                              f"'{self.mode}' and backend '{self.backend}': a training layout needs backend 'ray' and "
                              "mode 'colocated' or 'fully_shared' (the actor's devices both train and generate)")
-
         if self.scorers != "auto" and self.mode != "separated":
             raise ValueError(f"deploy.scorers={self.scorers} is invalid with mode '{self.mode}': it places "
                              "reference and reward in mode 'separated' only (keep 'auto')")
@@ -125,13 +124,9 @@ class DeploymentPlan:
             on_train = cfg.scorers == "train" or (cfg.scorers == "auto" and overlap)
             scorers = devices[k:] if on_train else devices[:k]
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
-        if cfg.mode == "colocated" and n >= 3:
-            plan = cls(cfg.mode, n, rollout=devices[:-1], train=devices[:-1],
-                       reference=devices[-1:], reward=devices[-1:], train_tp=cfg.train_tp,
-                       train_ep=cfg.train_ep)
-        else:
-            plan = cls(cfg.mode, n, rollout=devices, train=devices, reference=devices, reward=devices,
-                       train_tp=cfg.train_tp, train_ep=cfg.train_ep)
+        actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
+        plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
+                   train_tp=cfg.train_tp, train_ep=cfg.train_ep)
         train = len(plan.train)
         if cfg.train_layout and train != n:
             raise ValueError(f"deploy.train_tp={cfg.train_tp} / train_ep={cfg.train_ep} is invalid with {n} devices in "
