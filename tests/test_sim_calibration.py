@@ -143,6 +143,19 @@ def test_validation_replays_each_measured_step():
     assert case.measured_tokens_per_s == pytest.approx(60.0)
 
 
+def test_stalesync_validation_compares_tokens_over_time_sums():
+    # a StaleSync step may generate nothing (the update's groups had already finished): the
+    # compared tokens/s is bench/stalesync.py's, sum of tokens over sum of step times
+    bench = _bench()
+    steps = [bench.MeasuredStep(n, t, (10,) * 4, 40, 100, {}) for n, t in ((90, 1.0), (0, 0.5), (60, 1.5))]
+    case = bench.Case("stalesync", TWO.replace(stalesync_model="runtime", staleness=1, partial_rollout=True),
+                      steps, warmup=1)
+    assert case.measured_tokens_per_s == pytest.approx(150 / 3.0)
+    pred = bench.predict(case, FLAT)
+    gens = pred.result.generated_per_update[1:]
+    assert len(pred.step_s) == 3 and pred.tokens_per_s == pytest.approx(sum(gens) / sum(pred.step_s))
+
+
 def test_new_modules_import_without_torch():
     import subprocess
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import random
 import time
@@ -36,6 +37,7 @@ from rlfusion.runtime.dataflow import QueueDataflow, queue_config
 from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
 from rlfusion.runtime.stages import (CollapseError, CriticStage, ReferenceStage, RewardStage, RolloutStage,
                                      apply_kl_reward_penalty, compute_advantages)
+from rlfusion.runtime.heap import freeze_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stalesync import StalenessBook
@@ -95,6 +97,8 @@ class RLTrainer:
         # separated devices with s >= 1: the next update's rollout runs alongside this update
         self.overlap = self.devices is not None and stalesync_overlaps(cfg)
         self.pending = None  # (batch, stats) the next update trains, when overlapping
+        if self.devices is not None:  # the driver of a multi-process run: a long-lived process
+            freeze_long_lived()  # full collections no longer walk imports, model and task
 
     # ---- one RL step ----------------------------------------------------------------------
 
@@ -301,6 +305,7 @@ class RLTrainer:
         if self.devices is not None:
             self.devices.shutdown()
             self.devices = None
+            gc.unfreeze()  # what this trainer held may be collected again
 
     def evaluate(self) -> EvalResult:
         self.sync_model()

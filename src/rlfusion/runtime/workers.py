@@ -57,6 +57,7 @@ from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.actor import ActorStage
 from rlfusion.runtime.stages import CriticStage, ReferenceStage, RewardStage, RolloutStage
+from rlfusion.runtime.heap import freeze_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
@@ -146,6 +147,7 @@ class DeviceWorker:
             self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
                                     total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm)
             self._account()
+        freeze_long_lived()  # set up: full collections no longer walk imports, model and task
 
     def _apply_layout(self) -> Any:
         """Split the actor over its training layout: TP over `train_tp` consecutive train devices
