@@ -13,6 +13,14 @@ runs of the same algorithm that differ only in their random streams have differe
 points), so the whole interleaved run repeats for `--seeds` seeds and the accuracy gap is taken
 between the variants' mean accuracies; every seed's accuracy is printed. Tokens/s pools all seeds.
 
+The run ends with a ceiling: the most tokens/s *any* schedule of this work could reach on these
+2 devices — a work-conserving bound from the synchronous colocated run's own device-seconds. Its
+reference, reward, update and switch work stays (StaleSync trains the same samples with the
+same models); its rollout is replaced by every generated token decoded at the engine's best
+per-token cost over batch sizes up to 4x the engine's slots (timed here, single process, no
+prefill, no growth of the context); the devices never idle. StaleSync can only move work in
+time and fill decode batches, so its tokens/s cannot exceed this.
+
     python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~17 min)
     python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
@@ -58,6 +66,50 @@ def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: i
     return RLTrainer(cfg, out / name.replace(" ", "_").replace("=", ""), find_base())
 
 
+def decode_floor_s_per_token(max_num_seqs: int) -> tuple[float, int]:
+    """The engine's lowest decode cost per generated token over batch sizes of 1/2 to 4x
+    `max_num_seqs` rows (the shipped base, 1 thread, the default task's prompts, 24 new tokens
+    each; median step after the prefill steps). Returns (seconds per token, rows)."""
+    import random
+
+    import torch
+
+    from rlfusion.engine.engine import EngineConfig, LLMEngine
+    from rlfusion.engine.types import Request, SamplingParams
+    from rlfusion.evaluate import encode_prompt
+    from rlfusion.model.checkpoint import load_checkpoint
+    from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer, _ = load_checkpoint(find_base())
+    model.eval()
+    task, rng = ArithmeticTask(ArithmeticConfig()), random.Random(0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)  # no stop: every row decodes 24 tokens
+    best = (float("inf"), 0)
+    for rows in (max_num_seqs // 2, max_num_seqs, 2 * max_num_seqs, 4 * max_num_seqs):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=rows, max_num_batched_tokens=64 * rows, seed=0))
+        for i in range(rows):
+            engine.add_request(Request(f"r{i}", encode_prompt(tokenizer, task.sample(rng).prompt), params))
+        times = []
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        best = min(best, (statistics.median(times[2:]) / rows, rows))
+    torch.set_num_threads(threads)
+    return best
+
+
+def ceiling(timed: list[dict], spans: list, per_token_s: float, devices: int) -> float:
+    """Tokens/s no schedule of the synchronous run's work can beat on `devices` devices: its
+    non-rollout device-seconds plus every generated token at `per_token_s`, spread over the
+    devices with no idle time."""
+    other = sum(sp.duration_s for sp in spans if sp.phase not in ("rollout", "idle"))
+    tokens = sum(m["generated_tokens"] for m in timed)
+    return tokens / ((other + tokens * per_token_s) / devices)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -78,7 +130,10 @@ def main() -> None:
     if updates < 4 or not seeds:
         raise SystemExit(f"--updates={updates} --seeds={len(seeds)}: need >= 4 updates (the first two are not "
                          "timed) and >= 1 seed")
+    floor_s, floor_rows = decode_floor_s_per_token(TrainConfig().rollout.max_num_seqs)
+    print(f"engine decode floor: {floor_s * 1e6:.1f} us per token (at {floor_rows} rows)", flush=True)
     ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    baseline_spans = []  # the timed updates' device spans of synchronous colocated, every seed
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
     accs: dict[str, list[float]] = {n: [] for n in names}
@@ -96,6 +151,7 @@ def main() -> None:
                 print(f"seed {seed} update {u + 1}: " + ", ".join(
                     f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
                       + " tok/s", flush=True)
+            baseline_spans += [sp for sp in trainers[BASELINE].timeline.spans if (sp.step or 0) >= 2]
             for n in names:
                 accs[n].append(trainers[n].evaluate().accuracy)
                 gantt = args.gantt or ("" if (args.variants or args.quick or args.seed) else "docs/img")
@@ -124,6 +180,10 @@ def main() -> None:
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
               f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} | {acc[n]:.1%} "
               f"({', '.join(f'{a:.1%}' for a in accs[n])}) |")
+    top = ceiling(timed[BASELINE], baseline_spans, floor_s, 2)
+    print(f"\nceiling of any schedule of this work on 2 devices: {top:.0f} tokens/s = "
+          f"{top / tok_s[BASELINE]:.2f}x sync colocated (its reference, reward, update and switch "
+          f"device-seconds; every generated token at the decode floor, {floor_s * 1e6:.1f} us; no idle)")
     stale = [n for n in names if n.startswith("stalesync")]
     if stale:
         best = max(stale, key=lambda n: tok_s[n])
