@@ -71,6 +71,7 @@ class MeasuredStep:
     prompt_tokens: int
     trained_tokens: int  # prompt + response tokens of the samples the update kept
     phases: dict[str, float]  # "device/phase" -> seconds in this step
+    prompt_lengths: tuple[int, ...] = ()  # per sample, in the order of response_lengths
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,9 @@ def predict_sync(case: Case, cal: Calibration) -> Prediction:
     samples = len(lengths)
     prompt_len = round(sum(s.prompt_tokens for s in steps) / samples)
     fraction = _train_fraction(steps)
+    prompts = tuple(n for s in steps for n in s.prompt_lengths)
     cfg = case.sim.replace(num_steps=len(steps), response_lengths=lengths, prompt_len=prompt_len,
+                           prompt_lengths=prompts if len(prompts) == samples else (),
                            train_fraction=fraction,
                            max_response_len=max(case.sim.max_response_len, max(lengths)))
     result = simulate(cfg, cal)
@@ -170,7 +173,8 @@ def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
                         tuple(len(t.response_ids) for t in trajs),
                         sum(len(t.prompt_ids) for t in trajs),
-                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases)
+                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases,
+                        tuple(len(t.prompt_ids) for t in trajs))
 
 
 @dataclass
@@ -208,12 +212,12 @@ class _BatchRecorder:
             return batch, stats
         self.book.take_batch = take_batch
 
-    def group_lengths(self, group_size: int, seed: int = 0) -> tuple[tuple[int, ...], int, int]:
+    def group_lengths(self, group_size: int, seed: int = 0) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
         """Every admitted group's sample lengths in group-id order, for the replay. Samples of
         groups still in flight when the measurement ended: finished ones keep their length; a
         partial one (aborted at p tokens) gets a length drawn from this run's measured lengths
         above p (its real final length was never produced). Returns (lengths, how many were
-        drawn, mean prompt tokens)."""
+        drawn, every sample's prompt tokens in the same order)."""
         import random
 
         rng = random.Random(seed)
@@ -236,8 +240,9 @@ class _BatchRecorder:
                     n = rng.choice(above) if above else partial.get((gid, i), 0) + 1
                     drawn += 1
                 out.append(n)
-        prompt = round(statistics.mean(self.prompts.values())) if self.prompts else 12
-        return tuple(out), drawn, prompt
+        mean = round(statistics.mean(self.prompts.values())) if self.prompts else 12
+        prompts = tuple(self.prompts.get(gid, mean) for gid in range(self.book.next_group_id) for _ in range(group_size))
+        return tuple(out), drawn, prompts
 
 
 def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
@@ -256,7 +261,8 @@ def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
                         tuple(len(t.response_ids) for t in batch),
                         sum(len(t.prompt_ids) for t in batch),
-                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases)
+                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases,
+                        tuple(len(t.prompt_ids) for t in batch))
 
 
 def measured_cases(rounds: int, probes: Probes) -> list[Case]:
@@ -313,7 +319,7 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                        max_response_len=cfg.rollout.max_new_tokens)
     cases = [Case(m, base.replace(mode=sim_mode[m]), steps[m]) for m in MODES]
     for c in STALESYNC_CASES:
-        tcfg, (lengths, drawn, prompt), placement = stale_lengths[c]
+        tcfg, (lengths, drawn, prompts), placement = stale_lengths[c]
         st = tcfg.stalesync
         print(f"  {c}: {len(lengths)} admitted samples replayed by group id, {drawn} of them "
               f"(unfinished when the measurement ended) drawn from the run's lengths above their "
@@ -321,7 +327,8 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
         sim = base.replace(mode=sim_mode[tcfg.deploy.mode], staleness=st.max_staleness, partial_rollout=True,
                            stalesync_model="runtime", rollout_finish_threshold=st.rollout_finish_threshold,
                            reference_placement=placement,
-                           response_lengths=lengths, prompt_len=prompt,
+                           response_lengths=lengths, prompt_lengths=prompts,
+                           prompt_len=round(statistics.mean(prompts)),
                            max_response_len=max(base.max_response_len, max(lengths)))
         cases.append(Case(c, sim, steps[c], warmup=1))
     return cases

@@ -52,6 +52,18 @@ def test_replayed_lengths_are_the_trained_tokens():
     assert result.tokens_per_s * result.makespan_s == pytest.approx(2 * (10 + 30 + 20 + 20))
 
 
+def test_replayed_prompt_lengths_set_each_samples_context():
+    # prompts 10, 10, 40, 40 instead of 10 each: engine1's reference pass covers 60 more tokens
+    # (its samples 2-3), engine0's is unchanged; engine1 becomes the slower one
+    spread = TWO.replace(prompt_lengths=(10, 10, 40, 40))
+    expected = 0.01 + max(0.030 + 60 / 2000, 0.020 + 120 / 2000) + 0.01 + 180 / 2000 + 0.1
+    assert _step_s(spread, FLAT) == pytest.approx(expected)
+    context = FLAT.replace(decode_context_ms=0.001, decode_reference_context=0)
+    assert _step_s(spread, context) > _step_s(TWO, context)  # longer contexts, slower decode passes
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        TWO.replace(prompt_lengths=(0, 5))
+
+
 def test_contention_slows_concurrent_work_only():
     slow = FLAT.replace(concurrent_speed=0.5)
     assert _step_s(TWO, slow) == pytest.approx(0.01 + 0.120 + 0.01 + 2 * (120 / 2000 + 0.1))

@@ -34,6 +34,10 @@ class RLSimConfig:
     # Measured lengths, used in order (sample i gets response_lengths[i % len]) instead of the
     # log-normal: replays a real run's response-length distribution. Empty = log-normal.
     response_lengths: tuple[int, ...] = ()
+    # Measured prompt lengths, used the same way (sample i's prompt has prompt_lengths[i % len]
+    # tokens); empty = `prompt_len` for every sample. A decode pass attends over its longest
+    # context, so the spread of prompt lengths matters, not only their mean.
+    prompt_lengths: tuple[int, ...] = ()
     train_fraction: float = 1.0  # share of a batch's tokens the update trains on (DAPO dynamic
     #                              sampling drops groups whose rewards are all equal; measured)
     max_batch_per_engine: int = 256  # continuous-batching slots per engine instance
@@ -91,6 +95,8 @@ class RLSimConfig:
             raise ValueError(f"simulate.train_fraction={self.train_fraction} must be in (0, 1]")
         if any(n < 1 for n in self.response_lengths):
             raise ValueError("simulate.response_lengths must all be >= 1")
+        if any(n < 1 for n in self.prompt_lengths):
+            raise ValueError("simulate.prompt_lengths must all be >= 1")
         if self.response_p99_over_median < 1.0 or self.response_median <= 0:
             raise ValueError("simulate.response_p99_over_median must be >= 1 and "
                              "response_median > 0")

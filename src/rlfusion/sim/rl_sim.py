@@ -145,8 +145,9 @@ class _Sim:
             length = cfg.response_lengths[self.next_idx % len(cfg.response_lengths)]
         else:
             length = round(cfg.response_median * math.exp(self.rng.gauss(0.0, cfg.length_sigma)))
-        sample = Sample(self.next_idx, self.next_idx // self.n, cfg.prompt_len,
-                        min(max(length, 1), cfg.max_response_len))
+        prompt = (cfg.prompt_lengths[self.next_idx % len(cfg.prompt_lengths)] if cfg.prompt_lengths
+                  else cfg.prompt_len)
+        sample = Sample(self.next_idx, self.next_idx // self.n, prompt, min(max(length, 1), cfg.max_response_len))
         self.next_idx += 1
         return sample
 
@@ -250,7 +251,7 @@ class _Sim:
         colocated modes the reference pass already ran on the engines (`reference_phases`)."""
         cfg, cal = self.cfg, self.cal
         tokens = sum(s.prompt_len + s.length for s in batch)
-        queued = tokens if cfg.padding_free else len(batch) * (cfg.prompt_len
+        queued = tokens if cfg.padding_free else len(batch) * (max((s.prompt_len for s in batch), default=cfg.prompt_len)
                                                                + cfg.max_response_len)
         devices = self.train_devices()
         rate = cal.train_tokens_per_s_per_device * devices

@@ -34,8 +34,8 @@ with the costs of a measured `Calibration` (nothing fitted):
 
 Response lengths: `cfg.response_lengths[(group_id * G + i) % len]` is sample i of group
 `group_id` (groups are numbered in admission order, as the runtime numbers them), so a real
-run's lengths replay exactly; empty = the log-normal of the config. Prompt length is
-`cfg.prompt_len` for every sample. `overdue = "drop"` is not modelled.
+run's lengths replay exactly; empty = the log-normal of the config. `cfg.prompt_lengths` are
+indexed the same way (empty: `cfg.prompt_len` for every sample). `overdue = "drop"` is not modelled.
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ class RuntimeStaleSync:
         if cfg.response_lengths:
             n = cfg.response_lengths[(gid * self.G + i) % len(cfg.response_lengths)]
             sample.length = min(max(n, 1), cfg.max_response_len)
+        if cfg.prompt_lengths:
+            sample.prompt_len = cfg.prompt_lengths[(gid * self.G + i) % len(cfg.prompt_lengths)]
         sample.batch = gid  # the group it belongs to
         return sample
 
