@@ -192,6 +192,11 @@ STALESYNC_CASES = {"stalesync_s1_colocated": "stalesync s=1 colocated",  # thres
                    "stalesync_s2_separated": "stalesync s=2 separated"}  # threshold 0.75, overlap
 
 
+# the busiest rollout engine's passes in a step, as RLTrainer reports them and the simulator
+# predicts them (SimResult.rollout_stats)
+ROLLOUT_STATS = ("engine_decode_passes", "time_decode_s", "time_prefill_s", "time_stop_sync_s")
+
+
 class _BatchRecorder:
     """Wraps a StaleSync trainer's `StalenessBook.take_batch`: every trained sample's final
     response length by (group id, sample index), and the last batch's token counts."""
@@ -256,7 +261,7 @@ def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
     for s in trainer.timeline.spans[start:]:
         key = f"{s.device}/{s.phase}"
         phases[key] = phases.get(key, 0.0) + s.duration_s
-    for key in ("staleness_mean", "groups_in_update", "groups_in_flight"):
+    for key in ("staleness_mean", "groups_in_update", "groups_in_flight", *ROLLOUT_STATS):
         phases[f"metric/{key}"] = m.get(key, 0.0)
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
                         tuple(len(t.response_ids) for t in batch),
@@ -434,6 +439,10 @@ def main() -> None:
                    statistics.median(g / t for g, t in zip(gen, pred.step_s)))
         print(f"  {case.name}: median over steps of tok/s {medians[0]:,.0f}/{medians[1]:,.0f} "
               f"({medians[1] / max(medians[0], 1e-9) - 1:+.1%})")
+        sim_stats = r.rollout_stats[case.warmup:]
+        print(f"  {case.name}: busiest rollout engine per step: " + ", ".join(
+            f"{key} {statistics.mean(st.phases.get(f'metric/{key}', 0.0) for st in case.steps):.3f}/"
+            f"{statistics.mean(x.get(key, 0.0) for x in sim_stats):.3f}" for key in ROLLOUT_STATS))
         print(f"  {case.name}: generated tokens {statistics.mean(s.generated_tokens for s in case.steps):,.0f}"
               f"/{statistics.mean(gen):,.0f}, groups trained {statistics.mean(trained):.1f}/"
               f"{len(r.staleness_per_sample) / per / len(r.update_end_s):.1f} (sim: whole run), staleness mean {st_meas:.2f}/{st_pred:.2f} (sim: whole run), "

@@ -91,6 +91,17 @@ def test_partial_rollout_carries_samples_over():
     assert 1 in r.staleness_per_sample  # some trained samples started under older weights
 
 
+def test_rollout_stats_account_for_each_steps_engine_time():
+    r = simulate(BASE.replace(mode="colocated", staleness=1, rollout_finish_threshold=0.5), CAL)
+    assert len(r.rollout_stats) == len(r.update_end_s)
+    ends = (0.0,) + r.update_end_s
+    for k, st in enumerate(r.rollout_stats):
+        if r.generated_per_update[k]:
+            assert st["engine_decode_passes"] >= 1 and st["time_decode_s"] > 0
+        # a step's rollout passes and stop-rule sums fit in the step
+        assert st["time_decode_s"] + st["time_prefill_s"] + st["time_stop_sync_s"] <= ends[k + 1] - ends[k] + 1e-9
+
+
 def test_balanced_parts_is_the_trainers():
     pytest.importorskip("torch")
     from rlfusion.runtime.trainer import _balanced_parts as real

@@ -77,6 +77,9 @@ class SimResult:
     generated_per_update: tuple[int, ...] = ()
     staleness_per_sample: tuple[int, ...] = ()
     max_groups_in_flight: int = 0
+    # ... and per update step, the busiest rollout engine's passes and seconds, as the runtime
+    # reports them (`time_decode_s`, `time_prefill_s`, `engine_decode_passes`, `time_stop_sync_s`)
+    rollout_stats: tuple[dict[str, float], ...] = ()
 
 
 @dataclass
@@ -429,6 +432,7 @@ def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
         generated_per_update=tuple(book.generated) if book else (),
         staleness_per_sample=tuple(book.staleness_seen) if book else (),
         max_groups_in_flight=book.in_flight_max if book else 0,
+        rollout_stats=tuple(book.rollout_stats) if book else (),
     )
 
 

@@ -74,6 +74,10 @@ class _Device:
     finished_groups: set[int] = field(default_factory=set)
     due: set[int] = field(default_factory=set)
     finished: list[Sample] = field(default_factory=list)
+    decode_s: float = 0.0  # this rollout's engine passes, as the runtime's engine stats count them
+    prefill_s: float = 0.0
+    decode_passes: int = 0
+    stop_sync_s: float = 0.0  # in the stop-rule sums, waiting for the other devices included
 
     @property
     def busy(self) -> bool:
@@ -94,6 +98,7 @@ class RuntimeStaleSync:
         self.next_gid = 0
         self.overlap = cfg.mode == "separated" and self.s >= 1
         self.generated: list[int] = []  # tokens generated in each update's step
+        self.rollout_stats: list[dict[str, float]] = []  # per update step: its busiest engine's passes
         self.staleness_seen: list[int] = []  # per trained sample
         self.in_flight_max = 0  # most groups in flight (incl. a reserved batch) at any admission
         self._last_rollout: dict[str, int] = {}
@@ -172,6 +177,8 @@ class RuntimeStaleSync:
         else:  # the stop-rule sums: every device calls every `stop_sync_every` steps (or idle)
             every = sim.cfg.stop_sync_every
             t = max(d.clock for d in devs) + sim.cal.stop_sync_s
+            for d in devs:
+                d.stop_sync_s += t - d.clock
             while True:
                 done = sum(len(d.finished_groups) for d in devs)
                 due_left = sum(len(d.due - d.finished_groups) for d in devs)
@@ -184,8 +191,11 @@ class RuntimeStaleSync:
                         while d.busy and d.steps % every:
                             self._engine_step(d, version)
                 t = max(d.clock for d in devs) + sim.cal.stop_sync_s
+                for d in devs:
+                    d.stop_sync_s += t - d.clock
             end = t
         generated = -before
+        self._step_stats.extend(devs)
         # separated with reference_placement "train": the train devices score, in `learn`
         scorers_on_train = sim.cfg.mode == "separated" and sim.cfg.reference_placement == "train"
         for dev, part in zip(devs, parts):
@@ -224,12 +234,15 @@ class RuntimeStaleSync:
                 dev.waiting.popleft()
                 prefill_tokens += n
                 prefill.append(smp)
-        seconds = 0.0
+        decode_s = prefill_s = 0.0
         if decode:
-            seconds += cal.decode_step_s(len(decode), max(smp.prompt_len + smp.generated for smp in decode))
+            decode_s = cal.decode_step_s(len(decode), max(smp.prompt_len + smp.generated for smp in decode))
+            dev.decode_passes += 1
         if prefill:
-            seconds += cal.prefill_s(prefill_tokens)
-        seconds *= sim.engine_slow
+            prefill_s = cal.prefill_s(prefill_tokens)
+        dev.decode_s += decode_s * sim.engine_slow
+        dev.prefill_s += prefill_s * sim.engine_slow
+        seconds = (decode_s + prefill_s) * sim.engine_slow
         self._record_rollout(dev.name, dev.clock, dev.clock + seconds, version)
         dev.clock += seconds
         dev.steps += 1
@@ -280,6 +293,7 @@ class RuntimeStaleSync:
         now, pending = 0.0, None
         for k in range(cfg.num_steps):
             generated = 0
+            self._step_stats: list[_Device] = []
             if self.overlap:
                 if pending is None:  # pipeline fill
                     items, due, quota = self.plan(k, k)
@@ -308,6 +322,7 @@ class RuntimeStaleSync:
                     self._load_weights(now, k + 1)
             sim.update_end.append(now)
             self.generated.append(generated)
+            self.rollout_stats.append(self._busiest(self._step_stats))
             if cfg.mode != "separated":  # back to the rollout layout
                 for eng in sim.engines:
                     sim.record(eng.name, "switch", now, now + cal.switch_s, k + 1)
@@ -315,6 +330,22 @@ class RuntimeStaleSync:
                 now += cal.switch_s
             sim.version = k + 1
         return max([now] + [e.clock for e in sim.engines])
+
+    @staticmethod
+    def _busiest(devs: list[_Device]) -> dict[str, float]:
+        """The step's rollout passes of the engine that spent the most time in them (the runtime's
+        `_engine_metrics`), summed over the step's rollouts."""
+        per: dict[str, dict[str, float]] = {}
+        for d in devs:
+            acc = per.setdefault(d.name, dict.fromkeys(
+                ("time_decode_s", "time_prefill_s", "engine_decode_passes", "time_stop_sync_s"), 0.0))
+            acc["time_decode_s"] += d.decode_s
+            acc["time_prefill_s"] += d.prefill_s
+            acc["engine_decode_passes"] += d.decode_passes
+            acc["time_stop_sync_s"] += d.stop_sync_s
+        if not per:
+            return {}
+        return max(per.values(), key=lambda e: e["time_decode_s"] + e["time_prefill_s"])
 
     def _load_weights(self, now: float, version: int) -> None:
         for eng in self.sim.engines:
