@@ -99,6 +99,7 @@ class RuntimeStaleSync:
         self.overlap = cfg.mode == "separated" and self.s >= 1
         self.generated: list[int] = []  # tokens generated in each update's step
         self.rollout_stats: list[dict[str, float]] = []  # per update step: its busiest engine's passes
+        self._step_stats: list[_Device] = []  # the current update step's rollout devices
         self.staleness_seen: list[int] = []  # per trained sample
         self.in_flight_max = 0  # most groups in flight (incl. a reserved batch) at any admission
         self._last_rollout: dict[str, int] = {}
@@ -293,7 +294,7 @@ class RuntimeStaleSync:
         now, pending = 0.0, None
         for k in range(cfg.num_steps):
             generated = 0
-            self._step_stats: list[_Device] = []
+            self._step_stats = []
             if self.overlap:
                 if pending is None:  # pipeline fill
                     items, due, quota = self.plan(k, k)
