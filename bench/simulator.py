@@ -12,7 +12,9 @@
    again (two Ray actors, a fixed synthetic rollout + update workload, alone vs together):
    this machine is shared and how much two busy processes slow each other changes from
    minute to minute (0.46-1.0 seen), so it is sampled at the same times as the runs; the
-   median of those probes is the calibration's `concurrent_speed`. The same probes time the
+   median of those probes is the calibration's `concurrent_speed`. The probe also runs the two
+   in lock-step (a barrier after the rollout, a data-parallel update), as colocated devices
+   work: that median is `lockstep_speed`, which the colocated and fully shared cases use. The same probes time the
    workload alone on one device; their median over the calibration run's time scales every
    compute cost (`Calibration.at_probe_speed`): other sessions' work slows this machine by a
    varying factor, and the probe measures it with a fixed workload, not with an RL step. The
@@ -55,8 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfusion.sim.calibration import Calibration, save_calibration
-from rlfusion.sim.measure import (concurrent_speed, contention_probe, contention_workers,
-                                  default_setup, measure_calibration)
+from rlfusion.sim.measure import default_setup, measure_calibration
+from rlfusion.sim.measure_contention import concurrent_speed, contention_probe, contention_workers
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import SimResult, simulate
 
@@ -183,6 +185,7 @@ class Probes:
 
     alone: list[float]
     together: list[float]
+    lockstep: list[float]
 
 
 # StaleSync variants of bench/stalesync.py validated here: case name -> its VARIANTS name
@@ -298,16 +301,18 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                     recorders[m] = t.rollout = _RecordingRollout(t.rollout)
                 t.train_step()  # warm-up
             for r in range(rounds):
-                alone, together = contention_probe(workers)
+                alone, together, lockstep = contention_probe(workers)
                 probes.alone += alone
                 probes.together += together
+                probes.lockstep += lockstep
                 for m in names:
                     step = _stale_step if m in STALESYNC_CASES else _step
                     steps[m].append(step(trainers[m], recorders[m]))
                 print(f"  round {r + 1}: " + ", ".join(
                     f"{m} {steps[m][-1].generated_tokens / steps[m][-1].step_s:,.0f} tok/s"
                     for m in names) + f"; contention probe: concurrent speed "
-                    f"{concurrent_speed(alone, together):.2f}", flush=True)
+                    f"{concurrent_speed(alone, together):.2f}, lock-step {concurrent_speed(alone, lockstep):.2f}",
+                    flush=True)
             cfg = trainers[MODES[0]].cfg
             for c in STALESYNC_CASES:
                 plan = trainers[c].devices.plan
@@ -391,14 +396,16 @@ def main() -> None:
         save_calibration(cal, args.calibration_out)
         print(f"  saved {args.calibration_out}")
     cases: list[Case] = []
-    probes = Probes([], [])
+    probes = Probes([], [], [])
     for name, measure in VALIDATIONS:
         print(f"measuring real runs: {name}, {rounds} rounds", flush=True)
         cases += measure(rounds, probes)
-    before = cal.concurrent_speed
-    cal = cal.replace(concurrent_speed=concurrent_speed(probes.alone, probes.together))
-    print(f"concurrent speed: {before:.2f} in the calibration run, {cal.concurrent_speed:.2f} "
-          f"median of the {len(probes.alone) // 2} probes between rounds (used)")
+    before = cal.concurrent_speed, cal.lockstep
+    cal = cal.replace(concurrent_speed=concurrent_speed(probes.alone, probes.together),
+                      lockstep_speed=concurrent_speed(probes.alone, probes.lockstep))
+    print(f"concurrent speed: {before[0]:.2f} in the calibration run, {cal.concurrent_speed:.2f} "
+          f"median of the {len(probes.alone) // 2} probes between rounds (used); lock-step speed "
+          f"{before[1]:.2f} and {cal.lockstep:.2f} (used for colocated and fully shared)")
     probe_s = statistics.median(probes.alone)
     print(f"machine speed: probe workload alone {cal.probe_s:.3f} s in the calibration run, "
           f"{probe_s:.3f} s median between rounds (costs scaled by {probe_s / cal.probe_s:.3f})")
@@ -451,7 +458,7 @@ def main() -> None:
     lengths = [n for case in cases for s in case.steps for n in s.response_lengths]
     print(f"\nreplayed response lengths: {len(lengths)} samples, mean "
           f"{statistics.mean(lengths):.1f}, max {max(lengths)}; calibration: concurrent speed "
-          f"{cal.concurrent_speed:.2f}, train {cal.train_tokens_per_s_per_device:,.0f} tok/s, "
+          f"{cal.concurrent_speed:.2f}, lock-step {cal.lockstep:.2f}, train {cal.train_tokens_per_s_per_device:,.0f} tok/s, "
           f"decode {cal.decode_step_ms[0]:.2f}-{cal.decode_step_ms[-1]:.2f} ms/step")
     print()
     for name, err in errors.items():

@@ -71,6 +71,19 @@ def test_contention_slows_concurrent_work_only():
     assert _step_s(separated, slow) == pytest.approx(_step_s(separated, FLAT))
 
 
+def test_lockstep_speed_slows_colocated_devices_and_not_separated_overlap():
+    # colocated devices work in lock-step: lockstep_speed applies there (0 = concurrent_speed)
+    both = FLAT.replace(concurrent_speed=0.8, lockstep_speed=0.5)
+    assert _step_s(TWO, both) == pytest.approx(_step_s(TWO, FLAT.replace(concurrent_speed=0.5)))
+    assert _step_s(TWO, FLAT.replace(concurrent_speed=0.5, lockstep_speed=0.0)) == \
+        pytest.approx(_step_s(TWO, FLAT.replace(concurrent_speed=0.5)))
+    # separated StaleSync: rollout and update overlap independently, concurrent_speed applies
+    overlap = TWO.replace(mode="separated", max_batch_per_engine=4, staleness=1, num_steps=3)
+    assert _step_s(overlap, both) == pytest.approx(_step_s(overlap, FLAT.replace(concurrent_speed=0.8)))
+    with pytest.raises(ValueError, match="lockstep_speed"):
+        FLAT.replace(lockstep_speed=1.5)
+
+
 def test_train_fraction_scales_only_the_update():
     half = _step_s(TWO.replace(train_fraction=0.5), FLAT)
     assert _step_s(TWO, FLAT) - half == pytest.approx(0.5 * 120 / 2000)
@@ -172,7 +185,7 @@ def test_new_modules_import_without_torch():
     import subprocess
 
     code = ("import sys; sys.modules['torch'] = None; import rlfusion.sim.measure, "
-            "rlfusion.sim.projection, rlfusion.sim.cluster_calibration; print('ok')")
+            "rlfusion.sim.measure_contention, rlfusion.sim.projection, rlfusion.sim.cluster_calibration; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
 

@@ -45,6 +45,10 @@ class Calibration:
     concurrent_speed: float = 1.0  # per-device speed while every device of a host is busy,
     #                                relative to one busy device alone (CPU cores that share
     #                                caches and memory bandwidth: < 1; accelerators: 1)
+    lockstep_speed: float = 0.0  # the same while the devices work in lock-step, as colocated and
+    #                              shared devices do (they meet at the driver's phase barriers
+    #                              and the gradient all-reduce, so work that slows one holds up
+    #                              the other); 0: concurrent_speed
     grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across
     #                            the train devices (data-parallel replicas); 0: in the train rate
     stop_sync_s: float = 0.0  # one stop-rule sum of the rollout devices (a 4-integer gloo
@@ -77,12 +81,21 @@ class Calibration:
         if not 0.0 < self.concurrent_speed <= 1.0:
             raise ValueError(f"calibration.concurrent_speed={self.concurrent_speed} must be "
                              "in (0, 1]")
+        if not 0.0 <= self.lockstep_speed <= 1.0:
+            raise ValueError(f"calibration.lockstep_speed={self.lockstep_speed} must be in [0, 1] "
+                             "(0 = concurrent_speed)")
         for key in ("prefill_ms_per_token", "prefill_fixed_ms", "train_step_overhead_s",
                     "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
                     "reference_overhead_s", "grad_sync_GB", "stop_sync_s", "decode_context_ms",
                     "decode_reference_context", "driver_s_per_sample"):
             if getattr(self, key) < 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
+
+    @property
+    def lockstep(self) -> float:
+        """Per-device speed of devices working in lock-step (`lockstep_speed`, else
+        `concurrent_speed`)."""
+        return self.lockstep_speed or self.concurrent_speed
 
     def decode_step_s(self, batch: int, context: int = 0) -> float:
         """Step time at `batch` active sequences whose longest context is `context` tokens:

@@ -19,6 +19,8 @@ run, one device (worker process, `threads` threads) at a time, with the shipped 
                              each) run a rollout + update workload alone and then both at once:
                              time alone / time together (two busy 1-thread processes on this VM,
                              with Ray's own processes beside them, do not get two full cores)
+    lockstep_speed           the same with the two meeting as colocated devices do (a barrier
+                             after the rollout, the gradient all-reduce): `measure_contention.py`
 
 Nothing here sees an RL step's throughput: the simulator predicts that from these numbers.
 torch and the model are imported inside the functions so `rlfusion.sim` stays torch-free.
@@ -280,19 +282,6 @@ def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
 
 # ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
 
-PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
-
-
-def _mixed_workload(model, tokenizer, actor, trajs) -> None:
-    """The contention probe's fixed work, sized like one colocated device's step: a rollout of
-    `PROBE_SAMPLES` rows (a full KV cache's worth) and an update on as many samples. Two busy
-    processes slow each other by how much their working sets crowd the shared caches and memory
-    bus, so the probe's must be the real one's size, not smaller."""
-    model.eval()
-    _engine_run(model, _prompts(tokenizer, PROBE_SAMPLES), 24)
-    actor.update(trajs)
-
-
 def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
     import torch
     import torch.distributed as dist
@@ -397,74 +386,6 @@ def measure_pair(setup: _Setup) -> dict:
             "_idle_sum_s": max(r[3] for r in results)}
 
 
-class ContentionWorker:
-    """A device-like process (a Ray actor) running a fixed rollout + update workload."""
-
-    def __init__(self, setup: _Setup, seed: int):
-        from rlfusion.runtime.actor import ActorStage
-        from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
-
-        self.model, self.tokenizer = _load(setup)
-        self.actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0)
-        self.trajs = synthetic_trajectories(self.tokenizer, PROBE_SAMPLES, self.model.config.vocab_size,
-                                            seed=seed)
-
-    def work(self) -> float:
-        start = time.perf_counter()
-        _mixed_workload(self.model, self.tokenizer, self.actor, self.trajs)
-        return time.perf_counter() - start
-
-
-def contention_workers(setup: _Setup) -> list:
-    """Two warmed-up `ContentionWorker` Ray actors (Ray must be running)."""
-    import ray
-
-    env = {"env_vars": {"OMP_NUM_THREADS": str(setup.threads),
-                        "MKL_NUM_THREADS": str(setup.threads)}}
-    cls = ray.remote(ContentionWorker)
-    workers = [cls.options(num_cpus=setup.threads, runtime_env=env).remote(setup, r)
-               for r in range(2)]
-    ray.get([w.work.remote() for w in workers])  # load + warm-up
-    return workers
-
-
-def contention_probe(workers: list, reps: int = 1) -> tuple[list[float], list[float]]:
-    """(seconds alone, seconds together) of the workload: each worker alone, then both."""
-    import ray
-
-    alone, together = [], []
-    for _ in range(reps):
-        alone += [ray.get(w.work.remote()) for w in workers]
-        together += ray.get([w.work.remote() for w in workers])
-    return alone, together
-
-
-def concurrent_speed(alone: list[float], together: list[float]) -> float:
-    return min(1.0, statistics.median(alone) / statistics.median(together))
-
-
-def measure_contention(setup: _Setup) -> dict:
-    """Two Ray device actors: the workload alone (one at a time) vs both at once."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2 * setup.threads, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    workers = []
-    try:
-        workers = contention_workers(setup)
-        alone, together = contention_probe(workers, 2 if setup.quick else 3)
-    finally:
-        for w in workers:
-            ray.kill(w)
-        if started:
-            ray.shutdown()
-    return {"concurrent_speed": concurrent_speed(alone, together),
-            "probe_s": statistics.median(alone),
-            "_contention": (statistics.median(alone), statistics.median(together))}
-
-
 # ---- the whole calibration -----------------------------------------------------------------
 
 def default_setup(threads: int = 1, quick: bool = False) -> _Setup:
@@ -500,10 +421,13 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
         f"({pair['transfer_GBps']:.2f} GB/s); stop-rule sum (4-int all-reduce) "
         f"{pair['stop_sync_s'] * 1e6:.0f} us while both decode ({idle_sum_s * 1e6:.0f} us idle)")
+    from rlfusion.sim.measure_contention import measure_contention  # it imports this module
+
     contention = measure_contention(setup)
-    alone, together = contention.pop("_contention")
+    alone, together, lockstep = contention.pop("_contention")
     log(f"  2 Ray device actors, rollout+update workload: alone {alone:.3f} s, both at once "
-        f"{together:.3f} s -> concurrent speed {contention['concurrent_speed']:.2f}")
+        f"{together:.3f} s, in lock-step {lockstep:.3f} s -> concurrent speed "
+        f"{contention['concurrent_speed']:.2f}, lock-step speed {contention['lockstep_speed']:.2f}")
     cal = Calibration(
         **engine, **train, **pair, **contention, devices_per_engine=1, driver_s_per_sample=driver,
         source=f"measured on this machine by rlfusion.sim.measure ({threads} thread(s) per "
@@ -519,7 +443,8 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "both decode 64 rows, one every SYNC_EVERY engine steps (waiting for the other included)",
             "driver_s_per_sample: RLTrainer._learn's queue stages on 256 synthetic samples "
             "(the devices' own work left out) + pickling the batch in and out, per sample",
-            "concurrent_speed: 2 Ray actors, rollout+update workload, alone vs both at once; "
+            "concurrent_speed / lockstep_speed: 2 Ray actors, rollout+update workload, alone vs "
+            "both at once (independent / meeting after the rollout and in the gradient all-reduce); "
             "probe_s: that workload alone (machine-speed mark)",
             "not measured (small here): reward rule scoring, Ray's own call latency",
         ),

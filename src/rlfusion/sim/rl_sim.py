@@ -25,7 +25,10 @@ Contention: while more than one device works at once, every compute cost is divi
 `Calibration.concurrent_speed` (measured; < 1 for worker processes sharing a CPU, 1 for
 accelerators). Devices work at once in colocated and shared modes with 2+ devices, in
 separated mode among 2+ engines or 2+ trainers, and between engines and trainers when s >= 1
-(they overlap). An engine that finishes its share early is still charged the slower rate.
+(they overlap). Colocated and shared devices work in lock-step (the driver's phase barriers,
+the gradient all-reduce): there the divisor is `Calibration.lockstep` (measured with the two
+probe processes meeting as a colocated step does; work that slows one holds up both). An
+engine that finishes its share early is still charged the slower rate.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ class _Sim:
         engines = self._num_engines()
         self.engines = [_Engine(f"engine{i}") for i in range(engines)]
         self.update_end: list[float] = []
-        slow = 1.0 / cal.concurrent_speed
+        slow = 1.0 / (cal.concurrent_speed if cfg.mode == "separated" else cal.lockstep)
         overlap = cfg.mode == "separated" and cfg.staleness > 0
         self.engine_slow = slow if (engines > 1 or overlap) else 1.0
         self.train_slow = slow if (self.train_devices() > 1 or overlap) else 1.0
