@@ -70,32 +70,18 @@ def decode_floor_s_per_token(max_num_seqs: int) -> tuple[float, int]:
     """The engine's lowest decode cost per generated token over batch sizes of 1/2 to 4x
     `max_num_seqs` rows (the shipped base, 1 thread, the default task's prompts, 24 new tokens
     each; median step after the prefill steps). Returns (seconds per token, rows)."""
-    import random
-
     import torch
 
-    from rlfusion.engine.engine import EngineConfig, LLMEngine
-    from rlfusion.engine.types import Request, SamplingParams
-    from rlfusion.evaluate import encode_prompt
     from rlfusion.model.checkpoint import load_checkpoint
-    from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+    from rlfusion.sim.measure import engine_step_times, task_prompts
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, tokenizer, _ = load_checkpoint(find_base())
     model.eval()
-    task, rng = ArithmeticTask(ArithmeticConfig()), random.Random(0)
-    params = SamplingParams(temperature=1.0, max_new_tokens=24)  # no stop: every row decodes 24 tokens
     best = (float("inf"), 0)
     for rows in (max_num_seqs // 2, max_num_seqs, 2 * max_num_seqs, 4 * max_num_seqs):
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=rows, max_num_batched_tokens=64 * rows, seed=0))
-        for i in range(rows):
-            engine.add_request(Request(f"r{i}", encode_prompt(tokenizer, task.sample(rng).prompt), params))
-        times = []
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
+        times = engine_step_times(model, task_prompts(tokenizer, rows, seed=rows), 24, max_num_seqs=rows)
         best = min(best, (statistics.median(times[2:]) / rows, rows))
     torch.set_num_threads(threads)
     return best

@@ -65,7 +65,8 @@ def _load(setup: _Setup):
     return model, tokenizer
 
 
-def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+def task_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """`n` encoded prompts of the default (arithmetic) task."""
     from rlfusion.evaluate import encode_prompt
     from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
@@ -75,12 +76,14 @@ def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 
 # ---- rollout engine ----------------------------------------------------------------------
 
-def _engine_run(model, prompts: list[list[int]], new_tokens: int) -> list[float]:
-    """Seconds of every engine step of one run where each prompt generates `new_tokens`."""
+def engine_step_times(model, prompts: list[list[int]], new_tokens: int,
+                      max_num_seqs: int = MAX_NUM_SEQS) -> list[float]:
+    """Seconds of every engine step of one run where each prompt generates `new_tokens` (no
+    stop token), `max_num_seqs` rows at a time."""
     from rlfusion.engine.engine import EngineConfig, LLMEngine
     from rlfusion.engine.types import Request, SamplingParams
 
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=0))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, seed=0))
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)  # no stop ids
     for i, ids in enumerate(prompts):
         engine.add_request(Request(f"r{i}", list(ids), params))
@@ -96,18 +99,18 @@ def measure_engine(model, tokenizer, quick: bool) -> dict:
     """Decode step time per batch size, and the prefill line."""
     new_tokens = 24 if quick else 48
     model.eval()
-    _engine_run(model, _prompts(tokenizer, 32), 8)  # warm-up
+    engine_step_times(model, task_prompts(tokenizer, 32), 8)  # warm-up
     decode, prefill = {}, {}
     for b in DECODE_BATCHES:
-        prompts = _prompts(tokenizer, b, seed=b)
-        runs = [_engine_run(model, prompts, new_tokens) for _ in range(1 if quick else 2)]
+        prompts = task_prompts(tokenizer, b, seed=b)
+        runs = [engine_step_times(model, prompts, new_tokens) for _ in range(1 if quick else 2)]
         decode[b] = statistics.median(t for run in runs for t in run[1:]) * 1e3
         tokens = sum(len(p) for p in prompts)  # the engine prefills them packed
         prefill[tokens] = statistics.median(run[0] for run in runs) * 1e3
     (t_small, ms_small), (t_big, ms_big) = min(prefill.items()), max(prefill.items())
     per_token = max(0.0, (ms_big - ms_small) / (t_big - t_small))
     # the table's steps attend over the longest prompt plus about half the new tokens
-    reference = max(len(p) for p in _prompts(tokenizer, DECODE_BATCHES[-1], seed=DECODE_BATCHES[-1])) + new_tokens // 2
+    reference = max(len(p) for p in task_prompts(tokenizer, DECODE_BATCHES[-1], seed=DECODE_BATCHES[-1])) + new_tokens // 2
     return {"decode_batch_sizes": tuple(decode), "decode_step_ms": tuple(decode.values()),
             "prefill_ms_per_token": per_token,
             "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small),
@@ -146,7 +149,7 @@ def synthetic_trajectories(tokenizer, n: int, vocab: int, seed: int = 0) -> list
 
     rng = random.Random(seed)
     out = []
-    for i, prompt in enumerate(_prompts(tokenizer, n, seed)):
+    for i, prompt in enumerate(task_prompts(tokenizer, n, seed)):
         length = min(160, max(2, round(24 * rng.lognormvariate(0.0, 0.57))))
         response = [rng.randrange(1, vocab) for _ in range(length)]
         out.append(Trajectory(i // 8, None, prompt, response, [-1.0] * length, [0] * length,
@@ -338,7 +341,7 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
     model.eval()
     engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=rank))
     params = SamplingParams(temperature=1.0, max_new_tokens=32 if quick else 64)  # no stop ids
-    for i, ids in enumerate(_prompts(tokenizer, 64, seed=100 + rank)):
+    for i, ids in enumerate(task_prompts(tokenizer, 64, seed=100 + rank)):
         engine.add_request(Request(f"r{i}", list(ids), params))
     counts = torch.zeros(4, dtype=torch.int64)
     waited, calls, steps = 0.0, 0, 0

@@ -28,7 +28,7 @@ import copy
 import statistics
 import time
 
-from rlfusion.sim.measure import _engine_run, _load, _prompts, _Setup, synthetic_trajectories
+from rlfusion.sim.measure import _load, _Setup, engine_step_times, synthetic_trajectories, task_prompts
 
 PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
 
@@ -40,7 +40,7 @@ def _mixed_workload(model, tokenizer, actor, trajs, meet=None) -> None:
     bus, so the probe's must be the real one's size, not smaller. `meet()`, if given, runs
     between the rollout and the update (the lock-step run's barrier)."""
     model.eval()
-    _engine_run(model, _prompts(tokenizer, PROBE_SAMPLES), 24)
+    engine_step_times(model, task_prompts(tokenizer, PROBE_SAMPLES), 24)
     if meet is not None:
         meet()
     actor.update(trajs)
