@@ -13,13 +13,19 @@ runs of the same algorithm that differ only in their random streams have differe
 points), so the whole interleaved run repeats for `--seeds` seeds and the accuracy gap is taken
 between the variants' mean accuracies; every seed's accuracy is printed. Tokens/s pools all seeds.
 
-The run ends with a ceiling: the most tokens/s *any* schedule of this work could reach on these
-2 devices — a work-conserving bound from the synchronous colocated run's own device-seconds. Its
-reference, reward, update and switch work stays (StaleSync trains the same samples with the
-same models); its rollout is replaced by every generated token decoded at the engine's best
-per-token cost over batch sizes up to 4x the engine's slots (timed here, single process, no
-prefill, no growth of the context); the devices never idle. StaleSync can only move work in
-time and fill decode batches, so its tokens/s cannot exceed this.
+The run ends with a ceiling: the most tokens/s *any* schedule of the synchronous work could
+reach on these 2 devices, a work-conserving bound. Its non-generation work — reference, reward,
+update — stays (StaleSync trains the same samples with the same models), at the least
+device-seconds per generated token either synchronous variant measured (separated: single
+devices, mostly one at a time, no data-parallel all-reduce; switches and weight transfers left
+out); every generated token is decoded at the engine's best per-token cost over batch sizes up
+to 4x the engine's slots (single process, no growth of the context) and every sample's prompt
+is prefilled once at the engine's best packed-prefill cost (this engine prefills each sample of
+a group on its own; prefix sharing would cut that for synchronous and StaleSync alike); the two
+devices never idle, each at the speed two independent busy processes keep here (the
+contention probe's `concurrent_speed`). Floor and speed are measured before every seed and the
+most favourable values are used. StaleSync can only move work in time and fill decode batches,
+so its tokens/s cannot exceed this.
 
     python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~17 min)
     python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
@@ -41,6 +47,8 @@ from rlfusion.config import load_config
 from rlfusion.obs.timeline import plot_gantt
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
+from rlfusion.sim.measure import default_setup
+from rlfusion.sim.measure_contention import measure_contention
 
 THRESHOLD = 0.75  # partial rollout: an update goes ahead once 3/4 of its prompt groups finished
 
@@ -66,34 +74,54 @@ def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: i
     return RLTrainer(cfg, out / name.replace(" ", "_").replace("=", ""), find_base())
 
 
-def decode_floor_s_per_token(max_num_seqs: int) -> tuple[float, int]:
-    """The engine's lowest decode cost per generated token over batch sizes of 1/2 to 4x
-    `max_num_seqs` rows (the shipped base, 1 thread, the default task's prompts, 24 new tokens
-    each; median step after the prefill steps). Returns (seconds per token, rows)."""
+def engine_floors(max_num_seqs: int) -> dict[str, float]:
+    """The engine's lowest costs on the default task's prompts (the shipped base, 1 thread, 24
+    new tokens per row, no stop): decode per generated token over batch sizes of 1/2 to 4x
+    `max_num_seqs` rows (median step after the prefill steps), and packed prefill per prompt
+    token (the first step of the runs whose prompts fit one step). Also the prompts' mean
+    length."""
     import torch
 
+    from rlfusion.engine.engine import EngineConfig
     from rlfusion.model.checkpoint import load_checkpoint
     from rlfusion.sim.measure import engine_step_times, task_prompts
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model, tokenizer, _ = load_checkpoint(find_base())
-    model.eval()
-    best = (float("inf"), 0)
-    for rows in (max_num_seqs // 2, max_num_seqs, 2 * max_num_seqs, 4 * max_num_seqs):
-        times = engine_step_times(model, task_prompts(tokenizer, rows, seed=rows), 24, max_num_seqs=rows)
-        best = min(best, (statistics.median(times[2:]) / rows, rows))
-    torch.set_num_threads(threads)
-    return best
+    try:
+        model, tokenizer, _ = load_checkpoint(find_base())
+        model.eval()
+        decode, prefill, lengths = (float("inf"), 0), float("inf"), []
+        for rows in (max_num_seqs // 2, max_num_seqs, 2 * max_num_seqs, 4 * max_num_seqs):
+            prompts = task_prompts(tokenizer, rows, seed=rows)
+            lengths += [len(p) for p in prompts]
+            times = engine_step_times(model, prompts, 24, max_num_seqs=rows)
+            decode = min(decode, (statistics.median(times[2:]) / rows, rows))
+            tokens = sum(len(p) for p in prompts)
+            if tokens <= EngineConfig().max_num_batched_tokens:  # all prefilled in the first step
+                prefill = min(prefill, times[0] / tokens)
+    finally:
+        torch.set_num_threads(threads)
+    return {"decode_s_per_token": decode[0], "decode_rows": decode[1], "prefill_s_per_token": prefill,
+            "prompt_tokens": statistics.mean(lengths)}
 
 
-def ceiling(timed: list[dict], spans: list, per_token_s: float, devices: int) -> float:
-    """Tokens/s no schedule of the synchronous run's work can beat on `devices` devices: its
-    non-rollout device-seconds plus every generated token at `per_token_s`, spread over the
-    devices with no idle time."""
-    other = sum(sp.duration_s for sp in spans if sp.phase not in ("rollout", "idle"))
-    tokens = sum(m["generated_tokens"] for m in timed)
-    return tokens / ((other + tokens * per_token_s) / devices)
+def ceiling(work_s_per_token: float, floors: dict[str, float], prompts_per_token: float,
+            devices: int, speed: float) -> float:
+    """Tokens/s no schedule can beat on `devices` devices that each run at `speed` (relative to
+    one busy process alone) with no idle time: every generated token costs its decoding at the
+    floor, its share of prompt prefill (`prompts_per_token` prompt tokens, each prefilled once)
+    and `work_s_per_token` of the rest of the step (device-seconds)."""
+    per_token = (work_s_per_token + floors["decode_s_per_token"]
+                 + prompts_per_token * floors["prefill_s_per_token"])
+    return devices * speed / per_token
+
+
+def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
+    """Device-seconds of reference, reward and update (and critic) per generated token of the
+    timed updates; generation, idle time, layout switches and weight transfers left out."""
+    work = sum(sp.duration_s for sp in spans if sp.phase not in ("rollout", "idle", "switch", "transfer"))
+    return work / sum(m["generated_tokens"] for m in timed)
 
 
 def main() -> None:
@@ -116,14 +144,19 @@ def main() -> None:
     if updates < 4 or not seeds:
         raise SystemExit(f"--updates={updates} --seeds={len(seeds)}: need >= 4 updates (the first two are not "
                          "timed) and >= 1 seed")
-    floor_s, floor_rows = decode_floor_s_per_token(TrainConfig().rollout.max_num_seqs)
-    print(f"engine decode floor: {floor_s * 1e6:.1f} us per token (at {floor_rows} rows)", flush=True)
     ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
-    baseline_spans = []  # the timed updates' device spans of synchronous colocated, every seed
+    sync_names = [n for n in names if n.startswith("sync")]
+    sync_spans: dict[str, list] = {n: [] for n in sync_names}  # their timed updates' device spans
+    floors, speeds = [], []  # decode floor (s/token, rows) and concurrent speed, before every seed
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
     accs: dict[str, list[float]] = {n: [] for n in names}
     for seed in seeds:
+        floors.append(engine_floors(TrainConfig().rollout.max_num_seqs))
+        speeds.append(measure_contention(default_setup(threads=1))["concurrent_speed"])
+        print(f"engine floors: decode {floors[-1]['decode_s_per_token'] * 1e6:.1f} us per token (at "
+              f"{floors[-1]['decode_rows']} rows), prefill {floors[-1]['prefill_s_per_token'] * 1e6:.1f} us per "
+              f"prompt token; concurrent speed of two busy processes {speeds[-1]:.2f}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed) for n in names}
             base_acc = trainers[BASELINE].evaluate().accuracy
@@ -137,7 +170,8 @@ def main() -> None:
                 print(f"seed {seed} update {u + 1}: " + ", ".join(
                     f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
                       + " tok/s", flush=True)
-            baseline_spans += [sp for sp in trainers[BASELINE].timeline.spans if (sp.step or 0) >= 2]
+            for n in sync_names:
+                sync_spans[n] += [sp for sp in trainers[n].timeline.spans if (sp.step or 0) >= 2]
             for n in names:
                 accs[n].append(trainers[n].evaluate().accuracy)
                 gantt = args.gantt or ("" if (args.variants or args.quick or args.seed) else "docs/img")
@@ -166,10 +200,22 @@ def main() -> None:
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
               f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} | {acc[n]:.1%} "
               f"({', '.join(f'{a:.1%}' for a in accs[n])}) |")
-    top = ceiling(timed[BASELINE], baseline_spans, floor_s, 2)
+    work = {n: non_generation_s_per_token(timed[n], sync_spans[n]) for n in sync_names}
+    least = min(work, key=work.get)
+    floor = {k: min(f[k] for f in floors) for k in ("decode_s_per_token", "prefill_s_per_token")}
+    floor["decode_rows"] = min(floors, key=lambda f: f["decode_s_per_token"])["decode_rows"]
+    speed = max(speeds)
+    samples = TrainConfig().rollout.prompts_per_step * TrainConfig().rollout.group_size
+    generated = statistics.mean(m["generated_tokens"] for m in timed[BASELINE])
+    prompts_per_token = samples * floors[0]["prompt_tokens"] / generated
+    top = ceiling(work[least], floor, prompts_per_token, 2, speed)
     print(f"\nceiling of any schedule of this work on 2 devices: {top:.0f} tokens/s = "
-          f"{top / tok_s[BASELINE]:.2f}x sync colocated (its reference, reward, update and switch "
-          f"device-seconds; every generated token at the decode floor, {floor_s * 1e6:.1f} us; no idle)")
+          f"{top / tok_s[BASELINE]:.2f}x sync colocated (per generated token: reference, reward and "
+          f"training {work[least] * 1e6:.0f} us as {least} measured them "
+          f"({', '.join(f'{n} {w * 1e6:.0f}' for n, w in work.items())}); decoding at the floor, "
+          f"{floor['decode_s_per_token'] * 1e6:.1f} us at {floor['decode_rows']} rows; prompt prefill "
+          f"{prompts_per_token:.2f} tokens x {floor['prefill_s_per_token'] * 1e6:.1f} us; 2 devices never "
+          f"idle, each at {speed:.2f} of one busy process alone)")
     stale = [n for n in names if n.startswith("stalesync")]
     if stale:
         best = max(stale, key=lambda n: tok_s[n])

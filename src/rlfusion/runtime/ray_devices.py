@@ -65,6 +65,7 @@ class RayDevices:
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
         address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
         self.call([w.connect.remote(address) for w in self.workers])
+        self.call([w.settle.remote() for w in self.workers])
         self.scored: dict[tuple, tuple] = {}  # this step's on-device reward / reference results
         self.rollout = _RolloutProxy(self)
         self.reward = _RewardProxy(self)

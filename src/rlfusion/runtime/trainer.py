@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import json
 import random
 import time
@@ -37,7 +36,7 @@ from rlfusion.runtime.dataflow import QueueDataflow, queue_config
 from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
 from rlfusion.runtime.stages import (CollapseError, CriticStage, ReferenceStage, RewardStage, RolloutStage,
                                      apply_kl_reward_penalty, compute_advantages)
-from rlfusion.runtime.heap import freeze_long_lived
+from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stalesync import StalenessBook
@@ -305,7 +304,7 @@ class RLTrainer:
         if self.devices is not None:
             self.devices.shutdown()
             self.devices = None
-            gc.unfreeze()  # what this trainer held may be collected again
+            release_long_lived()  # what this trainer held may be collected again
 
     def evaluate(self) -> EvalResult:
         self.sync_model()

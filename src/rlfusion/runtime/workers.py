@@ -147,7 +147,11 @@ class DeviceWorker:
             self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
                                     total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm)
             self._account()
-        freeze_long_lived()  # set up: full collections no longer walk imports, model and task
+
+    def settle(self) -> None:
+        """Setup is over (called once in the worker's own process, after `connect`): full garbage
+        collections no longer walk the imports, model and task (`runtime/heap.py`)."""
+        freeze_long_lived()
 
     def _apply_layout(self) -> Any:
         """Split the actor over its training layout: TP over `train_tp` consecutive train devices

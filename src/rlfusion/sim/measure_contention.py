@@ -25,6 +25,7 @@ torch and Ray are imported inside the functions so `rlfusion.sim` stays torch-fr
 from __future__ import annotations
 
 import copy
+import datetime
 import statistics
 import time
 
@@ -76,7 +77,8 @@ class ContentionWorker:
         from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
         store = self._store if rank == 0 else dist.TCPStore("127.0.0.1", port, 2, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
         group = dist.new_group([0, 1])
         self.dp_actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0, dp_group=group)
 
@@ -101,10 +103,15 @@ def contention_workers(setup: _Setup) -> list:
     cls = ray.remote(ContentionWorker)
     workers = [cls.options(num_cpus=setup.threads, runtime_env=env).remote(setup, r)
                for r in range(2)]
-    port = ray.get(workers[0].address.remote())
-    ray.get([w.connect.remote(port, r) for r, w in enumerate(workers)])
-    ray.get([w.work.remote() for w in workers])  # load + warm-up
-    ray.get([w.work.remote(lockstep=True) for w in workers])
+    try:
+        port = ray.get(workers[0].address.remote())
+        ray.get([w.connect.remote(port, r) for r, w in enumerate(workers)])
+        ray.get([w.work.remote() for w in workers])  # load + warm-up
+        ray.get([w.work.remote(lockstep=True) for w in workers])
+    except BaseException:
+        for w in workers:  # they hold CPUs of the caller's Ray cluster and a gloo store
+            ray.kill(w)
+        raise
     return workers
 
 

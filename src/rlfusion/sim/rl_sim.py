@@ -26,9 +26,10 @@ Contention: while more than one device works at once, every compute cost is divi
 accelerators). Devices work at once in colocated and shared modes with 2+ devices, in
 separated mode among 2+ engines or 2+ trainers, and between engines and trainers when s >= 1
 (they overlap). Colocated and shared devices work in lock-step (the driver's phase barriers,
-the gradient all-reduce): there the divisor is `Calibration.lockstep` (measured with the two
-probe processes meeting as a colocated step does; work that slows one holds up both). An
-engine that finishes its share early is still charged the slower rate.
+the gradient all-reduce), and so do 2+ data-parallel train devices in any mode: there the
+divisor is `Calibration.lockstep` (measured with the two probe processes meeting as a
+colocated step does; work that slows one holds up both). An engine that finishes its share
+early is still charged the slower rate.
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ class _Sim:
         slow = 1.0 / (cal.concurrent_speed if cfg.mode == "separated" else cal.lockstep)
         overlap = cfg.mode == "separated" and cfg.staleness > 0
         self.engine_slow = slow if (engines > 1 or overlap) else 1.0
-        self.train_slow = slow if (self.train_devices() > 1 or overlap) else 1.0
+        # data-parallel train devices meet in the gradient all-reduce: lock-step in every mode
+        self.train_slow = (1.0 / cal.lockstep if self.train_devices() > 1
+                           else slow if overlap else 1.0)
 
     # ---- setup ------------------------------------------------------------------------
     def _num_engines(self) -> int:
