@@ -177,8 +177,10 @@ def test_stalesync_validation_compares_tokens_over_time_sums():
                       steps, warmup=1)
     assert case.measured_tokens_per_s == pytest.approx(150 / 3.0)
     pred = bench.predict(case, FLAT)
-    gens = pred.result.generated_per_update[1:]
-    assert len(pred.step_s) == 3 and pred.tokens_per_s == pytest.approx(sum(gens) / sum(pred.step_s))
+    r = pred.result  # the simulated run: the warm-up update, then the 3 measured ones
+    assert len(r.update_end_s) == 4 and pred.step_s == pytest.approx(
+        [b - a for a, b in zip(r.update_end_s, r.update_end_s[1:])])
+    assert pred.tokens_per_s == pytest.approx(sum(r.generated_per_update[1:]) / (r.update_end_s[-1] - r.update_end_s[0]))
 
 
 def test_new_modules_import_without_torch():

@@ -92,14 +92,20 @@ def test_partial_rollout_carries_samples_over():
 
 
 def test_rollout_stats_account_for_each_steps_engine_time():
-    r = simulate(BASE.replace(mode="colocated", staleness=1, rollout_finish_threshold=0.5), CAL)
+    r = simulate(BASE.replace(mode="colocated", staleness=1, rollout_finish_threshold=0.5),
+                 CAL.replace(stop_sync_s=0.001))
     assert len(r.rollout_stats) == len(r.update_end_s)
-    ends = (0.0,) + r.update_end_s
     for k, st in enumerate(r.rollout_stats):
+        # the busiest engine's passes are its rollout time on the timeline for that step's version
+        per_lane: dict[str, float] = {}
+        for e in r.timeline:
+            if e.role == "rollout" and e.version == k:
+                per_lane[e.device] = per_lane.get(e.device, 0.0) + e.end - e.start
         if r.generated_per_update[k]:
-            assert st["engine_decode_passes"] >= 1 and st["time_decode_s"] > 0
-        # a step's rollout passes and stop-rule sums fit in the step
-        assert st["time_decode_s"] + st["time_prefill_s"] + st["time_stop_sync_s"] <= ends[k + 1] - ends[k] + 1e-9
+            assert st["engine_decode_passes"] >= 1 and st["time_stop_sync_s"] > 0  # 2 engines meet
+            assert st["time_decode_s"] + st["time_prefill_s"] == pytest.approx(max(per_lane.values()))
+        else:
+            assert not per_lane
 
 
 def test_balanced_parts_is_the_trainers():
