@@ -61,6 +61,7 @@ from rlfusion.sim.measure import default_setup, measure_calibration
 from rlfusion.sim.measure_contention import concurrent_speed, contention_probe, contention_workers
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import SimResult, simulate
+from rlfusion.sim.rl_stalesync import ROLLOUT_STATS
 
 GOAL = 0.15  # relative error allowed by the issue
 
@@ -193,11 +194,6 @@ STALESYNC_CASES = {"stalesync_s1_colocated": "stalesync s=1 colocated",  # thres
                    "stalesync_s2_colocated": "stalesync s=2 colocated",  # threshold 0.75
                    "stalesync_s1_separated": "stalesync s=1 separated",  # threshold 1, overlap
                    "stalesync_s2_separated": "stalesync s=2 separated"}  # threshold 0.75, overlap
-
-
-# the busiest rollout engine's passes in a step, as RLTrainer reports them and the simulator
-# predicts them (SimResult.rollout_stats)
-ROLLOUT_STATS = ("engine_decode_passes", "time_decode_s", "time_prefill_s", "time_stop_sync_s")
 
 
 class _BatchRecorder:

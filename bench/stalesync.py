@@ -147,7 +147,7 @@ def main() -> None:
     ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
     sync_names = [n for n in names if n.startswith("sync")]
     sync_spans: dict[str, list] = {n: [] for n in sync_names}  # their timed updates' device spans
-    floors, speeds = [], []  # decode floor (s/token, rows) and concurrent speed, before every seed
+    floors, speeds = [], []  # engine_floors() and concurrent speed, measured before every seed
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
     accs: dict[str, list[float]] = {n: [] for n in names}
@@ -202,12 +202,13 @@ def main() -> None:
               f"({', '.join(f'{a:.1%}' for a in accs[n])}) |")
     work = {n: non_generation_s_per_token(timed[n], sync_spans[n]) for n in sync_names}
     least = min(work, key=work.get)
-    floor = {k: min(f[k] for f in floors) for k in ("decode_s_per_token", "prefill_s_per_token")}
-    floor["decode_rows"] = min(floors, key=lambda f: f["decode_s_per_token"])["decode_rows"]
+    floor = {**min(floors, key=lambda f: f["decode_s_per_token"]),  # the most favourable of each
+             "prefill_s_per_token": min(f["prefill_s_per_token"] for f in floors)}
     speed = max(speeds)
-    samples = TrainConfig().rollout.prompts_per_step * TrainConfig().rollout.group_size
+    rollout = TrainConfig().rollout
+    samples = rollout.prompts_per_step * rollout.group_size
     generated = statistics.mean(m["generated_tokens"] for m in timed[BASELINE])
-    prompts_per_token = samples * floors[0]["prompt_tokens"] / generated
+    prompts_per_token = samples * floor["prompt_tokens"] / generated
     top = ceiling(work[least], floor, prompts_per_token, 2, speed)
     print(f"\nceiling of any schedule of this work on 2 devices: {top:.0f} tokens/s = "
           f"{top / tok_s[BASELINE]:.2f}x sync colocated (per generated token: reference, reward and "

@@ -46,6 +46,9 @@ from dataclasses import dataclass, field
 
 from rlfusion.sim.rl_sim import Sample, TimelineEvent, _Sim
 
+# a step's busiest rollout engine, named as RLTrainer's metrics name them (SimResult.rollout_stats)
+ROLLOUT_STATS = ("engine_decode_passes", "time_decode_s", "time_prefill_s", "time_stop_sync_s")
+
 
 @dataclass
 class _Group:
@@ -177,9 +180,7 @@ class RuntimeStaleSync:
             end = dev.clock
         else:  # the stop-rule sums: every device calls every `stop_sync_every` steps (or idle)
             every = sim.cfg.stop_sync_every
-            t = max(d.clock for d in devs) + sim.cal.stop_sync_s
-            for d in devs:
-                d.stop_sync_s += t - d.clock
+            t = self._meet(devs)
             while True:
                 done = sum(len(d.finished_groups) for d in devs)
                 due_left = sum(len(d.due - d.finished_groups) for d in devs)
@@ -191,9 +192,7 @@ class RuntimeStaleSync:
                         self._engine_step(d, version)
                         while d.busy and d.steps % every:
                             self._engine_step(d, version)
-                t = max(d.clock for d in devs) + sim.cal.stop_sync_s
-                for d in devs:
-                    d.stop_sync_s += t - d.clock
+                t = self._meet(devs)
             end = t
         generated = -before
         self._step_stats.extend(devs)
@@ -217,6 +216,14 @@ class RuntimeStaleSync:
                     sim.record(eng.name, role, eng.clock, eng.clock + seconds, version)
                     eng.clock += seconds
         return max(e.clock for e in sim.engines), generated
+
+    def _meet(self, devs: list[_Device]) -> float:
+        """A stop-rule sum: every device waits for the last to arrive, then the collective runs;
+        returns when it ends (each device's wait and sum counted in its `stop_sync_s`)."""
+        t = max(d.clock for d in devs) + self.sim.cal.stop_sync_s
+        for d in devs:
+            d.stop_sync_s += t - d.clock
+        return t
 
     def _engine_step(self, dev: _Device, version: int) -> None:
         """One `LLMEngine.step()`: the scheduler's admission, then decode + prefill passes."""
@@ -338,8 +345,7 @@ class RuntimeStaleSync:
         `_engine_metrics`), summed over the step's rollouts."""
         per: dict[str, dict[str, float]] = {}
         for d in devs:
-            acc = per.setdefault(d.name, dict.fromkeys(
-                ("time_decode_s", "time_prefill_s", "engine_decode_passes", "time_stop_sync_s"), 0.0))
+            acc = per.setdefault(d.name, dict.fromkeys(ROLLOUT_STATS, 0.0))
             acc["time_decode_s"] += d.decode_s
             acc["time_prefill_s"] += d.prefill_s
             acc["engine_decode_passes"] += d.decode_passes
