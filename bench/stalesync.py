@@ -23,9 +23,11 @@ to 4x the engine's slots (single process, no growth of the context) and every sa
 is prefilled once at the engine's best packed-prefill cost (this engine prefills each sample of
 a group on its own; prefix sharing would cut that for synchronous and StaleSync alike); the two
 devices never idle, each at the speed two independent busy processes keep here (the
-contention probe's `concurrent_speed`). Floor and speed are measured before every seed and the
-most favourable values are used. StaleSync can only move work in time and fill decode batches,
-so its tokens/s cannot exceed this.
+contention probe's `concurrent_speed`). StaleSync can only move work in time and fill decode
+batches, so its tokens/s cannot exceed this. Floor and speed are measured before and after every
+seed; each seed's ceiling pairs their means with that seed's own synchronous runs (the
+conditions the baseline ran in), and the run also prints the loosest form: the most favourable
+floor and speed of any measurement against the pooled baseline.
 
     python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~17 min)
     python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
@@ -124,6 +126,60 @@ def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
     return work / sum(m["generated_tokens"] for m in timed)
 
 
+def measure_conditions() -> tuple[dict, float]:
+    """The engine floors and the concurrent speed of two busy processes, measured now."""
+    floors = engine_floors(TrainConfig().rollout.max_num_seqs)
+    speed = measure_contention(default_setup(threads=1))["concurrent_speed"]
+    print(f"engine floors: decode {floors['decode_s_per_token'] * 1e6:.1f} us per token (at "
+          f"{floors['decode_rows']} rows), prefill {floors['prefill_s_per_token'] * 1e6:.1f} us per "
+          f"prompt token; concurrent speed of two busy processes {speed:.2f}", flush=True)
+    return floors, speed
+
+
+def ceiling_of(timed: dict[str, list[dict]], spans: dict[str, list], floor: dict, speed: float) -> dict:
+    """The ceiling for synchronous runs `timed` / `spans` (variant → timed updates / device
+    spans) under engine `floor` and concurrent `speed`: tokens/s and its ratio to the baseline."""
+    work = {n: non_generation_s_per_token(timed[n], spans[n]) for n in spans}
+    least = min(work, key=work.get)
+    rollout = TrainConfig().rollout
+    samples = rollout.prompts_per_step * rollout.group_size
+    base = timed[BASELINE]
+    prompts_per_token = samples * floor["prompt_tokens"] / statistics.mean(m["generated_tokens"] for m in base)
+    top = ceiling(work[least], floor, prompts_per_token, 2, speed)
+    base_tok_s = sum(m["generated_tokens"] for m in base) / sum(m["time_step_s"] for m in base)
+    return {"tok_s": top, "ratio": top / base_tok_s, "work": work, "least": least,
+            "prompts_per_token": prompts_per_token, "floor": floor, "speed": speed}
+
+
+def print_ceilings(per_seed: list[dict], conditions: list[list[tuple[dict, float]]], sync_names: list[str],
+                   timed: dict[str, list[dict]], sync_spans: dict[str, list]) -> None:
+    """Each seed's ceiling (floor and speed: the means of its before/after measurements, against
+    its own synchronous runs), their median, and the loosest form (the most favourable floor and
+    speed of any measurement, against the pooled baseline)."""
+    ratios = []
+    for i, (run, measured) in enumerate(zip(per_seed, conditions)):
+        floor = {k: statistics.mean(f[k] for f, _ in measured)
+                 for k in ("decode_s_per_token", "prefill_s_per_token", "prompt_tokens")}
+        floor["decode_rows"] = "/".join(str(f["decode_rows"]) for f, _ in measured)
+        c = ceiling_of(run["timed"], run["spans"], floor,
+                       statistics.mean(sp for _, sp in measured))
+        ratios.append(c["ratio"])
+        print(f"\nseed {i}: ceiling {c['tok_s']:.0f} tokens/s = {c['ratio']:.2f}x its sync colocated (per generated "
+              f"token: reference, reward and training {c['work'][c['least']] * 1e6:.0f} us as {c['least']} measured "
+              f"them ({', '.join(f'{n} {w * 1e6:.0f}' for n, w in c['work'].items())}); decoding "
+              f"{floor['decode_s_per_token'] * 1e6:.1f} us (rows {floor['decode_rows']}); prompt prefill "
+              f"{c['prompts_per_token']:.2f} tokens x {floor['prefill_s_per_token'] * 1e6:.1f} us; 2 devices never "
+              f"idle, each at {c['speed']:.2f})")
+    every = [m for measured in conditions for m in measured]
+    loosest = {**min((f for f, _ in every), key=lambda f: f["decode_s_per_token"]),
+               "prefill_s_per_token": min(f["prefill_s_per_token"] for f, _ in every)}
+    c = ceiling_of({n: timed[n] for n in sync_names}, sync_spans, loosest, max(sp for _, sp in every))
+    print(f"\nceiling of any schedule of this work on 2 devices: median of the seeds "
+          f"{statistics.median(ratios):.2f}x sync colocated (seeds: {', '.join(f'{r:.2f}' for r in ratios)}); "
+          f"loosest form {c['ratio']:.2f}x (decoding {loosest['decode_s_per_token'] * 1e6:.1f} us, prefill "
+          f"{loosest['prefill_s_per_token'] * 1e6:.1f} us, speed {c['speed']:.2f}, pooled baseline)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -144,19 +200,18 @@ def main() -> None:
     if updates < 4 or not seeds:
         raise SystemExit(f"--updates={updates} --seeds={len(seeds)}: need >= 4 updates (the first two are not "
                          "timed) and >= 1 seed")
-    ray.init(num_cpus=2 * len(names), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # 2 CPUs per variant, and 2 for the contention probe that runs beside a seed's (idle) trainers
+    ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     sync_names = [n for n in names if n.startswith("sync")]
     sync_spans: dict[str, list] = {n: [] for n in sync_names}  # their timed updates' device spans
-    floors, speeds = [], []  # engine_floors() and concurrent speed, measured before every seed
+    seed_conditions: list[list[tuple[dict, float]]] = []  # per seed: (floors, speed) before and after
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
     accs: dict[str, list[float]] = {n: [] for n in names}
+    per_seed: list[dict] = []  # each seed's timed updates and synchronous spans, for its ceiling
     for seed in seeds:
-        floors.append(engine_floors(TrainConfig().rollout.max_num_seqs))
-        speeds.append(measure_contention(default_setup(threads=1))["concurrent_speed"])
-        print(f"engine floors: decode {floors[-1]['decode_s_per_token'] * 1e6:.1f} us per token (at "
-              f"{floors[-1]['decode_rows']} rows), prefill {floors[-1]['prefill_s_per_token'] * 1e6:.1f} us per "
-              f"prompt token; concurrent speed of two busy processes {speeds[-1]:.2f}", flush=True)
+        seed_conditions.append([measure_conditions()])
+        seed_timed, seed_spans = {n: len(timed[n]) for n in names}, {n: len(sync_spans[n]) for n in sync_names}
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed) for n in names}
             base_acc = trainers[BASELINE].evaluate().accuracy
@@ -179,8 +234,11 @@ def main() -> None:
                     png = Path(gantt) / f"stalesync_{n.replace(' ', '_').replace('=', '')}.png"
                     last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
                     plot_gantt(last, png, title=f"{n}: device timeline of update {updates}")
+            seed_conditions[-1].append(measure_conditions())  # the seed's idle workers still alive
             for t in trainers.values():
                 t.close()
+        per_seed.append({"timed": {n: timed[n][seed_timed[n]:] for n in names},
+                         "spans": {n: sync_spans[n][seed_spans[n]:] for n in sync_names}})
     ray.shutdown()
 
     acc = {n: statistics.mean(a) for n, a in accs.items()}
@@ -200,23 +258,7 @@ def main() -> None:
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
               f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} | {acc[n]:.1%} "
               f"({', '.join(f'{a:.1%}' for a in accs[n])}) |")
-    work = {n: non_generation_s_per_token(timed[n], sync_spans[n]) for n in sync_names}
-    least = min(work, key=work.get)
-    floor = {**min(floors, key=lambda f: f["decode_s_per_token"]),  # the most favourable of each
-             "prefill_s_per_token": min(f["prefill_s_per_token"] for f in floors)}
-    speed = max(speeds)
-    rollout = TrainConfig().rollout
-    samples = rollout.prompts_per_step * rollout.group_size
-    generated = statistics.mean(m["generated_tokens"] for m in timed[BASELINE])
-    prompts_per_token = samples * floor["prompt_tokens"] / generated
-    top = ceiling(work[least], floor, prompts_per_token, 2, speed)
-    print(f"\nceiling of any schedule of this work on 2 devices: {top:.0f} tokens/s = "
-          f"{top / tok_s[BASELINE]:.2f}x sync colocated (per generated token: reference, reward and "
-          f"training {work[least] * 1e6:.0f} us as {least} measured them "
-          f"({', '.join(f'{n} {w * 1e6:.0f}' for n, w in work.items())}); decoding at the floor, "
-          f"{floor['decode_s_per_token'] * 1e6:.1f} us at {floor['decode_rows']} rows; prompt prefill "
-          f"{prompts_per_token:.2f} tokens x {floor['prefill_s_per_token'] * 1e6:.1f} us; 2 devices never "
-          f"idle, each at {speed:.2f} of one busy process alone)")
+    print_ceilings(per_seed, seed_conditions, sync_names, timed, sync_spans)
     stale = [n for n in names if n.startswith("stalesync")]
     if stale:
         best = max(stale, key=lambda n: tok_s[n])
