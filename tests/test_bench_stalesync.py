@@ -1,0 +1,90 @@
+"""bench/stalesync.py's own logic: ad-hoc variants (`--add`), the staleness bound of a variant,
+and the ceiling of any schedule — per seed against that seed's baseline, and the loosest form."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfusion.obs.timeline import Span
+from rlfusion.runtime.train_config import TrainConfig
+
+pytest.importorskip("ray")
+
+
+@pytest.fixture
+def bench():
+    path = Path(__file__).resolve().parents[1] / "bench" / "stalesync.py"
+    spec = importlib.util.spec_from_file_location("bench_stalesync", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_stalesync"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["bench_stalesync"]
+
+
+def test_add_registers_a_variant_and_rejects_bad_specs(bench):
+    name = bench.add_variant("sep 256=separated|stalesync.enabled=true|rollout.max_num_seqs=256")
+    assert name == "sep 256"
+    assert bench.VARIANTS[name] == ("separated", ["stalesync.enabled=true", "rollout.max_num_seqs=256"])
+    for bad in ("noequals", "x=mixed|a=b", "x=separated|novalue", "=separated"):
+        with pytest.raises(SystemExit, match="expected NAME=MODE"):
+            bench.add_variant(bad)
+    with pytest.raises(SystemExit, match="is taken"):
+        bench.add_variant("sync colocated=colocated")
+
+
+def test_bound_reads_the_override_else_the_default(bench):
+    assert bench.bound("stalesync s=2 colocated") == 2
+    bench.add_variant("plain=separated|stalesync.enabled=true")
+    assert bench.bound("plain") == TrainConfig().stalesync.max_staleness
+
+
+def _run(tokens: int, step_s: float, work: dict[str, float]) -> tuple[list[dict], list[Span]]:
+    """One timed update of `tokens` generated tokens and `step_s` seconds, with device spans of
+    `work` (phase -> seconds); rollout and idle spans must not count as work."""
+    spans = [Span("device0", "rollout", 0.0, 5.0, step=2), Span("device1", "idle", 0.0, 5.0, step=2)]
+    spans += [Span("device1", phase, 0.0, s, step=2) for phase, s in work.items()]
+    return [{"generated_tokens": tokens, "time_step_s": step_s}], spans
+
+
+def test_ceiling_takes_the_least_work_and_the_floors(bench):
+    rollout = TrainConfig().rollout
+    samples = rollout.prompts_per_step * rollout.group_size
+    col, col_spans = _run(1000, 1.0, {"train": 0.2, "reference": 0.05, "switch": 0.3})
+    sep, sep_spans = _run(1000, 2.0, {"train": 0.1, "reference": 0.05, "transfer": 0.4})
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0}
+    c = bench.ceiling_of({"sync colocated": col, "sync separated": sep},
+                         {"sync colocated": col_spans, "sync separated": sep_spans}, floor, speed=0.8)
+    assert c["least"] == "sync separated"  # 150 us per token (switch and transfer left out)
+    assert c["work"]["sync colocated"] == pytest.approx(250e-6)
+    per_token = 150e-6 + 50e-6 + samples * 2.0 / 1000 * 30e-6
+    assert c["tok_s"] == pytest.approx(2 * 0.8 / per_token)
+    assert c["ratio"] == pytest.approx(c["tok_s"] / 1000.0)  # the baseline: 1000 tokens in 1 s
+
+
+def test_per_seed_ceilings_pair_each_seed_with_its_own_baseline(bench, capsys):
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, "decode_rows": 512}
+    quick = {**floor, "decode_s_per_token": 40e-6}  # a quiet moment's floor
+    seeds, timed, spans = [], {"sync colocated": []}, {"sync colocated": []}
+    for step_s in (1.0, 2.0):  # the second seed's baseline ran at half the speed
+        t, s = _run(1000, step_s, {"train": 0.15})
+        seeds.append({"timed": {"sync colocated": t}, "spans": {"sync colocated": s}})
+        timed["sync colocated"] += t
+        spans["sync colocated"] += s
+    conditions = [[(floor, 0.8), (quick, 1.0)], [(floor, 0.8), (floor, 0.8)]]
+    bench.print_ceilings(seeds, conditions, ["sync colocated"], timed, spans)
+    out = capsys.readouterr().out
+    first = bench.ceiling_of(seeds[0]["timed"], seeds[0]["spans"],
+                             {**floor, "decode_s_per_token": 45e-6}, 0.9)["ratio"]  # the means
+    second = bench.ceiling_of(seeds[1]["timed"], seeds[1]["spans"], floor, 0.8)["ratio"]
+    # the same work and floors against a baseline half as fast: twice the ratio
+    assert second == pytest.approx(2 * bench.ceiling_of(seeds[0]["timed"], seeds[1]["spans"], floor, 0.8)["ratio"])
+    assert "seed 0: ceiling" in out and f"= {first:.2f}x its sync colocated" in out
+    assert f"= {second:.2f}x its sync colocated" in out
+    assert f"median of the seeds {(first + second) / 2:.2f}x" in out
+    loosest = bench.ceiling_of(timed, spans, quick, 1.0)["ratio"]  # best floor, best speed, pooled
+    assert f"loosest form {loosest:.2f}x" in out and loosest > first > 0
