@@ -3,11 +3,10 @@ and the ceiling of any schedule — per seed against that seed's baseline, and t
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from bench_helpers import load_bench
 
 from rlfusion.obs.timeline import Span
 from rlfusion.runtime.train_config import TrainConfig
@@ -17,12 +16,7 @@ pytest.importorskip("ray")
 
 @pytest.fixture
 def bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "stalesync.py"
-    spec = importlib.util.spec_from_file_location("bench_stalesync", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_stalesync"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_bench("stalesync")  # fresh each test: `--add` registers variants in its VARIANTS
     del sys.modules["bench_stalesync"]
 
 

@@ -2,11 +2,10 @@
 hand, hardware-derived calibrations, projections and the validation replay of bench/simulator."""
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from bench_helpers import load_bench
 
 from rlfusion.model.config import get_preset
 from rlfusion.sim.calibration import Calibration
@@ -144,12 +143,7 @@ def test_plan_prints_assumptions(capsys):
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "simulator.py"
-    spec = importlib.util.spec_from_file_location("bench_simulator", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_simulator"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("simulator")
 
 
 def test_validation_replays_each_measured_step():
