@@ -123,6 +123,12 @@ def ceiling(work_s_per_token: float, floors: dict[str, float], prompts_per_token
     return devices * speed / per_token
 
 
+def tokens_per_s(updates: list[dict]) -> float:
+    """Generated tokens / step time, summed over `updates` (a StaleSync step's tokens vary a lot,
+    so a per-step median would say little)."""
+    return sum(m["generated_tokens"] for m in updates) / sum(m["time_step_s"] for m in updates)
+
+
 def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
     """Device-seconds of reference, reward and update (and critic) per generated token of the
     timed updates; generation, idle time, layout switches and weight transfers left out."""
@@ -150,8 +156,7 @@ def ceiling_of(timed: dict[str, list[dict]], spans: dict[str, list], floor: dict
     base = timed[BASELINE]
     prompts_per_token = samples * floor["prompt_tokens"] / statistics.mean(m["generated_tokens"] for m in base)
     top = ceiling(work[least], floor, prompts_per_token, 2, speed)
-    base_tok_s = sum(m["generated_tokens"] for m in base) / sum(m["time_step_s"] for m in base)
-    return {"tok_s": top, "ratio": top / base_tok_s, "work": work, "least": least,
+    return {"tok_s": top, "ratio": top / tokens_per_s(base), "work": work, "least": least,
             "prompts_per_token": prompts_per_token, "floor": floor, "speed": speed}
 
 
@@ -294,7 +299,7 @@ def main() -> None:
     ray.shutdown()
 
     acc = {n: statistics.mean(a) for n, a in accs.items()}
-    tok_s = {n: sum(m["generated_tokens"] for m in r) / sum(m["time_step_s"] for m in r) for n, r in timed.items()}
+    tok_s = {n: tokens_per_s(r) for n, r in timed.items()}
     print(f"\n## 2 devices, 32 prompts x 8 samples per update, {updates} updates per variant, interleaved, "
           f"seeds {', '.join(map(str, seeds))}")
     print(f"(partial-rollout threshold {THRESHOLD}; held-out accuracy: greedy, {eval_problems} problems, mean over "
