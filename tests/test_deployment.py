@@ -57,6 +57,8 @@ def test_separated_scorers_sit_next_to_rollout_or_train(scorers, overlap, on_tra
     ({"backend": "mpi"}, "deploy.backend"),
     ({"train_tp": 0}, "deploy.train_tp"),
     ({"mode": "separated", "num_devices": 2, "train_tp": 2}, "training layout needs"),
+    ({"mode": "separated", "num_devices": 2, "train_fsdp": True}, "train_fsdp=true is invalid with mode"),
+    ({"backend": "local", "train_fsdp": True}, "training layout needs backend 'ray'"),
 ])
 def test_bad_deploy_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -108,6 +110,8 @@ def _worker_params(trainer, device):
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_devices": 2, "train_tp": 3}, "must divide the 2 train devices"),
     ({"mode": "colocated", "num_devices": 3, "train_tp": 2}, "spans every device"),
+    ({"num_devices": 2, "train_tp": 2, "train_fsdp": True}, "data-parallel devices .* must be >= 2"),
+    ({"mode": "colocated", "num_devices": 3, "train_fsdp": True}, "train_fsdp=true is invalid with 3 devices"),
 ])
 def test_bad_train_layout(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -130,11 +134,16 @@ def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_star
     # (two micro-batches), the other one, which joins the first's second expert all-to-alls
     # with a pass that contributes nothing
     ({"deploy.train_ep": 2, "optim.microbatch_tokens": 64}, "3 longest"),
+    ({"deploy.train_fsdp": "true"}, None),
+    # FSDP's all-gathers and reduce-scatters are collectives too: the rank with one micro-batch
+    # joins the other's second with a pass that contributes nothing
+    ({"deploy.train_fsdp": "true", "optim.microbatch_tokens": 64}, "3 longest"),
+    ({"deploy.train_fsdp": "true", "deploy.train_ep": 2}, None),
 ])
 def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path, layout, pick):
-    """`deploy.train_tp=2` / `train_ep=2`: the actor trains on TP shards over both devices, or
-    with its routed experts split over them (data parallel otherwise), and takes exactly the
-    one-process step; each rollout runs on a full replica filled from the shards (bucketed
+    """`deploy.train_tp=2` / `train_ep=2` / `train_fsdp=true`: the actor trains on TP shards
+    over both devices, or with its routed experts split over them, or with everything else
+    sharded over them (FSDP; data parallel otherwise), and takes exactly the one-process step; each rollout runs on a full replica filled from the shards (bucketed
     reshard) and freed after it, within the zero-redundancy bound; checkpoints hold whole
     tensors and load back into the shards."""
     base = find_base()
@@ -234,7 +243,7 @@ def test_killed_worker_names_its_device_and_roles(ray_session, tmp_path):
         trainer.close()
 
 
-@pytest.mark.parametrize("layout", [{}, {"deploy.train_tp": 2, "deploy.train_ep": 2}])
+@pytest.mark.parametrize("layout", [{}, {"deploy.train_tp": 2, "deploy.train_ep": 2}, {"deploy.train_fsdp": "true"}])
 def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path, layout):
     from rlfusion.runtime.trainer import resume
 

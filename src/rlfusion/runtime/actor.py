@@ -34,18 +34,22 @@ class ActorStage:
     full-batch step and the replicas stay equal."""
 
     def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig,
-                 temperature: float, total_updates: int = 0, dp_group: Any = None, layout: Any = None):
+                 temperature: float, total_updates: int = 0, dp_group: Any = None, layout: Any = None,
+                 dp_sharded: bool = False):
         self.model, self.algo, self.optim_cfg, self.temperature = model, algo, optim, temperature
         self.dp_group = dp_group
         # `layout`: the `ParallelModel` when `model` is split over a training layout. Its routed
         # experts' shards are summed over their expert-data-parallel group (not the dp group),
         # and its forward passes are collectives (expert all-to-all) across data-parallel ranks,
-        # so those ranks run equally many (`_lockstep`)
+        # so those ranks run equally many (`_lockstep`). `dp_sharded`: the model is sharded over
+        # `dp_group` (FSDP2), which gathers its parameters in every pass (collectives too) and
+        # sums its gradients itself; only the routed experts' are left to `_sync`
         experts = list(layout.experts) if layout is not None else []
         self.expert_params = {id(p) for m in experts for p in m.parameters(recurse=False)}
         self.edp_group = experts[0].edp_group if experts else None
         self.ep_group = experts[0].ep.group if experts and experts[0].ep.size > 1 else None
-        self.lockstep = bool(experts) and dp_group is not None
+        self.dp_sharded = dp_sharded
+        self.lockstep = (bool(experts) or dp_sharded) and dp_group is not None
         self.total_updates = total_updates  # horizon of the lr decay; 0 = constant
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
                                            betas=(optim.beta1, optim.beta2),
@@ -170,7 +174,8 @@ class ActorStage:
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
         params = list(self.model.parameters())
-        metrics = sum_over_replicas([p for p in params if id(p) not in self.expert_params], metrics, self.dp_group)
+        replicated = [] if self.dp_sharded else [p for p in params if id(p) not in self.expert_params]
+        metrics = sum_over_replicas(replicated, metrics, self.dp_group)
         for p in params:
             if id(p) in self.expert_params and self.edp_group is not None:
                 dist.all_reduce(p.grad, group=self.edp_group)

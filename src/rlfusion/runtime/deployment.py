@@ -56,6 +56,10 @@ class DeployConfig:
     # device, filled from them in buckets of `bucket_mb` before it (fusion/reshard.py), freed after
     train_tp: int = 1
     train_ep: int = 1
+    # shard the actor's parameters, gradients and optimizer state over its data-parallel train
+    # devices (FSDP2, ZeRO-3; the routed experts of an expert-parallel layout stay out of it)
+    # instead of a full replica on each; every rollout still runs on a full replica per device
+    train_fsdp: bool = False
 
     def __post_init__(self) -> None:
         check_fields("deploy", {
@@ -69,7 +73,7 @@ class DeployConfig:
             "train_ep": (self.train_ep >= 1, "must be >= 1 (1 = every device holds every expert)"),
         }, self)
         if self.train_layout and (self.mode == "separated" or self.backend != "ray"):
-            raise ValueError(f"deploy.train_tp={self.train_tp} / train_ep={self.train_ep} is invalid with mode "
+            raise ValueError(f"{self.layout_name} is invalid with mode "
                              f"'{self.mode}' and backend '{self.backend}': a training layout needs backend 'ray' and "
                              "mode 'colocated' or 'fully_shared' (the actor's devices both train and generate)")
         if self.scorers != "auto" and self.mode != "separated":
@@ -85,7 +89,13 @@ class DeployConfig:
     @property
     def train_layout(self) -> bool:
         """The actor trains split over a layout instead of as full replicas."""
-        return self.train_tp > 1 or self.train_ep > 1
+        return self.train_tp > 1 or self.train_ep > 1 or self.train_fsdp
+
+    @property
+    def layout_name(self) -> str:
+        """The training layout's settings, as a user sets them (for error messages)."""
+        return (f"deploy.train_tp={self.train_tp} / train_ep={self.train_ep}"
+                + (" / train_fsdp=true" if self.train_fsdp else ""))
 
     @property
     def devices(self) -> int:
@@ -112,8 +122,9 @@ class DeploymentPlan:
     train: tuple[int, ...]
     reference: tuple[int, ...]
     reward: tuple[int, ...]
-    train_tp: int = 1  # the actor's training layout (`deploy.train_tp`, `deploy.train_ep`)
+    train_tp: int = 1  # the actor's training layout (`deploy.train_tp`, `train_ep`, `train_fsdp`)
     train_ep: int = 1
+    train_fsdp: bool = False
 
     @classmethod
     def build(cls, cfg: DeployConfig, overlap: bool = False) -> "DeploymentPlan":
@@ -126,15 +137,18 @@ class DeploymentPlan:
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
         actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
         plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
-                   train_tp=cfg.train_tp, train_ep=cfg.train_ep)
+                   train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp)
         train = len(plan.train)
         if cfg.train_layout and train != n:
-            raise ValueError(f"deploy.train_tp={cfg.train_tp} / train_ep={cfg.train_ep} is invalid with {n} devices in "
+            raise ValueError(f"{cfg.layout_name} is invalid with {n} devices in "
                              f"mode '{cfg.mode}': the training layout spans every device, so reference and reward may "
                              "not have their own (use mode 'fully_shared', or colocated on at most 2 devices)")
         if train % cfg.train_tp:
             raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid: it must divide the {train} train devices "
                              f"(allowed: {', '.join(str(d) for d in range(1, train + 1) if train % d == 0)})")
+        if cfg.train_fsdp and plan.train_dp < 2:
+            raise ValueError(f"deploy.train_fsdp=true is invalid with {train} train devices and train_tp={cfg.train_tp}: "
+                             "it shards over the data-parallel devices (train devices / train_tp), which must be >= 2")
         return plan
 
     def dp_index(self, device: int) -> int:
@@ -148,7 +162,7 @@ class DeploymentPlan:
 
     @property
     def train_layout(self) -> bool:
-        return self.train_tp > 1 or self.train_ep > 1
+        return self.train_tp > 1 or self.train_ep > 1 or self.train_fsdp
 
     @property
     def colocated_actor(self) -> bool:
@@ -161,5 +175,6 @@ class DeploymentPlan:
         out = f"{self.mode}: " + ", ".join(f"device {d} = {'+'.join(self.roles(d))}"
                                            for d in range(self.num_devices))
         if self.train_layout:
-            out += f"; the actor trains as tp{self.train_tp} x ep{self.train_ep} x dp{self.train_dp}, generates on full replicas"
+            dp = f"fsdp{self.train_dp}" if self.train_fsdp else f"dp{self.train_dp}"
+            out += f"; the actor trains as tp{self.train_tp} x ep{self.train_ep} x {dp}, generates on full replicas"
         return out

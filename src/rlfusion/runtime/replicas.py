@@ -48,17 +48,19 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: s
 
 def sum_over_replicas(params: list[torch.Tensor], metrics: dict[str, float], group: Any) -> dict[str, float]:
     """Sum gradients (one flat buffer) and the token-weighted metrics over the DP group (a
-    tensor-parallel shard is summed with the same shard of the other replicas)."""
+    tensor-parallel shard is summed with the same shard of the other replicas). No `params`:
+    the metrics only (a sharded model's gradients are summed by its own reduce-scatter)."""
     for p in params:
         if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
             p.grad = torch.zeros_like(p)
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
     gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(gathered, metrics, group=group)
     keys = sorted({k for m in gathered for k in m})

@@ -370,13 +370,13 @@ def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> No
     from rlfusion.parallel.layout import ParallelLayout
 
     if cfg.algo.advantage == "gae":
-        raise ValueError(f"deploy.train_tp={plan.train_tp} / train_ep={plan.train_ep} is invalid with "
-                         "algo.advantage=gae: the critic trains full replicas only (use deploy.train_tp=1 and "
-                         "train_ep=1, or a group advantage such as grpo)")
+        raise ValueError(f"{cfg.deploy.layout_name} is invalid with "
+                         "algo.advantage=gae: the critic trains full replicas only (use deploy.train_tp=1, "
+                         "train_ep=1 and train_fsdp=false, or a group advantage such as grpo)")
     try:
         ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep).validate(len(plan.train), model_cfg)
     except ValueError as e:
-        raise ValueError(f"deploy.train_tp={plan.train_tp} / train_ep={plan.train_ep} does not fit the model: "
+        raise ValueError(f"{cfg.deploy.layout_name} does not fit the model: "
                          f"{e}") from None
 
 

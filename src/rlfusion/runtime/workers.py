@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlfusion.fusion.memory import MemoryLedger
@@ -46,6 +47,7 @@ from rlfusion.fusion.offload import HostPool, local_tensor, optimizer_tensors
 from rlfusion.fusion.reshard import build_inference_model, infer_to_train, release, train_to_infer
 from rlfusion.model.checkpoint import load_base
 from rlfusion.parallel.api import ParallelModel, lm_loss
+from rlfusion.parallel.data_parallel import apply_fsdp
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import build_mesh
@@ -145,7 +147,8 @@ class DeviceWorker:
             if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
                 self.critic = CriticStage(self.train_model, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
             self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
-                                    total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm)
+                                    total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm,
+                                    dp_sharded=self.plan.train_fsdp)
             self._account()
 
     def settle(self) -> None:
@@ -156,15 +159,26 @@ class DeviceWorker:
     def _apply_layout(self) -> Any:
         """Split the actor over its training layout: TP over `train_tp` consecutive train devices
         (attention heads, dense and shared-expert FFN columns), routed experts over `train_ep`
-        devices, data parallel across the TP groups (no FSDP: `ActorStage` sums the replicas'
-        gradients, expert shards over their expert-data-parallel group). Returns the
-        data-parallel group (None with one TP group). Collective: every device joins."""
+        devices, data parallel across the TP groups. Data parallel keeps a replica of the rest on
+        each (`ActorStage` sums the replicas' gradients), or with `train_fsdp` shards it over them
+        (FSDP2: parameters gathered per block for each pass, gradients reduce-scattered as sums,
+        since the loss is normalized by the global batch); expert shards are summed over their
+        expert-data-parallel group either way. Returns the data-parallel group (None with one TP
+        group). Collective: every device joins."""
         mesh = build_mesh(self.layout, self.train_model.config)
         for block in self.train_model.layers:
             if self.layout.tp > 1:
                 apply_tensor_parallel(block, mesh.device_mesh["tp"])
             if block.is_moe and self.layout.ep > 1:
                 block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
+        if self.plan.train_fsdp:
+            ignored = {p for m in self.train_model.modules() if isinstance(m, ExpertParallelExperts)
+                       for p in m.parameters()}
+            apply_fsdp(self.train_model, mesh.device_mesh["dp"], ignored)
+            for m in self.train_model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
         self.pm = ParallelModel(mesh, [self.train_model], self.train_model.config, 1, lm_loss, torch.device("cpu"))
         self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
         return mesh.group("dp") if self.layout.dp > 1 else None
