@@ -10,10 +10,13 @@ the colocated modes the engine generates from the very tensors the optimizer upd
 weights move: the switch offloads the optimizer state and allocates the KV cache (and back).
 Switch time counts both kinds (transfer and switch spans, the busier device).
 
-Two more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
-`deploy.train_ep=2`: routed experts split over the two devices): their switch gathers the shards
-into a full replica per device in buckets before every rollout (fusion/reshard.py) and frees it
-after. They run after the three modes in each round and take no part in the targets.
+Three more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
+`deploy.train_ep=2`: routed experts split over the two devices; `deploy.train_fsdp=true`:
+parameters, gradients and optimizer state sharded over them, FSDP2): their switch gathers the
+shards into a full replica per device in buckets before every rollout (fusion/reshard.py) and
+frees it after. They run after the three modes in each round and take no part in the targets.
+Every mode's tracked memory peak per device (weights, gradients, optimizer state, KV cache; the
+larger device) is printed for the train and rollout phases.
 
     python bench/fusion.py            # 9 rounds (~2 min)
     python bench/fusion.py --quick    # 3 rounds
@@ -35,8 +38,9 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
 DEPLOY_MODES = ("separated", "colocated", "fully_shared")
-MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2")
-LAYOUTS = {"colocated_tp2": ("colocated", ["deploy.train_tp=2"]), "colocated_ep2": ("colocated", ["deploy.train_ep=2"])}
+MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2", "colocated_fsdp2")
+LAYOUTS = {"colocated_tp2": ("colocated", ["deploy.train_tp=2"]), "colocated_ep2": ("colocated", ["deploy.train_ep=2"]),
+           "colocated_fsdp2": ("colocated", ["deploy.train_fsdp=true"])}
 PHASES = ("rollout", "reference", "reward", "train", "switch", "transfer")
 
 
@@ -115,6 +119,8 @@ def main() -> None:
                                 "util0": metrics["utilization_device0"], "util1": metrics["utilization_device1"],
                                 "step_s": metrics["time_step_s"], "switch_s": switch,
                                 "tokens": metrics["generated_tokens"],
+                                "train_mb": metrics["memory_peak_train_mb"],
+                                "rollout_mb": metrics["memory_peak_rollout_mb"],
                                 # samples scored by a device other than the one that generated them
                                 "peer_scored": t.devices.rollout.peer_scored,
                                 **{f"{d}/{ph}": sum(s.duration_s for s in new if s.device == d and s.phase == ph)
@@ -125,12 +131,14 @@ def main() -> None:
     ray.shutdown()
     med = {m: {k: statistics.median(x[k] for x in rows[m]) for k in rows[m][0]} for m in MODES}
     print(f"\n## 2 devices, 32 prompts x 8 samples, synchronous on-policy, median of {rounds} interleaved rounds")
-    print("| mode | tokens/s | step s | util device 0 | util device 1 | util mean | switch s | switch share |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | tokens/s | step s | util device 0 | util device 1 | util mean | switch s | switch share "
+          "| train peak MB | rollout peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in MODES:
         x = med[m]
         print(f"| {m} | {x['tok_s']:.0f} | {x['step_s']:.2f} | {x['util0']:.0%} | {x['util1']:.0%} | "
-              f"{x['util']:.0%} | {x['switch_s']:.3f} | {x['switch_s'] / x['step_s']:.1%} |")
+              f"{x['util']:.0%} | {x['switch_s']:.3f} | {x['switch_s'] / x['step_s']:.1%} "
+              f"| {x['train_mb']:.1f} | {x['rollout_mb']:.1f} |")
     print(f"\ntwo-process throughput ceiling (measured before the rounds): {ceiling:.2f}x")
     print("\nseconds per step by phase (median): device0 | device1")
     for m in MODES:
