@@ -7,10 +7,10 @@ it into the replica) and `infer_to_train` (free the replica, restore what was of
 replica's `release` / `materialize`, and the per-switch `SwitchStats`.
 
 Where a tensor comes from in the training layout, for one bucket:
-- TP shards split evenly along one dim: several per all-gather (packed, as much as gathering
-  the bucket's largest tensor would hold), each full tensor put back from its pieces; other
-  DTensors (FSDP, uneven splits) and a shard that batches alone: `full_tensor()` over that
-  tensor's own mesh;
+- DTensor shards (TP, FSDP) split evenly along one dim: several per all-gather (packed, as much
+  as gathering the bucket's largest tensor would hold), each full tensor put back from its
+  pieces; other DTensors (uneven splits) and a shard that batches alone: `full_tensor()` over
+  that tensor's own mesh;
 - routed-expert shards (EP): one `all_gather_single` over the EP group, straight into the
   bucket (experts are split along dim 0, so the shards land contiguously); when the replica
   is expert-parallel too, one `all_to_all_single` instead that sends each rank only the

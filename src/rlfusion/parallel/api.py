@@ -128,11 +128,13 @@ class ParallelModel:
             e.counter.reset()
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """The plain model's state dict (same keys, full tensors, on CPU) on every rank.
 
         Collective over the whole world: TP/FSDP DTensors are gathered with `full_tensor()`,
-        expert shards over their EP group, pipeline stages over the pp group.
+        expert shards over their EP group, pipeline stages over the pp group. A rank with
+        `keep=False` joins every gather, drops each tensor at once (unless its stage's part must
+        travel to the other stages) and returns None.
         """
         out: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
@@ -145,12 +147,13 @@ class ParallelModel:
                     t = t.full_tensor()
                 elif id(t) in owner:
                     t = owner[id(t)].gather_full(t)
-                out[name] = t.detach().cpu().clone()
+                if keep or self.layout.pp > 1:
+                    out[name] = t.detach().cpu().clone()
         if self.layout.pp > 1:
             parts: list = [None] * self.layout.pp
             dist.all_gather_object(parts, out, group=self.mesh.group("pp"))
             out = {k: v for part in parts for k, v in part.items()}
-        return out
+        return out if keep else None
 
 
 def parallelize(model: MoETransformer, layout: ParallelLayout, *, n_microbatches: int = 1,

@@ -1,6 +1,6 @@
 """The trained policy, `ActorStage`: PPO-style updates on packed, token-budgeted micro-batches,
 as one replica of a data-parallel group and, with a training layout, as a shard of the model
-(`deploy.train_tp` / `train_ep`).
+(`deploy.train_tp` / `train_ep` / `train_fsdp`).
 """
 
 from __future__ import annotations

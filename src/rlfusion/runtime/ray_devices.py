@@ -124,13 +124,17 @@ class RayDevices:
         return self.call([w.memory.remote() for w in self.workers])
 
     def pull_weights(self, model: torch.nn.Module) -> None:
-        model.load_state_dict(self.on_train_devices("weights")[0])
+        model.load_state_dict(self.on_train_devices("weights"))
 
-    def on_train_devices(self, method: str, *args: Any) -> list[Any]:
-        """Call a method of the train devices whose result they all hold: on the first one, or
-        on every one when the actor is split over a training layout (gathering is collective)."""
-        devices = self.plan.train if self.plan.train_layout else self.plan.train[:1]
-        return self.call([getattr(self.workers[d], method).remote(*args) for d in devices])
+    def on_train_devices(self, method: str) -> Any:
+        """The first train device's answer to `weights` or `state`, whole tensors that every train
+        device could give. In a training layout gathering them is collective, so every train
+        device joins, but only the first keeps and returns the whole tensors (`keep=False`
+        elsewhere: one gathered tensor at a time, never the whole state on every device)."""
+        first, *others = self.plan.train if self.plan.train_layout else self.plan.train[:1]
+        calls = [getattr(self.workers[first], method).remote()]
+        calls += [getattr(self.workers[d], method).remote(keep=False) for d in others]
+        return self.call(calls)[0]
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -340,7 +344,7 @@ class _RemoteOptimizer:
         self.d = devices
 
     def state_dict(self) -> dict[str, Any]:
-        return self.d.on_train_devices("state")[0]
+        return self.d.on_train_devices("state")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.d.call([w.load_state.remote(state) for w in self.d.workers])

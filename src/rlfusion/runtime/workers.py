@@ -5,17 +5,19 @@ The driver reaches them through `ray_devices.RayDevices` and its stage-shaped pr
       │ generate(problems) ─► rollout devices   (engine over the policy weights)
       │ score(trajs)       ─► reward device      (rule or reward model)
       │ ref_logprobs(...)  ─► reference devices  (frozen base, split by tokens)
-      │ update(shards)     ─► train devices      (full replica each, gradients summed over
-      │                                           the train group: one full-batch step)
+      │ update(shards)     ─► train devices      (full replica each, or the actor's shards in a
+      │                                           training layout; gradients summed over the
+      │                                           train group: one full-batch step)
       └ sync_weights()     ─► separated mode: train device 0 broadcasts the new weights to the
                               rollout devices in contiguous buckets of `deploy.bucket_mb`
 
 In colocated and fully-shared modes the engine generates from the very tensors the optimizer
 updates, so the switch to rollout moves no weights: it offloads the optimizer state to host and
 frees the gradients, and allocates the KV cache; the switch back releases the KV cache and
-restores the optimizer state. With a training layout (`deploy.train_tp` / `deploy.train_ep`)
-the actor trains on its shards instead (`train_model`: attention heads and dense FFN columns
-over TP, routed experts over EP, data parallel across the TP groups), and the engine generates
+restores the optimizer state. With a training layout (`deploy.train_tp` / `train_ep` /
+`train_fsdp`) the actor trains on its shards instead (`train_model`: attention heads and dense
+FFN columns over TP, routed experts over EP, data parallel across the TP groups, replicated or
+FSDP-sharded), and the engine generates
 from a full replica per device (`policy`): the switch to rollout fills the replica from the
 shards in buckets of `deploy.bucket_mb` (`fusion/reshard.py`, collective over the devices), the
 switch back frees it. In fully-shared mode the reference weights also live on host except
@@ -79,7 +81,7 @@ class DeviceWorker:
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path)
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
-        # one model, unless the actor trains in a layout (`deploy.train_tp` / `train_ep`): then its
+        # one model, unless the actor trains in a layout (`train_tp` / `train_ep` / `train_fsdp`): then its
         # shards (applied in `connect`) and a full replica, filled from them before every rollout
         self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep)
                        if plan.train_layout and device in plan.train else None)
@@ -145,6 +147,9 @@ class DeviceWorker:
             if self.layout is not None:
                 dp_group = self._apply_layout()
             if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
+                if self.layout is not None:  # the driver refuses this first (trainer._check_train_layout)
+                    raise ValueError("algo.advantage=gae needs full replicas: the critic sums its gradients "
+                                     "over the data-parallel group itself, not over a training layout's")
                 self.critic = CriticStage(self.train_model, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
             self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
                                     total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm,
@@ -434,23 +439,31 @@ class DeviceWorker:
 
     # ---- state ----
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """The policy's full weights (in a training layout: gathered, collective over the train
-        devices)."""
-        return self.pm.full_state_dict() if self.pm is not None else self.policy.state_dict()
+        devices; with `keep=False` this device only joins the gathers and returns None)."""
+        if self.pm is not None:
+            return self.pm.full_state_dict(keep=keep)
+        return self.policy.state_dict() if keep else None
 
-    def state(self) -> dict[str, Any]:
+    def state(self, keep: bool = True) -> dict[str, Any] | None:
         """The policy weights and optimizer state, whole (train devices hold identical replicas;
-        in a training layout the shards are gathered: every train device must call this)."""
+        in a training layout the shards are gathered: every train device must call this, and
+        one with `keep=False` drops each gathered tensor at once and returns None)."""
         if self.optimizer_pool.entries:  # offloaded for a rollout whose update was skipped
             self.optimizer_pool.restore()
             self._account()
         optimizer = self.actor.optimizer.state_dict()
         if self.pm is not None:
             params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
-            optimizer = {**optimizer, "state": {i: {k: self._whole(v, params[i]) for k, v in st.items()}
-                                                for i, st in sorted(optimizer["state"].items())}}
-        return {"model": self.weights(), "optimizer": optimizer, "version": self.actor.version}
+            whole = {}
+            for i, st in sorted(optimizer["state"].items()):
+                gathered = {k: self._whole(v, params[i]) for k, v in st.items()}  # collective
+                if keep:
+                    whole[i] = gathered
+            optimizer = {**optimizer, "state": whole}
+        weights = self.weights(keep)
+        return {"model": weights, "optimizer": optimizer, "version": self.actor.version} if keep else None
 
     def _whole(self, t: Any, param: torch.Tensor) -> Any:
         """A parameter's (or its optimizer state's) whole tensor from this device's shard:
