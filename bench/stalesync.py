@@ -73,6 +73,11 @@ BASELINE = "sync colocated"
 FIXED = ["deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_device=1"]  # every variant
 
 
+def rollout_config():
+    """The rollout settings every variant shares (`FIXED` over the defaults)."""
+    return load_config(TrainConfig, None, FIXED).rollout
+
+
 def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int) -> RLTrainer:
     mode, extra = VARIANTS[name]
     cfg = load_config(TrainConfig, None, [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
@@ -138,7 +143,7 @@ def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
 
 def measure_conditions() -> tuple[dict, float]:
     """The engine floors and the concurrent speed of two busy processes, measured now."""
-    floors = engine_floors(TrainConfig().rollout.max_num_seqs)
+    floors = engine_floors(rollout_config().max_num_seqs)
     speed = measure_contention(default_setup(threads=1))["concurrent_speed"]
     print(f"engine floors: decode {floors['decode_s_per_token'] * 1e6:.1f} us per token (at "
           f"{floors['decode_rows']} rows), prefill {floors['prefill_s_per_token'] * 1e6:.1f} us per "
@@ -151,7 +156,7 @@ def ceiling_of(timed: dict[str, list[dict]], spans: dict[str, list], floor: dict
     spans) under engine `floor` and concurrent `speed`: tokens/s and its ratio to the baseline."""
     work = {n: non_generation_s_per_token(timed[n], spans[n]) for n in spans}
     least = min(work, key=work.get)
-    rollout = TrainConfig().rollout
+    rollout = rollout_config()
     samples = rollout.prompts_per_step * rollout.group_size
     base = timed[BASELINE]
     prompts_per_token = samples * floor["prompt_tokens"] / statistics.mean(m["generated_tokens"] for m in base)
@@ -241,10 +246,16 @@ def main() -> None:
     parser.add_argument("--gantt", default="", help="folder for one Gantt PNG per variant (its last update); "
                                                    "default: docs/img for the full default run")
     parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="prompts per update for every variant (default: the RL default, 32)")
     parser.add_argument("--add", action="append", default=[], metavar="NAME=MODE|KEY=VALUE|...",
                         help="an extra variant (run after the listed ones): deploy.mode MODE with these config "
                              "overrides, e.g. 'sep 256=separated|stalesync.enabled=true|rollout.max_num_seqs=256'")
     args = parser.parse_args()
+    if args.prompts is not None:
+        if args.prompts < 1:
+            raise SystemExit(f"--prompts={args.prompts}: must be >= 1")
+        FIXED.append(f"rollout.prompts_per_step={args.prompts}")
     added = [add_variant(spec) for spec in args.add]
     updates = args.updates or (8 if args.quick else 30)
     seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
@@ -286,7 +297,8 @@ def main() -> None:
                 sync_spans[n] += [sp for sp in trainers[n].timeline.spans if (sp.step or 0) >= 2]
             for n in names:
                 accs[n].append(trainers[n].evaluate().accuracy)
-                gantt = args.gantt or ("" if (args.variants or args.add or args.quick or args.seed) else "docs/img")
+                ad_hoc = args.variants or args.add or args.quick or args.seed or args.prompts
+                gantt = args.gantt or ("" if ad_hoc else "docs/img")
                 if gantt and seed == seeds[-1]:
                     png = Path(gantt) / f"stalesync_{_folder(n)}.png"
                     last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
@@ -300,7 +312,9 @@ def main() -> None:
 
     acc = {n: statistics.mean(a) for n, a in accs.items()}
     tok_s = {n: tokens_per_s(r) for n, r in timed.items()}
-    print(f"\n## 2 devices, 32 prompts x 8 samples per update, {updates} updates per variant, interleaved, "
+    batch = rollout_config()
+    print(f"\n## 2 devices, {batch.prompts_per_step} prompts x {batch.group_size} samples per update, {updates} "
+          f"updates per variant, interleaved, "
           f"seeds {', '.join(map(str, seeds))}")
     print(f"(partial-rollout threshold {THRESHOLD}; held-out accuracy: greedy, {eval_problems} problems, mean over "
           f"seeds, each seed's in brackets)")

@@ -65,6 +65,24 @@ def test_ceiling_takes_the_least_work_and_the_floors(bench):
     assert c["ratio"] == pytest.approx(c["tok_s"] / 1000.0)  # the baseline: 1000 tokens in 1 s
 
 
+def test_ceiling_counts_the_prompts_of_the_configured_batch(bench, monkeypatch):
+    """`--prompts N` sets every variant's batch, and the ceiling's prompt prefill follows it."""
+    col, col_spans = _run(1000, 1.0, {"train": 0.2})
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0}
+    default = bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, floor, speed=1.0)
+    monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "8", "--updates", "2"])
+    with pytest.raises(SystemExit, match="need >= 4 updates"):  # stops before Ray starts
+        bench.main()
+    assert bench.rollout_config().prompts_per_step == 8
+    small = bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, floor, speed=1.0)
+    group = TrainConfig().rollout.group_size
+    assert default["prompts_per_token"] == pytest.approx(32 * group * 2.0 / 1000)
+    assert small["prompts_per_token"] == pytest.approx(8 * group * 2.0 / 1000)
+    monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "0"])
+    with pytest.raises(SystemExit, match="--prompts=0: must be >= 1"):
+        bench.main()
+
+
 def test_per_seed_ceilings_pair_each_seed_with_its_own_baseline(bench, capsys):
     floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, "decode_rows": 512}
     quick = {**floor, "decode_s_per_token": 40e-6}  # a quiet moment's floor

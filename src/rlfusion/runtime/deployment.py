@@ -147,8 +147,9 @@ class DeploymentPlan:
             raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid: it must divide the {train} train devices "
                              f"(allowed: {', '.join(str(d) for d in range(1, train + 1) if train % d == 0)})")
         if cfg.train_fsdp and plan.train_dp < 2:
-            raise ValueError(f"deploy.train_fsdp=true is invalid with {train} train devices and train_tp={cfg.train_tp}: "
-                             "it shards over the data-parallel devices (train devices / train_tp), which must be >= 2")
+            raise ValueError(f"deploy.train_fsdp=true is invalid with {train} train devices and "
+                             f"train_tp={cfg.train_tp}: it shards over the data-parallel devices "
+                             "(train devices / train_tp), which must be >= 2")
         return plan
 
     def dp_index(self, device: int) -> int:
