@@ -134,3 +134,31 @@ def run_world_checked(fn, world_size: int, *args, timeout: float = 240) -> list[
     errors = [r["error"] for r in ranks if "error" in r]
     assert not errors, errors[0]
     return ranks
+
+
+def sharded_grad_norm() -> dict:
+    """`replicas.clip_grad_norm` on a 2 x 2 (dp, tp) mesh over gradients of every placement mix
+    (sharded on one dim, on both, unevenly, replicated) plus a plain tensor: the norm of the
+    whole tensors, and after clipping the whole gradients have norm `max_norm`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from rlfusion.runtime.replicas import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    wholes = [torch.randn(5, 6, generator=g) for _ in range(4)] + [torch.randn(7, generator=g)]
+    params = []
+    for whole, placements in zip(wholes, [(Shard(0), Replicate()), (Replicate(), Shard(1)),
+                                          (Shard(0), Shard(1)), (Replicate(), Replicate())]):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(whole), mesh, placements))
+        p.grad = distribute_tensor(whole.clone(), mesh, placements)
+        params.append(p)
+    plain = torch.nn.Parameter(torch.zeros(7))
+    plain.grad = wholes[-1].clone()
+    params.append(plain)
+    norm = clip_grad_norm(params, max_norm=1.0)
+    clipped = torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten()
+                         for p in params])
+    return {"norm": float(norm), "want": float(torch.linalg.vector_norm(torch.cat([w.flatten() for w in wholes]))),
+            "clipped": float(torch.linalg.vector_norm(clipped))}

@@ -25,14 +25,17 @@ def group_sum(counts: list[int], group: Any) -> list[int]:
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: set[int] = frozenset(),
                     ep_group: Any = None) -> torch.Tensor:
     """`clip_grad_norm_` that also takes the shards of a training layout mixed with whole
-    tensors: a tensor-parallel shard's (DTensor) norm is reduced over its mesh, expert shards'
-    (`expert_params`) over their expert-parallel group, a whole tensor counts once."""
+    tensors: a TP or FSDP shard's (DTensor) squares are summed over its mesh's sharded dims
+    (`_sharded_squares`), expert shards' (`expert_params`) over their expert-parallel group, a
+    whole tensor counts once."""
     if not expert_params and not any(isinstance(p, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [p.grad for p in params if p.grad is not None]
-    dense = [torch.linalg.vector_norm(p.grad.detach()) for p in params
-             if p.grad is not None and id(p) not in expert_params]
-    squares = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in dense]).sum()
+    dense = [p.grad.detach() for p in params if p.grad is not None and id(p) not in expert_params]
+    whole = [g.pow(2).sum() for g in dense if not isinstance(g, DTensor)]
+    squares = _sharded_squares([g for g in dense if isinstance(g, DTensor)])
+    if whole:
+        squares = squares + torch.stack(whole).sum()
     if expert_params:  # every rank joins the sum, also one whose local experts got no tokens
         experts = [p.grad.detach() for p in params if p.grad is not None and id(p) in expert_params]
         expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum() if experts else torch.zeros(())
@@ -43,6 +46,29 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: s
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef)
+    return total
+
+
+def _sharded_squares(grads: list[DTensor]) -> torch.Tensor:
+    """The sum of squares of DTensor gradients: each rank sums its local shards' squares per mesh
+    and set of sharded mesh dims, then one all-reduce over each sharded dim (a replicated dim
+    holds the same values, so it is not summed) — a collective per such group, not per tensor.
+    A partial placement (not expected in gradients) goes through `full_tensor()`."""
+    groups: dict[tuple, tuple[Any, tuple[int, ...], list[torch.Tensor]]] = {}
+    total = torch.zeros(())
+    for g in grads:
+        if any(p.is_partial() for p in g.placements):
+            total = total + g.full_tensor().pow(2).sum()
+            continue
+        mesh = g.device_mesh
+        dims = tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+        key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dims)
+        groups.setdefault(key, (mesh, dims, []))[2].append(g.to_local().pow(2).sum())
+    for mesh, dims, parts in groups.values():  # the same order on every rank (the parameters')
+        part = torch.stack(parts).sum()
+        for dim in dims:
+            dist.all_reduce(part, group=mesh.get_group(dim))
+        total = total + part
     return total
 
 
