@@ -173,9 +173,7 @@ def parallelize(model: MoETransformer, layout: ParallelLayout, *, n_microbatches
             if block.is_moe and layout.ep > 1:
                 block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
         if layout.dp > 1:
-            ignored = {p for m in chunk.modules() if isinstance(m, ExpertParallelExperts)
-                       for p in m.parameters()}
-            apply_fsdp(chunk, mesh.device_mesh["dp"], ignored)
+            apply_fsdp(chunk, mesh.device_mesh["dp"])
     device = torch.device(device_type) if device_type == "cpu" else torch.device(
         device_type, torch.accelerator.current_device_index())
     return ParallelModel(mesh, chunks, cfg, n_microbatches, loss_fn, device)

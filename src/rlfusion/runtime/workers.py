@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlfusion.fusion.memory import MemoryLedger
@@ -81,8 +80,9 @@ class DeviceWorker:
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path)
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
-        # one model, unless the actor trains in a layout (`train_tp` / `train_ep` / `train_fsdp`): then its
-        # shards (applied in `connect`) and a full replica, filled from them before every rollout
+        # one model, unless the actor trains in a layout (`train_tp` / `train_ep` / `train_fsdp`):
+        # then its shards (applied in `connect`) and a full replica, filled from them before every
+        # rollout
         self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep)
                        if plan.train_layout and device in plan.train else None)
         self.train_model = model
@@ -177,13 +177,7 @@ class DeviceWorker:
             if block.is_moe and self.layout.ep > 1:
                 block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
         if self.plan.train_fsdp:
-            ignored = {p for m in self.train_model.modules() if isinstance(m, ExpertParallelExperts)
-                       for p in m.parameters()}
-            apply_fsdp(self.train_model, mesh.device_mesh["dp"], ignored)
-            for m in self.train_model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_gradient_divide_factor(1.0)
-                    m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
+            apply_fsdp(self.train_model, mesh.device_mesh["dp"], sum_gradients=True)
         self.pm = ParallelModel(mesh, [self.train_model], self.train_model.config, 1, lm_loss, torch.device("cpu"))
         self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
         return mesh.group("dp") if self.layout.dp > 1 else None
