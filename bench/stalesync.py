@@ -2,7 +2,7 @@
 after the same number of updates.
 
 Every variant runs the default task (its response lengths have a long tail: median ~24 tokens,
-p99 ~100) from the shipped base, 32 prompts x 8 samples per update, on its own 2 Ray device
+p99 ~100) from the shipped base, 32 prompts (`--prompts`) x 8 samples per update, on its own 2 Ray device
 workers (1 thread each). One update of each variant runs in turn (interleaved, never
 concurrently), so all variants share the machine's load; after `--updates` updates each variant
 is evaluated greedily on the same held-out problems. Tokens/s = generated tokens / step wall time
@@ -32,6 +32,7 @@ with the most favourable floor and speed of any measurement, the largest.
     python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~17 min)
     python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
+    python bench/stalesync.py --prompts 8  # every variant at 8 prompts per update (~26 min)
     python bench/stalesync.py --seeds 1 --updates 14 --variants "sync colocated,stalesync s=1 separated" \
         --add "s1 sep 256=separated|stalesync.enabled=true|stalesync.max_staleness=1|rollout.max_num_seqs=256"
 """
