@@ -146,9 +146,10 @@ def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_star
 def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path, layout, pick):
     """`deploy.train_tp=2` / `train_ep=2` / `train_fsdp=true`: the actor trains on TP shards
     over both devices, or with its routed experts split over them, or with everything else
-    sharded over them (FSDP; data parallel otherwise), and takes exactly the one-process step; each rollout runs on a full replica filled from the shards (bucketed
-    reshard) and freed after it, within the zero-redundancy bound; checkpoints hold whole
-    tensors and load back into the shards."""
+    sharded over them (FSDP; data parallel otherwise), and takes exactly the one-process step;
+    each rollout runs on a full replica filled from the shards (bucketed reshard) and freed
+    after it, within the zero-redundancy bound; checkpoints hold whole tensors and load back
+    into the shards."""
     base = find_base()
     cfg = _cfg(tmp_path, "colocated", **layout, **{"deploy.bucket_mb": 0.25})
     trainer = RLTrainer(cfg, tmp_path / "run", base)

@@ -51,9 +51,10 @@ class DeployConfig:
     scorers: str = "auto"
     # the actor's training layout over the train devices: tensor-parallel degree (the rest data
     # parallel) and expert-parallel degree (routed experts split over that many devices, a
-    # multiple of train_tp). 1 and 1 (and no train_fsdp) = a full replica per device. Otherwise (colocated /
-    # fully_shared) the actor trains on its shards and every rollout runs on a full replica per
-    # device, filled from them in buckets of `bucket_mb` before it (fusion/reshard.py), freed after
+    # multiple of train_tp). 1 and 1 (and no train_fsdp) = a full replica per device. Otherwise
+    # (colocated / fully_shared) the actor trains on its shards and every rollout runs on a full
+    # replica per device, filled from them in buckets of `bucket_mb` before it
+    # (fusion/reshard.py), freed after
     train_tp: int = 1
     train_ep: int = 1
     # shard the actor's parameters, gradients and optimizer state over its data-parallel train
