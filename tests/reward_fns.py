@@ -11,3 +11,49 @@ class ShortIsGood:
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         return [1.0 if len(r) < 6 else 0.0 for r in responses]
+
+
+# Faulty rewards for tests/test_reward_faults.py: each one breaks a run in a way the reward
+# stage must turn into one RewardError naming the spec and the sample.
+
+def none_on_12_plus_7(response: str, problem) -> float | None:
+    """Forgets to return on one path (the prompt '12+7=')."""
+    if problem.prompt != "12+7=":
+        return 1.0
+
+
+def string_reward(response: str, problem) -> str:
+    return "1.0"
+
+
+def nan_reward(response: str, problem) -> float:
+    return float("nan")
+
+
+def divides_by_zero(response: str, problem) -> float:
+    return 1 / (len(problem.prompt) - len(problem.prompt))
+
+
+def hangs(response: str, problem) -> float:
+    import time
+    time.sleep(30)
+    return 1.0
+
+
+class ReturnsStrings:
+    """A reward model whose scores are not numbers."""
+
+    def score(self, prompts: list[str], responses: list[str]) -> list:
+        return ["good" for _ in responses]
+
+
+class ReturnsNone:
+    """A reward model that forgot its return statement."""
+
+    def score(self, prompts: list[str], responses: list[str]) -> None:
+        pass
+
+
+class ReturnsTooFew:
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        return [1.0]

@@ -306,7 +306,7 @@ def test_skipped_update_keeps_versions_and_checkpoints_with_offloaded_optimizer(
         trajs = trainer.rollout.generate(problems, 100, trainer.actor.version)  # offloads it
         trainer.actor.skip_update()
         run_state.save(trainer)
-        state = torch.load(trainer.run_dir / "checkpoint" / run_state.STATE, weights_only=False)
+        state = run_state.read_state(trainer.run_dir / "checkpoint" / run_state.STATE)
         moments = [v["exp_avg"] for v in state["optimizer"]["optimizer"]["state"].values()]
         assert moments and all(m.untyped_storage().nbytes() > 0 for m in moments)
         versions = trainer.devices.call([w.state.remote() for w in trainer.devices.workers])

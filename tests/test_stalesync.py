@@ -289,7 +289,8 @@ def test_wait_policy_waits_for_a_due_group_and_drop_policy_requeues_it():
     ({"stalesync.rollout_finish_threshold": "2.5"}, "rollout_finish_threshold"),
     ({"stalesync.overdue": "skip"}, "allowed: wait, drop"),
     ({"stalesync.max_staleness": "9"}, "must be in \\[0, 8\\]"),
-    ({"stalesync.rollout_finish_threshold": "40"}, "at most rollout.prompts_per_step=32"),
+    ({"stalesync.enabled": "true", "stalesync.rollout_finish_threshold": "40"},
+     "at most rollout.prompts_per_step=32"),
 ])
 def test_bad_stalesync_config(over, match):
     with pytest.raises(ValueError, match=match):

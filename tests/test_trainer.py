@@ -15,6 +15,7 @@ from rlfusion.obs.metrics import read_metrics
 from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
 from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages
 from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.run_state import read_state
 from rlfusion.runtime.trainer import RLTrainer, resume
 
 TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
@@ -92,9 +93,9 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(base, tmp_path, monkeyp
         return (loss * float("nan"), m) if self.version >= 2 else (loss, m)
 
     monkeypatch.setattr(ActorStage, "_micro_loss", poisoned)
-    with pytest.raises(NonFiniteLossError, match="last good checkpoint"):
+    with pytest.raises(NonFiniteLossError, match=r"its last checkpoint \(step 2\) is in .*--resume"):
         trainer.run(progress=False)
-    state = torch.load(tmp_path / "nan" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    state = read_state(tmp_path / "nan" / "checkpoint" / "trainer_state.pt")
     assert state["step"] == 2
 
 
@@ -121,7 +122,8 @@ def test_bad_config_is_one_clear_line(override, message, capsys, tmp_path):
 
 
 def test_existing_run_folder_is_not_overwritten(base, tmp_path, capsys):
-    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "taken" / "checkpoint" / "trainer_state.pt").write_text("")
     (tmp_path / "taken" / "config.json").write_text("{}")
     assert main(["train", f"base={base}", f"out_dir={tmp_path}", "run_name=taken"]) == 2
     assert "--resume" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rlfusion.errors import RunError
+from rlfusion.runtime.stop import RunInterrupted
 
 
 SHIPPED_BASE = Path(__file__).parent / "assets" / "base-tiny"
@@ -73,7 +74,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.deployment import DeploymentPlan
     from rlfusion.runtime.train_config import TrainConfig
-    from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps
+    from rlfusion.runtime import run_state
+    from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps, write_run_config
 
     if args.resume:
         if args.config:
@@ -82,7 +84,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         for key in overrides:
             if key not in ("max_steps", "time_budget_s"):
                 raise ValueError(f"--resume accepts only max_steps=/time_budget_s= overrides, got {key!r}")
-        trainer = resume(Path(args.resume), overrides)
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{run_dir} is not an rlfusion run folder (no config.json)")
+        lock = run_state.lock_run_dir(run_dir)  # held until this process exits
+        trainer = resume(run_dir, overrides)
     else:
         cfg = load_config(TrainConfig, args.config, args.overrides)
         base = Path(cfg.base) if cfg.base else find_base(cfg.pretrain.model)
@@ -93,10 +99,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"base model: {base}")
         cfg = dataclasses.replace(cfg, base=str(base.resolve()))
         run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("grpo-%Y%m%d-%H%M%S"))
-        if (run_dir / "config.json").exists():
+        lock = run_state.lock_run_dir(run_dir)  # before anything starts: one process per run folder
+        if run_state.has_checkpoint(run_dir):
             raise ValueError(f"run folder {run_dir} already exists; pick another run_name= or "
                              f"continue it with --resume {run_dir}")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if (run_dir / "config.json").exists():
+            print(f"run folder {run_dir} has no checkpoint (an earlier start stopped before its first "
+                  f"step): starting it again")
+            run_state.clear_outputs(run_dir)
+        write_run_config(run_dir, cfg)
         print(f"deployment: {DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg)).describe()} "
               f"({cfg.deploy.backend})")
         trainer = RLTrainer(cfg, run_dir, base)
@@ -105,6 +116,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(finish_run(trainer, result))
     finally:
         trainer.close()
+        lock.close()
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -198,13 +210,25 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     try:
         rc = args.func(args)
+    except RunInterrupted as e:  # stopped on a signal, with a checkpoint
+        print(f"rlfusion {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except (ValueError, FileNotFoundError, RunError) as e:
-        print(f"rlfusion {args.command}: error: {e}", file=sys.stderr)
+        print(f"rlfusion {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine refused a read or write (read-only folder, disk full)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"rlfusion {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"rlfusion {args.command}: interrupted", file=sys.stderr)
         return 130
     return rc or 0
+
+
+def _one_line(e: BaseException) -> str:
+    """An error's message on one line (a message from a library may span several)."""
+    return " ".join(str(e).split()) if "\n" in str(e) else str(e)
 
 
 if __name__ == "__main__":

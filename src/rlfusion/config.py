@@ -9,6 +9,7 @@ line that names the key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -22,18 +23,30 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     """Build `cls` from an optional TOML file, then apply `key=value` overrides in order."""
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-        except OSError as e:
-            raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
+        data = _read_toml(Path(path))
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(data, key, value)
     return from_dict(cls, data)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8-sig")  # TOML is UTF-8; "-sig" accepts an editor's leading BOM
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {raw[e.start]:#04x} on line "
+                         f"{line}); allowed: a TOML file saved as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -98,10 +111,41 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         (item,) = typing.get_args(hint)[:1]
         return tuple(_coerce(item, v, key) for v in value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = _int_to_float(value, key)
     if hint in (int, float, str, bool) and not (type(value) is hint):
         raise ValueError(f"config key {key!r} must be {hint.__name__}, got {value!r}")
+    if hint is float:
+        _check_finite(value, key)
+    if hint is int:
+        _check_int64(value, key)
     return value
+
+
+def _int_to_float(value: int, key: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # a TOML integer has no size limit; a float does
+        raise ValueError(f"config key {key!r} must be a finite number, got {_short(value)}") from None
+
+
+def _check_finite(value: float, key: str) -> None:
+    # inf passes range checks like `kl_coef >= 0` and no float setting means anything at inf or
+    # nan; "no limit" is a large value (json.dumps(inf) in config.json is not JSON either).
+    if not math.isfinite(value):
+        hint = " (for no limit give a large value such as 1e9)" if value > 0 else ""
+        raise ValueError(f"config key {key!r} must be a finite number, got {value!r}{hint}")
+
+
+def _check_int64(value: int, key: str) -> None:
+    # Ints end in torch and numpy (seeds, sizes), which take at most 64 bits.
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"config key {key!r} must be a 64-bit integer, got {_short(value)}; "
+                         f"allowed: -2**63 to 2**63 - 1")
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"an integer of {len(text.lstrip('-'))} digits"
 
 
 def _parse_scalar(raw: str) -> Any:

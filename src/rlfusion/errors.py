@@ -3,3 +3,9 @@
 
 class RunError(Exception):
     """A run stopped on purpose: non-finite loss, collapse guard, missing input."""
+
+
+class RewardError(RunError):
+    """The reward function or reward model failed: it raised, hung past `reward_timeout_s`, or
+    returned something that is not a finite number. The message names the `reward=` spec and
+    the sample."""

@@ -2,12 +2,18 @@
 
 `save_checkpoint(dir, model, tokenizer)` writes `model.safetensors` and `config.json`;
 `load_checkpoint(dir)` rebuilds both with one call; `load_base(dir)` also reads Hugging Face folders.
+
+This module is also the one layer that reads model files from disk (`read_json_file`,
+`read_text_file`, `read_safetensors_file`) and loads weights into a model (`load_weights_into`):
+every unreadable or mismatched file ends in a one-line `ValueError` that names the file and what
+is wrong, which the CLI prints as its error line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,6 +27,70 @@ from rlfusion.model.transformer import MoETransformer
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
+
+# ---- reading files -------------------------------------------------------------------------
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The gist of a library's error: its first line, clipped (some are multi-line or huge)."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].strip() if lines else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def read_text_file(path: str | Path) -> str:
+    """The UTF-8 text of `path`; `ValueError` naming the file if it cannot be read or decoded."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or first_line(e)})") from None
+
+
+def read_json_file(path: str | Path) -> object:
+    """The parsed JSON of `path`; `ValueError` naming the file if it is not UTF-8 JSON."""
+    try:
+        return json.loads(read_text_file(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, on the CPU (callers copy them into a model).
+    `ValueError` naming the file for anything that is not one: a truncated download, a
+    `torch.save` pickle under the wrong name, a folder, a file we may not read."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # the Rust reader raises SafetensorError, OSError, ... by case
+        raise ValueError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
+
+
+# ---- loading weights -----------------------------------------------------------------------
+
+def load_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], where: str,
+                      mismatch: str = "does not fit this run's model") -> None:
+    """Copy `state_dict` into `model`: same names, same shapes, nothing left over. Anything else
+    is a one-line `ValueError`, `{where} {mismatch}: ...` naming the first tensor that differs
+    (torch's own error lists every tensor, over many lines). For resuming from, or loading, a
+    checkpoint that may come from another architecture."""
+    own = model.state_dict()
+    for name, t in state_dict.items():
+        if name in own and tuple(t.shape) != tuple(own[name].shape):
+            raise ValueError(f"{where} {mismatch}: tensor {name!r} has shape {list(t.shape)}, "
+                             f"the model needs {list(own[name].shape)}")
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors are missing (e.g. {missing[0]!r})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensors are not in the model (e.g. {unexpected[0]!r})")
+    if problems:
+        raise ValueError(f"{where} {mismatch}: {'; '.join(problems)}")
+    model.load_state_dict(state_dict, strict=True)
+
+
+# ---- rlfusion checkpoints ------------------------------------------------------------------
 
 def config_to_dict(cfg: ModelConfig) -> dict:
     return dataclasses.asdict(cfg)
@@ -54,6 +124,16 @@ def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: Tokenize
     return path
 
 
+def _model_of(meta: object, where: Path) -> MoETransformer:
+    """The (randomly initialised) model a checkpoint's `config.json` describes."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise ValueError(f"{where} is not an rlfusion checkpoint config (no 'model' table)")
+    try:
+        return MoETransformer(config_from_dict(meta["model"]))
+    except (TypeError, ValueError, RuntimeError) as e:  # wrong keys, types or values
+        raise ValueError(f"{where}: bad model config ({first_line(e)})") from None
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
                     ) -> tuple[MoETransformer, Tokenizer | None, dict]:
     """Returns `(model, tokenizer, extra)`; errors name the file and what is wrong."""
@@ -61,26 +141,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
     for name in (WEIGHTS, CONFIG):
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} has no {name} (expected {WEIGHTS} + {CONFIG})")
-    try:
-        meta = json.loads((path / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / CONFIG}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
-        raise ValueError(f"{path / CONFIG} is not an rlfusion checkpoint config (no 'model' table)")
-    try:
-        model = MoETransformer(config_from_dict(meta["model"]))
-    except TypeError as e:
-        raise ValueError(f"{path / CONFIG}: bad model config ({e})") from None
-    state = load_file(str(path / WEIGHTS), device=str(device))
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:
-        raise ValueError(f"{path / WEIGHTS} does not match its config: "
-                         f"{str(e).splitlines()[-1].strip()}") from None
-    if missing or unexpected:
-        raise ValueError(f"{path / WEIGHTS} does not match its config: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
-    tok = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None
+    meta = read_json_file(path / CONFIG)
+    model = _model_of(meta, path / CONFIG)
+    load_weights_into(model, read_safetensors_file(path / WEIGHTS), str(path / WEIGHTS),
+                      mismatch=f"does not match its config {path / CONFIG}")
+    tok = tokenizer_from_dict(meta["tokenizer"], str(path / CONFIG)) if meta.get("tokenizer") else None
+    if tok is not None and tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{path / CONFIG}: the tokenizer has {tok.vocab_size} tokens but the "
+                         f"model's vocab_size is {model.config.vocab_size}")
     return model.to(device), tok, meta.get("extra", {})
 
 

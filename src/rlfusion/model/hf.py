@@ -39,7 +39,8 @@ of `q` and `kv_a_proj_with_mqa` to the native half-split layout (evens, then odd
 identical attention scores; export undoes it. Its multi-token-prediction layers (index >=
 `num_hidden_layers`) are not used and are skipped. A config field the native model does not
 implement (RoPE scaling, sliding windows, o_proj / MLP biases, quantized weights, ...) is
-refused with one line naming the field.
+refused with one line naming the field; so is a missing field, an unreadable file and a tensor
+whose shape does not fit `config.json` (the file readers are `model/checkpoint.py`'s).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from rlfusion.model.checkpoint import (first_line, load_weights_into, read_json_file,
+                                       read_safetensors_file)
 from rlfusion.model.config import MLAConfig, ModelConfig
 from rlfusion.model.transformer import MoETransformer
 
@@ -68,10 +71,20 @@ def _refuse(where: str, key: str, value, why: str) -> None:
 
 def config_from_hf(hf: dict, where: str = "config.json",
                    max_seq_len: int | None = None) -> ModelConfig:
-    """The native config of an HF `config.json`; `ValueError` naming the first unsupported field."""
+    """The native config of an HF `config.json`; `ValueError` naming the first unsupported,
+    missing or mistyped field."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         _refuse(where, "model_type", family, f"allowed: {', '.join(FAMILIES)}")
+    try:
+        return _native_config(hf, where, family, max_seq_len)
+    except KeyError as e:  # the fields are read with hf[key]: a missing one lands here
+        raise ValueError(f"{where}: field {e.args[0]!r} is missing (model_type={family})") from None
+    except TypeError as e:  # e.g. a string where a number belongs
+        raise ValueError(f"{where}: a field has the wrong type ({first_line(e)})") from None
+
+
+def _native_config(hf: dict, where: str, family: str, max_seq_len: int | None) -> ModelConfig:
     _check_common(hf, where, family)
     positions = int(hf.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
     common = dict(
@@ -85,19 +98,27 @@ def config_from_hf(hf: dict, where: str = "config.json",
     no_moe = dict(num_dense_layers=hf["num_hidden_layers"], dense_ffn_dim=hf["intermediate_size"],
                   num_experts=0, top_k=0, expert_ffn_dim=0, num_shared_experts=0)
     if family == "llama":
-        return ModelConfig(**common, **no_moe)
+        return _model_config(where, **common, **no_moe)
     if family == "qwen2":
-        return ModelConfig(**common, **no_moe, qkv_bias=True)
+        return _model_config(where, **common, **no_moe, qkv_bias=True)
     if family == "qwen3":
-        return ModelConfig(**common, **no_moe, qk_norm=True)
+        return _model_config(where, **common, **no_moe, qk_norm=True)
     if family in ("qwen2_moe", "qwen3_moe"):
-        return ModelConfig(**common, **_qwen_moe(hf, where, family))
-    return ModelConfig(**{**common, **_deepseek_v3(hf, where)})
+        return _model_config(where, **common, **_qwen_moe(hf, where, family))
+    return _model_config(where, **{**common, **_deepseek_v3(hf, where)})
+
+
+def _model_config(where: str, **fields) -> ModelConfig:
+    """`ModelConfig` validates sizes against each other (e.g. top_k <= num_experts)."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"{where}: maps to an invalid native config ({first_line(e)})") from None
 
 
 def _check_common(hf: dict, where: str, family: str) -> None:
-    if hf.get("quantization_config"):
-        _refuse(where, "quantization_config", hf["quantization_config"].get("quant_method"),
+    if quant := hf.get("quantization_config"):
+        _refuse(where, "quantization_config", quant.get("quant_method") if isinstance(quant, dict) else quant,
                 "load a dequantized (bf16/fp32) checkpoint")
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(where, "hidden_act", hf["hidden_act"], "only 'silu' (SwiGLU) is implemented")
@@ -111,20 +132,27 @@ def _check_common(hf: dict, where: str, family: str) -> None:
 
 
 def _rope_theta(hf: dict, where: str) -> float:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        _refuse(where, "rope_parameters.rope_type", rope_type,
-                "only plain RoPE ('default') is implemented (no yarn/llama3/linear scaling)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    """Transformers 5 writes `rope_parameters` (`rope_type` 'default' for plain RoPE); older
+    configs write `rope_scaling` (null, or a dict with `type` or `rope_type`) beside a top-level
+    `rope_theta`. Transformers lets `rope_scaling` win when both are set, so both are checked."""
+    tables = {key: hf.get(key) or {} for key in ("rope_parameters", "rope_scaling")}
+    for key, params in tables.items():
+        if not isinstance(params, dict):
+            _refuse(where, key, params, "must be a JSON object")
+        type_key = "rope_type" if "rope_type" in params else "type"
+        if (params.get(type_key) or "default") != "default":
+            _refuse(where, f"{key}.{type_key}", params[type_key],
+                    "only plain RoPE ('default') is implemented (no yarn/llama3/linear scaling)")
+    theta = [t["rope_theta"] for t in tables.values() if "rope_theta" in t]
+    return float(theta[0] if theta else hf.get("rope_theta", 10000.0))
 
 
-def _first(hf: dict, *keys: str):
+def _first(hf: dict, where: str, *keys: str):
     """The first present key: hub configs and transformers 5 name some fields differently."""
     for key in keys:
         if hf.get(key) is not None:
             return hf[key]
-    raise ValueError(f"config.json has none of {', '.join(keys)}")
+    raise ValueError(f"{where}: has none of the fields {', '.join(keys)}")
 
 
 def _dense_first(hf: dict, where: str, dense: list[int]) -> int:
@@ -139,8 +167,8 @@ def _dense_first(hf: dict, where: str, dense: list[int]) -> int:
 def _qwen_moe(hf: dict, where: str, family: str) -> dict:
     num_dense = _dense_first(hf, where, sorted(hf.get("mlp_only_layers") or []))
     out = dict(num_dense_layers=num_dense, dense_ffn_dim=hf.get("intermediate_size", 0),
-               num_experts=_first(hf, "num_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
-               expert_ffn_dim=hf["moe_intermediate_size"],
+               num_experts=_first(hf, where, "num_experts", "num_local_experts"),
+               top_k=hf["num_experts_per_tok"], expert_ffn_dim=hf["moe_intermediate_size"],
                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), num_shared_experts=0)
     if family == "qwen3_moe":
         return {**out, "qk_norm": True}
@@ -166,7 +194,8 @@ def _deepseek_v3(hf: dict, where: str) -> dict:
                       qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                       v_head_dim=hf["v_head_dim"]),
         num_dense_layers=hf.get("first_k_dense_replace", 0), dense_ffn_dim=hf["intermediate_size"],
-        num_experts=_first(hf, "n_routed_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+        num_experts=_first(hf, where, "n_routed_experts", "num_local_experts"),
+        top_k=hf["num_experts_per_tok"],
         expert_ffn_dim=hf["moe_intermediate_size"], num_shared_experts=hf["n_shared_experts"],
         score_func="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
@@ -405,59 +434,105 @@ class HFNames:
 # ---- folders -------------------------------------------------------------------------------
 
 def is_hf_checkpoint(path: str | Path) -> bool:
-    """An HF folder has a `config.json` with a `model_type` (rlfusion's has a `model` table)."""
+    """An HF folder has a `config.json` with a `model_type` (rlfusion's has a `model` table).
+    An unreadable `config.json` is a `ValueError` naming it: it is no checkpoint of either kind."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return False
-    try:
-        meta = json.loads(config.read_text())
-    except json.JSONDecodeError:
-        return False
+    meta = read_json_file(config)
     return isinstance(meta, dict) and "model_type" in meta and "model" not in meta
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF folder: one `model.safetensors` or the shards its index names."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_file(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' of "
+                             f"tensor name -> file name)")
+        files = [path / name for name in sorted(set(weight_map.values()))]
     elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
+        files = [path / "model.safetensors"]
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json "
                                 f"(only safetensors HF checkpoints are supported)")
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{index}: shard {file.name} named by the index is missing")
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    return read_weights(path)[0]
+
+
+def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """`(tensors, file of each tensor)` of an HF folder; errors name the file."""
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{path}: shard {name} named by the index is missing")
-        tensors.update(load_file(str(path / name)))
-    return tensors
+    origin: dict[str, Path] = {}
+    for file in weight_files(path):
+        shard = read_safetensors_file(file)
+        tensors.update(shard)
+        origin.update(dict.fromkeys(shard, file))
+    return tensors, origin
+
+
+def hf_shapes(model: MoETransformer, family: str) -> dict[str, tuple[int, ...]]:
+    """The shape `model` needs of each HF tensor, in the hub's per-expert layout and in
+    transformers 5's fused one (a checkpoint has one or the other)."""
+    cfg, native = model.config, {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    out = {hf_name: native[name] for name, hf_name in name_pairs(cfg, family)}
+    for i in range(cfg.num_dense_layers, cfg.num_layers):
+        h = f"model.layers.{i}.mlp.experts."
+        E, D, F = native[f"layers.{i}.mlp.experts.w_gate_EDF"]
+        out |= {h + "gate_up_proj": (E, 2 * F, D), h + "down_proj": (E, D, F)}
+        for e in range(E):
+            out |= {f"{h}{e}.gate_proj.weight": (F, D), f"{h}{e}.up_proj.weight": (F, D),
+                    f"{h}{e}.down_proj.weight": (D, F)}
+    return out
+
+
+def check_shapes(tensors: dict[str, torch.Tensor], origin: dict[str, Path], model: MoETransformer,
+                 family: str, config: Path) -> None:
+    """Every HF tensor the model maps has the shape `config` gives it; checked before the name
+    mapping, which reshapes and stacks tensors and would fail with a torch trace otherwise."""
+    for name, shape in hf_shapes(model, family).items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{origin[name]}: tensor {name!r} has shape {list(tensors[name].shape)} "
+                             f"but {config} needs {list(shape)}")
 
 
 def load_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype = torch.float32):
     """`(model, tokenizer or None, meta)` from a local HF folder; `meta` keeps the family and the
     original `config.json`. `max_seq_len` defaults to min(max_position_embeddings, 4096)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise FileNotFoundError(f"{path} has no config.json (not an HF checkpoint folder)")
-    hf = json.loads((path / "config.json").read_text())
-    where = str(path / "config.json")
-    cfg = config_from_hf(hf, where, max_seq_len)
-    state = state_from_hf(read_safetensors(path), cfg, hf["model_type"],
-                          rope_interleave=bool(hf.get("rope_interleave", True)), where=str(path))
+    hf = read_json_file(config)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config}: not a model config (a JSON object), got a JSON {type(hf).__name__}")
+    cfg = config_from_hf(hf, str(config), max_seq_len)
     model = MoETransformer(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    tensors, origin = read_weights(path)
+    check_shapes(tensors, origin, model, hf["model_type"], config)
+    state = state_from_hf(tensors, cfg, hf["model_type"],
+                          rope_interleave=bool(hf.get("rope_interleave", True)), where=str(path))
     # Families without an expert bias keep the native zero bias (it only shifts selection).
-    missing = [k for k in missing if not k.endswith("router.expert_bias")]
-    assert not missing and not unexpected, (missing, unexpected)  # name_pairs covers the model
+    state |= {k: v for k, v in model.state_dict().items()
+              if k.endswith("router.expert_bias") and k not in state}
+    load_weights_into(model, state, str(path), mismatch=f"does not match {config}")
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         from rlfusion.model.hf_tokenizer import HFTokenizer
 
         eos = hf.get("eos_token_id")
-        tokenizer = HFTokenizer.from_dir(path, eos[0] if isinstance(eos, list) else eos)
+        tokenizer = HFTokenizer.from_dir(path, eos[0] if isinstance(eos, list) and eos else eos)
         if tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                             f"vocab_size is {cfg.vocab_size}")
+            raise ValueError(f"{path / 'tokenizer.json'}: the tokenizer has {tokenizer.vocab_size} tokens "
+                             f"but the vocab_size of {config} is {cfg.vocab_size}")
     return model.to(dtype).eval(), tokenizer, {"family": hf["model_type"], "hf_config": hf}
 
 

@@ -32,32 +32,34 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` with the ids and methods of the project's `Tokenizer` protocol."""
 
     def __init__(self, tokenizer_json: str, special: dict[str, str | None],
-                 chat_template: str | None = None) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ImportError("HF tokenizers need the tokenizers package: "
-                              f"pip install 'rlfusion[{EXTRA}]'") from None
+                 chat_template: str | None = None, where: str = "tokenizer.json",
+                 config_where: str = "tokenizer_config.json") -> None:
+        """`where` names the file `tokenizer_json` came from and `config_where` the one that
+        set `special`; errors name them."""
         self._json, self.special, self.chat_template = tokenizer_json, dict(special), chat_template
-        self._tok = Tokenizer.from_str(tokenizer_json)
+        self._tok = _parse_tokenizer(tokenizer_json, where)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eos = self._id(special.get("eos_token"), "eos_token")
-        if eos is None:
-            raise ValueError("HF tokenizer has no eos_token (set it in tokenizer_config.json); "
-                             "generation needs a stop token")
-        self.eos_id = eos
-        pad = self._id(special.get("pad_token"), "pad_token")
-        self.pad_id = eos if pad is None else pad
-        bos = self._id(special.get("bos_token"), "bos_token")
-        self.bos_id = self.pad_id if bos is None else bos  # see the module docstring
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"{config_where}: chat_template must be a string, got "
+                             f"{type(chat_template).__name__}")
+        ids = {key: self._id(special.get(key), key, where, config_where)
+               for key in ("eos_token", "pad_token", "bos_token")}
+        if ids["eos_token"] is None:
+            raise ValueError(f"{config_where}: the tokenizer has no eos_token (set one); "
+                             f"generation needs a stop token")
+        self.eos_id = ids["eos_token"]
+        self.pad_id = self.eos_id if ids["pad_token"] is None else ids["pad_token"]
+        # No BOS token: pad (else eos) starts a document, see the module docstring.
+        self.bos_id = self.pad_id if ids["bos_token"] is None else ids["bos_token"]
 
-    def _id(self, token: str | None, key: str) -> int | None:
+    def _id(self, token: str | None, key: str, where: str, config_where: str) -> int | None:
         if token is None:
             return None
+        if not isinstance(token, str):
+            raise ValueError(f"{config_where}: {key}={token!r} must be a token string")
         i = self._tok.token_to_id(token)
         if i is None:
-            raise ValueError(f"tokenizer_config.json {key}={token!r} is not in the vocabulary "
-                             f"of tokenizer.json")
+            raise ValueError(f"{config_where}: {key}={token!r} is not in the vocabulary of {where}")
         return i
 
     @classmethod
@@ -65,25 +67,29 @@ class HFTokenizer:
         """Read `tokenizer.json` (required) and the special tokens / chat template beside it.
         `fallback_eos_id` (e.g. from the model's `config.json`) names eos when the tokenizer
         config does not."""
+        from rlfusion.model.checkpoint import read_json_file, read_text_file  # it imports us
+
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
+        where, config_where = path / "tokenizer.json", path / "tokenizer_config.json"
+        if not where.is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json (only fast HF tokenizers are "
                                     f"supported; save one with tokenizer.save_pretrained)")
-        config: dict = {}
-        if (path / "tokenizer_config.json").is_file():
-            config = json.loads((path / "tokenizer_config.json").read_text())
+        config = read_json_file(config_where) if config_where.is_file() else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_where}: not a tokenizer config (a JSON object), "
+                             f"got a JSON {type(config).__name__}")
         special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         template = config.get("chat_template")
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
+            template = read_text_file(path / "chat_template.jinja")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        tokenizer_json = (path / "tokenizer.json").read_text()
-        if special["eos_token"] is None and fallback_eos_id is not None:
-            from tokenizers import Tokenizer
-
-            special["eos_token"] = Tokenizer.from_str(tokenizer_json).id_to_token(fallback_eos_id)
-        return cls(tokenizer_json, special, template)
+            template = next((t.get("template") for t in template
+                             if isinstance(t, dict) and t.get("name") == "default"), None)
+        tokenizer_json = read_text_file(where)
+        if special["eos_token"] is None and isinstance(fallback_eos_id, int) and fallback_eos_id >= 0:
+            vocab = _parse_tokenizer(tokenizer_json, str(where))
+            special["eos_token"] = vocab.id_to_token(fallback_eos_id)
+        return cls(tokenizer_json, special, template, str(where), str(config_where))
 
     # ---- the Tokenizer protocol ----
 
@@ -124,11 +130,15 @@ class HFTokenizer:
                 "chat_template": self.chat_template}
 
     @classmethod
-    def from_dict(cls, d: dict) -> HFTokenizer:
+    def from_dict(cls, d: dict, where: str = "tokenizer dict") -> HFTokenizer:
+        """The tokenizer of `to_dict`; `where` names the file the dict was read from."""
         if d.get("kind") != "hf" or not isinstance(d.get("tokenizer_json"), str):
-            raise ValueError(f"tokenizer dict is not an HF tokenizer (kind={d.get('kind')!r}, "
-                             f"needs 'tokenizer_json')")
-        return cls(d["tokenizer_json"], d.get("special", {}), d.get("chat_template"))
+            raise ValueError(f"{where}: tokenizer is not an HF tokenizer (kind={d.get('kind')!r}, "
+                             f"needs a string 'tokenizer_json')")
+        special = d.get("special", {})
+        if not isinstance(special, dict):
+            raise ValueError(f"{where}: tokenizer 'special' must be a JSON object of token strings")
+        return cls(d["tokenizer_json"], special, d.get("chat_template"), where, where)
 
     def save(self, path: str | Path) -> None:
         """Write `tokenizer.json` and a `tokenizer_config.json` that transformers also reads."""
@@ -146,11 +156,33 @@ class HFTokenizer:
                 f"pad={self.pad_id}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
-def tokenizer_from_dict(d: dict):
-    """The tokenizer of a checkpoint's JSON form: `CharTokenizer` (`kind="char"`) or HF."""
+def _parse_tokenizer(tokenizer_json: str, where: str):
+    """A `tokenizers.Tokenizer`; `ValueError` naming `where` if the text is not one."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("HF tokenizers need the tokenizers package: "
+                          f"pip install 'rlfusion[{EXTRA}]'") from None
+    from rlfusion.model.checkpoint import first_line  # it imports us
+
+    try:
+        return Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # the Rust library raises a bare Exception for every parse error
+        raise ValueError(f"{where}: not a valid HF tokenizer ({first_line(e)})") from None
+
+
+def tokenizer_from_dict(d: dict, where: str = "tokenizer dict"):
+    """The tokenizer of a checkpoint's JSON form: `CharTokenizer` (`kind="char"`) or HF.
+    `where` (the checkpoint's `config.json`) is named by every error."""
     from rlfusion.model.tokenizer import CharTokenizer
 
-    kinds = {"char": CharTokenizer.from_dict, "hf": HFTokenizer.from_dict}
-    if d.get("kind") not in kinds:
-        raise ValueError(f"tokenizer kind={d.get('kind')!r} is unknown; allowed: {', '.join(kinds)}")
-    return kinds[d["kind"]](d)
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: 'tokenizer' must be a JSON object, got {type(d).__name__}")
+    if d.get("kind") == "hf":
+        return HFTokenizer.from_dict(d, where)
+    if d.get("kind") != "char":
+        raise ValueError(f"{where}: tokenizer kind={d.get('kind')!r} is unknown; allowed: char, hf")
+    try:
+        return CharTokenizer.from_dict(d)
+    except ValueError as e:  # CharTokenizer knows nothing of files
+        raise ValueError(f"{where}: {e}") from None

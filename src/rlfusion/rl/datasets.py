@@ -94,22 +94,49 @@ def load_problems(cfg: DataConfig) -> list[tuple[str, Problem]]:
 
 
 def _rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
+    if path.is_dir():
+        raise ValueError(f"data.path={str(path)!r} is a directory; allowed: a .jsonl or .parquet "
+                         f"file (name the file inside it)")
     if not path.is_file():
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist")
     if fmt == "parquet":
-        import pyarrow.parquet as pq  # ships with the `datasets` package (the `hf` extra)
-
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}:row {i}", row
+        yield from _parquet_rows(path)
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, decoded line by line, so that a byte that is not UTF-8 is reported with its line.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            line = _decode_line(raw, where, first=lineno == 1)
             if line.strip():
-                where = f"{path}:{lineno}"
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _decode_line(raw: bytes, where: str, first: bool) -> str:
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")  # "-sig": an editor's leading BOM
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                         f"{e.start + 1}); allowed: JSON Lines saved as UTF-8") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow as pa  # ships with the `datasets` package (the `hf` extra)
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"data.path={str(path)!r} is Parquet, which needs pyarrow: "
+                         f"pip install -e '.[hf]'") from None
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:  # keep the first line: some span several
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"data.path={str(path)!r} is not a readable Parquet file ({first}); "
+                         f"allowed: a .parquet file, or set data.format=jsonl") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{path}:row {i}", row
 
 
 def problem_from_row(row: object, where: str, cfg: DataConfig) -> Problem:

@@ -9,11 +9,14 @@ shared scoring of synchronous rollouts (`_RolloutProxy._generate_sharing_scoring
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any
 
 import torch
 
+from rlfusion.errors import RunError
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.deployment import DeploymentPlan
@@ -32,10 +35,9 @@ class RayDevices:
 
         self.owns_ray = not ray.is_initialized()  # then `shutdown` stops the Ray it started
         if self.owns_ray:
-            ray.init(address=cfg.deploy.ray_address or None, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False,
-                     **({} if cfg.deploy.ray_address else {"num_cpus": plan.num_devices * cfg.deploy.threads_per_device}))
+            _start_ray(ray, cfg.deploy.ray_address, plan.num_devices * cfg.deploy.threads_per_device)
         self.ray, self.plan, self.cfg = ray, plan, cfg
+        self.single_node = len(ray.nodes()) == 1
         self.workers: list[Any] = []
         threads = cfg.deploy.threads_per_device
         self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
@@ -57,6 +59,8 @@ class RayDevices:
         ray, plan, cfg = self.ray, self.plan, self.cfg
         ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+        if self.single_node:  # gloo's connections between devices: loopback only, nothing listens outside
+            env["env_vars"]["GLOO_SOCKET_IFNAME"] = _loopback_interface()
         # "pool": `take_finished` answers on its own thread while the device generates
         actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
         self.workers = [actor_cls.options(
@@ -64,6 +68,7 @@ class RayDevices:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
         address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
+        self.rendezvous = address  # (host, port) of the device world's store, for checks
         self.call([w.connect.remote(address) for w in self.workers])
         self.call([w.settle.remote() for w in self.workers])
         self.scored: dict[tuple, tuple] = {}  # this step's on-device reward / reference results
@@ -85,6 +90,9 @@ class RayDevices:
             return self.ray.get(refs)
         except self.ray.exceptions.RayActorError as e:
             dead = [d for d, w in enumerate(self.workers) if w._actor_id.hex() in str(e)]
+            if getattr(e, "actor_init_failed", False):  # it never started: say why, not "died"
+                where = f"device {dead[0]}" if dead else "a device worker"
+                raise RunError(f"{where} could not start: {_last_line(getattr(e, 'error_msg', str(e)))}") from None
             raise self._died(dead[0] if dead else None, type(e).__name__) from None
         except self.ray.exceptions.RayTaskError as e:
             # a live worker's task failed: if a peer is gone (its collective broke because the
@@ -92,6 +100,8 @@ class RayDevices:
             dead = self._dead_devices()
             if dead:
                 raise self._died(dead[0], f"{type(e).__name__} on a peer") from e
+            if isinstance(e.cause, (ValueError, FileNotFoundError, RunError)):
+                raise e.cause from None  # a stop the user can act on: its own one-line message
             raise
 
     def _died(self, device: int | None, why: str) -> "WorkerDiedError":
@@ -145,6 +155,51 @@ class RayDevices:
 
 
 DEAD_CHECK_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0  # how long `deploy.ray_address` may take to accept a connection
+
+
+def _start_ray(ray, address: str, num_cpus: int) -> None:
+    """Join the cluster at `address`, or start a single-node one whose every port (GCS, raylet,
+    workers, agents) listens on loopback only."""
+    if address:
+        _check_reachable(address)
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        return
+    # Ray treats a node as a local machine only (every server on 127.0.0.1) when clusters are
+    # disabled; read when Ray starts its processes, which inherit it
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=num_cpus)
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse an address nothing answers on within seconds (`ray.init` would retry for minutes)."""
+    if address == "auto":
+        return  # Ray finds the cluster of this machine itself, and says so when there is none
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"deploy.ray_address={address!r} is invalid: allowed: '' (a local cluster), 'auto' "
+                         f"or HOST:PORT of a cluster started with `ray start --head`")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        raise RunError(f"deploy.ray_address={address!r}: no Ray cluster answers there ({why} within "
+                       f"{CONNECT_TIMEOUT_S:.0f} s); start one with `ray start --head` or leave "
+                       f"deploy.ray_address empty for a local cluster") from None
+
+
+def _loopback_interface() -> str:
+    """The name of the loopback network interface (`lo` on Linux, `lo0` on macOS)."""
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return "lo"
+
+
+def _last_line(text: str) -> str:
+    """The exception line that ends a remote traceback (`ValueError: ...`)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
 PLACEMENT_TIMEOUT_S = 120.0  # how long the device bundles may wait for free CPUs
 
 

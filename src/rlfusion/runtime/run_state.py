@@ -4,23 +4,54 @@ DistQueue's rows (including partially filled ones) and StaleSync's in-flight par
 Written to `run_dir/checkpoint.tmp`; the previous checkpoint is renamed to `checkpoint.old`
 before the new one takes its place, so a run killed at any moment of a save leaves a complete
 checkpoint to resume from (`load` falls back to `checkpoint.old`).
+
+Checkpoints are shared between people, so loading one never runs code: the trainer state is
+read with `torch.load(weights_only=True)`, which builds only tensors, containers, numbers and
+strings plus the few plain dataclasses listed in `_STATE_CLASSES` (a pickled callable such as
+`os.system` is refused).
+
+Also here: the run-folder lock (`lock_run_dir`), taken before a run starts anything, so two
+processes never write one run folder.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 from pathlib import Path
+from typing import IO
 
 import torch
 
-from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
+from rlfusion.errors import RunError
+from rlfusion.model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint
+from rlfusion.rl.problem import Problem
+from rlfusion.rl.trajectory import Trajectory
+from rlfusion.runtime.stalesync import Group
 
 STATE = "trainer_state.pt"
+LOCK = ".lock"
+# What a trainer state may hold besides tensors, containers and scalars: StaleSync's groups in
+# flight and the batch waiting for the next update (plain data, no behaviour on load)
+_STATE_CLASSES = [Group, Trajectory, Problem]
 
 
 def save(trainer) -> Path:
-    final = trainer.run_dir / "checkpoint"
+    """Write the checkpoint; a failed write (disk full, read-only folder) stops the run with one
+    line and leaves the previous checkpoint as it was."""
     tmp = trainer.run_dir / "checkpoint.tmp"
+    try:
+        return _save(trainer, tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = (f"the checkpoint of step {trainer.saved_step} in {trainer.run_dir / 'checkpoint'} is kept"
+                if trainer.saved_step is not None else "no earlier checkpoint exists")
+        raise RunError(f"cannot save a checkpoint in {e.filename or tmp} ({e.strerror or e}); {kept}") from None
+
+
+def _save(trainer, tmp: Path) -> Path:
+    final = trainer.run_dir / "checkpoint"
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.sync_model()
     save_checkpoint(tmp, trainer.model, trainer.tokenizer, {"rl_steps": trainer.step})
@@ -58,15 +89,13 @@ def load(trainer) -> None:
     if not (path / STATE).is_file():
         path = trainer.run_dir / "checkpoint.old"  # killed between the two renames of a save
     if not (path / STATE).is_file():
-        raise FileNotFoundError(f"{trainer.run_dir} has no checkpoint to resume from "
-                                f"(expected {path / STATE})")
+        raise FileNotFoundError(f"{trainer.run_dir} has no checkpoint to resume from (expected {path / STATE}): "
+                                f"the run stopped before its first step; start it again with the same command")
     model, _, _ = load_checkpoint(path)
-    trainer.model.load_state_dict(model.state_dict())
-    try:
-        state = torch.load(path / STATE, weights_only=False)
-    except Exception as e:  # truncated or foreign file: one line, not a pickle trace
-        raise ValueError(f"{path / STATE} is not a readable rlfusion trainer state ({e})") from None
+    load_weights_into(trainer.model, model.state_dict(), str(path))
+    state = read_state(path / STATE)
     trainer.step, trainer.elapsed = state["step"], state["elapsed"]
+    trainer.saved_step = trainer.step
     trainer.base_accuracy = state["base_accuracy"]
     trainer.actor.version = state["actor_version"]
     trainer.actor.optimizer.load_state_dict(state["optimizer"])
@@ -91,6 +120,55 @@ def load(trainer) -> None:
     if trainer.critic is not None and state.get("critic"):
         trainer.critic.model.load_state_dict(state["critic"]["model"])
         trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])
+
+
+def read_state(file: Path) -> dict:
+    """The trainer state in `file`, read without running any code it may carry."""
+    try:
+        with torch.serialization.safe_globals(_STATE_CLASSES):
+            state = torch.load(file, weights_only=True)
+    except Exception as e:  # truncated, foreign or code-carrying file: one line, never a trace
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "weights_only" in why or "Unsupported global" in str(e):
+            why = "it holds objects other than tensors and plain data, which are never loaded"
+        raise ValueError(f"{file} is not a readable rlfusion trainer state ({why})") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"{file} is not an rlfusion trainer state (no 'step' entry)")
+    return state
+
+
+def lock_run_dir(run_dir: Path) -> IO:
+    """Take the run folder for this process (created if missing) until the returned file is
+    closed or the process exits. A second run or resume of the same folder stops here with one
+    line, before it has written anything."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise ValueError(f"run folder {run_dir} is in use by {owner}; wait for it to finish or "
+                         f"pick another run_name=") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"rlfusion pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def clear_outputs(run_dir: Path) -> None:
+    """Remove what a start that never reached its first checkpoint wrote (metrics, TensorBoard
+    events), so starting the run again does not mix two starts."""
+    from rlfusion.obs.metrics import METRICS_FILE, TENSORBOARD_DIR
+
+    (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return any((run_dir / name / STATE).is_file() for name in ("checkpoint", "checkpoint.old"))
 
 
 def _stalesync_shape(trainer) -> dict:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlfusion.errors import RunError
+from rlfusion.errors import RewardError, RunError
 from rlfusion.engine.engine import EngineConfig, LLMEngine
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.evaluate import encode_prompt
@@ -26,7 +26,8 @@ from rlfusion.rl.dapo import dynamic_sampling_mask, overlong_penalty
 from rlfusion.rl.kl import kl_reward_penalty
 from rlfusion.rl.policy_loss import value_loss
 from rlfusion.rl.problem import Problem
-from rlfusion.rl.rewards import RewardFn, RewardModel
+from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardModel, describe_reward,
+                                finite_score, snippet)
 from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
                                    token_logprobs)
 from rlfusion.runtime.replicas import group_sum, sum_over_replicas
@@ -204,30 +205,104 @@ class _GroupRun:
 
 
 class RewardStage:
-    """Rule reward per sample (`RewardFn`) or a batched reward model (`RewardModel.score`)."""
+    """Rule reward per sample (`RewardFn`) or a batched reward model (`RewardModel.score`).
+
+    `name` is the `reward=` spec, for messages ("task": the task's verifier). A user's reward
+    code that raises, returns anything but a finite number, or (with `timeout_s`) does not
+    return within `timeout_s` seconds for one `score` call ends the run with a `RewardError`
+    naming the spec and the sample. The task's verifier is trusted code and runs inline; user
+    code runs on a reusable daemon thread (`DaemonCaller`) that the stage stops waiting for
+    after the timeout: the run stops, the process exits, the thread dies with it.
+    """
 
     def __init__(self, reward: RewardFn | RewardModel, tokenizer: Tokenizer, algo: AlgoConfig,
-                 max_new_tokens: int):
+                 max_new_tokens: int, *, name: str = "", timeout_s: float | None = None):
         self.reward, self.tokenizer, self.algo = reward, tokenizer, algo
         self.max_new_tokens = max_new_tokens
+        self.name = name or describe_reward(reward)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"reward timeout_s={timeout_s} must be > 0")
+        self.timeout_s = timeout_s if name != "task" else None
+        self.caller = DaemonCaller(f"reward {self.name}") if self.timeout_s is not None else None
 
     def score(self, trajs: list[Trajectory]) -> None:
         texts = [self.tokenizer.decode(t.response_ids) for t in trajs]
-        if hasattr(self.reward, "score"):
-            scores = self.reward.score([t.problem.prompt for t in trajs], texts)
-            if len(scores) != len(trajs):
-                raise ValueError(f"reward model returned {len(scores)} scores for {len(trajs)} samples")
+        if self.caller is None:
+            scores = self._scores(trajs, texts)
         else:
-            scores = [self.reward(text, t.problem) for text, t in zip(texts, trajs)]
+            grad, device = torch.is_grad_enabled(), _cuda_device()
+            at = [0]  # the sample the reward function is on (for the timeout message)
+
+            def job() -> list[Any]:  # grad mode and the CUDA device are per thread
+                torch.set_grad_enabled(grad)
+                if device is not None:
+                    torch.cuda.set_device(device)
+                return self._scores(trajs, texts, at)
+
+            try:
+                scores = self.caller.call(job, self.timeout_s)
+            except CallTimeout:
+                where = (f"a reward model scoring {len(trajs)} samples" if hasattr(self.reward, "score")
+                         else f"{len(trajs)} samples; stuck on sample {at[0]}: {self._sample(trajs, texts, at[0])}")
+                raise RewardError(f"reward={self.name!r} did not return within {self.timeout_s:g} s ({where}); "
+                                  f"raise reward_timeout_s= or fix the function") from None
         for t, score in zip(trajs, scores):
-            t.metrics["correct"] = float(score)
-            t.reward = float(score)
+            t.metrics["correct"] = score
+            t.reward = score
         if self.algo.overlong_buffer:
             lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
             penalty = overlong_penalty(lengths, self.max_new_tokens, self.algo.overlong_buffer,
                                        self.algo.overlong_factor)
             for t, p in zip(trajs, penalty.tolist()):
                 t.reward += p
+
+    def _scores(self, trajs: list[Trajectory], texts: list[str], at: list[int] | None = None) -> list[float]:
+        """One finite float per sample, or a `RewardError` that says which sample and why."""
+        if hasattr(self.reward, "score"):
+            try:
+                raw = self.reward.score([t.problem.prompt for t in trajs], texts)
+            except Exception as e:
+                raise RewardError(f"reward={self.name!r}: score() raised {type(e).__name__}: {e} "
+                                  f"(scoring {len(trajs)} samples)") from e
+            try:
+                raw = list(raw)
+            except TypeError:
+                raise RewardError(f"reward={self.name!r}: score() returned {_shown(raw)}; it must "
+                                  f"return one finite number per sample") from None
+            if len(raw) != len(trajs):
+                raise RewardError(f"reward={self.name!r}: reward model returned {len(raw)} scores "
+                                  f"for {len(trajs)} samples")
+            what = "a reward model's score() must return finite numbers"
+        else:
+            raw = []
+            for i, (text, t) in enumerate(zip(texts, trajs)):
+                if at is not None:
+                    at[0] = i
+                try:
+                    raw.append(self.reward(text, t.problem))
+                except Exception as e:
+                    raise RewardError(f"reward={self.name!r} raised {type(e).__name__}: {e} on sample {i} "
+                                      f"of {len(trajs)} ({self._sample(trajs, texts, i)})") from e
+            what = "a reward function must return a finite number"
+        scores = [finite_score(v) for v in raw]
+        for i, (v, score) in enumerate(zip(raw, scores)):
+            if score is None:
+                raise RewardError(f"reward={self.name!r} returned {_shown(v)} for sample {i} of {len(trajs)} "
+                                  f"({self._sample(trajs, texts, i)}); {what}")
+        return scores
+
+    @staticmethod
+    def _sample(trajs: list[Trajectory], texts: list[str], i: int) -> str:
+        return f"prompt {snippet(str(getattr(trajs[i].problem, 'prompt', '?')))}, response {snippet(texts[i])}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+def _cuda_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 class ReferenceStage:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rlfusion.config import check_fields
@@ -83,6 +83,16 @@ class StaleSyncConfig:
                                          "allowed: a fraction in (0, 1] or a whole count > 1"),
             "overdue": (self.overdue in OVERDUE, f"allowed: {', '.join(OVERDUE)}"),
         }, self)
+        if not self.enabled:
+            self._refuse_unused_keys()
+
+    def _refuse_unused_keys(self) -> None:
+        # The synchronous loop reads none of these: a changed one is a forgotten `enabled=true`.
+        # A value equal to the default cannot be told from an unset key, so it passes.
+        for f in fields(self):
+            if f.name != "enabled" and getattr(self, f.name) != f.default:
+                raise ValueError(f"stalesync.{f.name}={getattr(self, f.name)!r} has no effect unless "
+                                 f"stalesync.enabled=true; set stalesync.enabled=true or drop the key")
 
 
 @dataclass

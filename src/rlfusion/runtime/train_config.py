@@ -130,9 +130,10 @@ class TrainConfig:
     max_steps: int = 200  # 0 = until time_budget_s
     time_budget_s: float = 480.0  # backstop: no step starts after this; evals come on top
     eval_every: int = 25
-    eval_problems: int = 500
+    eval_problems: int = 500  # at most the held-out set; with data.path the default lowers to data.num_heldout
     checkpoint_every: int = 25
     reward: str = "task"  # "task" (the task's verifier) or "module:function"
+    reward_timeout_s: float = 60.0  # a user reward's longest scoring call (one batch); past it the run stops
     threads: int = 2
     deterministic: bool = False  # torch deterministic algorithms (for resume tests)
     # Collapse guard: stop when, for this many consecutive steps, every reward is 0 or most
@@ -152,15 +153,37 @@ class TrainConfig:
             "max_steps": (self.max_steps >= 0, "must be >= 0 (0 = until time_budget_s)"),
             "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
             "eval_every": (self.eval_every >= 1, "must be >= 1"),
-            "eval_problems": (1 <= self.eval_problems <= self.task.num_heldout,
-                              f"must be in [1, task.num_heldout={self.task.num_heldout}]"),
+            "eval_problems": (self.eval_problems >= 1, "must be >= 1"),
             "checkpoint_every": (self.checkpoint_every >= 1, "must be >= 1"),
             "reward": (self.reward == "task" or ":" in self.reward,
                        "allowed: 'task' or 'module:function'"),
+            "reward_timeout_s": (self.reward_timeout_s > 0, "must be > 0"),
             "threads": (self.threads >= 1, "must be >= 1"),
             "collapse_patience": (self.collapse_patience >= 0, "must be >= 0 (0 = off)"),
         }, self)
+        self._check_eval_problems()
         t = self.stalesync.rollout_finish_threshold
         if t > 1 and t > self.rollout.prompts_per_step:
             raise ValueError(f"stalesync.rollout_finish_threshold={t:g} is invalid: a count must be at most "
                              f"rollout.prompts_per_step={self.rollout.prompts_per_step} (or use a fraction in (0, 1])")
+
+    def _check_eval_problems(self) -> None:
+        """Evaluation draws from the held-out set: the built-in task's `task.num_heldout`
+        problems, or with data.path the `data.num_heldout` rows held out of the file (exactly
+        that many: the task refuses a file too short for it)."""
+        if self.data.path:
+            heldout, source, knob = self.data.num_heldout, f"data.path={self.data.path!r}", "data.num_heldout"
+        else:
+            heldout, source, knob = self.task.num_heldout, "the built-in task", "task.num_heldout"
+        if self.eval_problems <= heldout:
+            return
+        if self.data.path and self.eval_problems == _EVAL_PROBLEMS_DEFAULT:
+            # The default was sized for the built-in task; a prompt set holds out fewer (50), and
+            # config.json and the report should say how many were evaluated.
+            object.__setattr__(self, "eval_problems", heldout)
+            return
+        raise ValueError(f"eval_problems={self.eval_problems} is more than the {heldout} held-out "
+                         f"problems of {source}; allowed: 1 to {heldout} (or raise {knob})")
+
+
+_EVAL_PROBLEMS_DEFAULT = TrainConfig.__dataclass_fields__["eval_problems"].default

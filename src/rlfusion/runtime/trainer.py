@@ -24,22 +24,24 @@ import torch
 from tqdm import tqdm
 
 from rlfusion.config import from_dict
+from rlfusion.errors import RunError
 from rlfusion.evaluate import EvalResult, evaluate
 from rlfusion.model.checkpoint import load_base, save_checkpoint
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.obs.timeline import Timeline
-from rlfusion.rl.rewards import load_reward_fn
+from rlfusion.rl.rewards import import_reward, load_reward_fn
 from rlfusion.rl.tasks import make_task
 from rlfusion.queue import DistQueue
 from rlfusion.runtime import run_state
 from rlfusion.runtime.dataflow import QueueDataflow, queue_config
-from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
+from rlfusion.runtime.actor import ActorStage
 from rlfusion.runtime.stages import (CollapseError, CriticStage, ReferenceStage, RewardStage, RolloutStage,
                                      apply_kl_reward_penalty, compute_advantages)
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stalesync import StalenessBook
+from rlfusion.runtime.stop import RunInterrupted, StopRequest
 from rlfusion.runtime.ray_devices import RayDevices, _split
 
 
@@ -72,13 +74,16 @@ class RLTrainer:
             plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
             if plan.train_layout:
                 _check_train_layout(cfg, plan, model.config)
+            if cfg.reward != "task":  # a bad spec is named here, not as a device that failed to start
+                import_reward(cfg.reward)
             self.devices = RayDevices(cfg, plan, base_path)
             self.rollout, self.reward = self.devices.rollout, self.devices.reward
             self.reference, self.actor, self.critic = self.devices.reference, self.devices.actor, self.devices.critic
         else:
             reward_fn = self.task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
             self.rollout = RolloutStage(model, tokenizer, cfg.rollout, cfg.seed)
-            self.reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
+            self.reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens,
+                                      name=cfg.reward, timeout_s=cfg.reward_timeout_s)
             self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature,
                                              cfg.optim.microbatch_tokens) if cfg.algo.kl_coef else None)
             self.critic = CriticStage(model, cfg.algo, cfg.optim) if cfg.algo.advantage == "gae" else None
@@ -91,6 +96,8 @@ class RLTrainer:
         self.elapsed = 0.0  # RL seconds of earlier segments of a resumed run
         self.base_accuracy: float | None = None
         self.bad_steps = 0  # consecutive steps that look like a collapse
+        self.saved_step: int | None = None  # the step of the run folder's checkpoint
+        self.progress = True
         self.stale = (StalenessBook(cfg.stalesync, cfg.rollout.prompts_per_step, cfg.rollout.group_size)
                       if cfg.stalesync.enabled else None)
         # separated devices with s >= 1: the next update's rollout runs alongside this update
@@ -316,23 +323,52 @@ class RLTrainer:
 
     def run(self, progress: bool = True) -> RunResult:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        if self.base_accuracy is None:
-            self.base_accuracy = self.evaluate().accuracy
-        writer = MetricsWriter(self.run_dir, purge_step=self.step + 1 if self.step else None)
-        if self.step == 0:
-            writer.log(0, {"heldout_accuracy": self.base_accuracy})
+        self.progress = progress
+        write_run_config(self.run_dir, cfg)
+        with StopRequest() as stop:
+            if self.base_accuracy is None:
+                self.base_accuracy = self.evaluate().accuracy
+            if not run_state.has_checkpoint(self.run_dir):
+                self._save()  # a way back from the first step on, whatever stops the run
+            writer = MetricsWriter(self.run_dir, purge_step=self.step + 1 if self.step else None)
+            if self.step == 0:
+                writer.log(0, {"heldout_accuracy": self.base_accuracy})
+            try:
+                stopped, last_acc, last_eval = self._loop(writer, stop)
+            except RunError as e:
+                writer.close()
+                if isinstance(e, RunInterrupted):
+                    raise
+                raise type(e)(f"{e}; the run stopped at step {self.step}: its last checkpoint (step "
+                              f"{self.saved_step}) is in {self.run_dir / 'checkpoint'} and `rlfusion train "
+                              f"--resume {self.run_dir}` continues from it") from None
+        if last_eval == self.step:  # the last step was just evaluated
+            final = last_acc
+        else:
+            final = self.evaluate().accuracy
+            writer.log(self.step, {"heldout_accuracy": final})
+        writer.close()
+        self._write_timeline()
+        self._save()
+        save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
+                        {"rl_steps": self.step, "heldout_accuracy": final})
+        return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
+
+    def _loop(self, writer: MetricsWriter, stop: StopRequest) -> tuple[str, float, int]:
+        """Steps until max_steps, the time budget or a stop signal (then checkpoint and raise
+        `RunInterrupted`). Returns why it ended, the last held-out accuracy and its step."""
+        cfg = self.cfg
         start = time.monotonic() - self.elapsed
-        bar = tqdm(total=cfg.max_steps or None, initial=self.step, disable=not progress, unit="step")
+        bar = tqdm(total=cfg.max_steps or None, initial=self.step, disable=not self.progress, unit="step")
         stopped, last_acc, last_eval = "time budget", self.base_accuracy, self.step
         try:
             while True:
+                if stop.requested:
+                    self._stop_on_signal(stop)
                 if cfg.max_steps and self.step >= cfg.max_steps:
-                    stopped = "max_steps"
-                    break
+                    return "max_steps", last_acc, last_eval
                 if time.monotonic() - start >= cfg.time_budget_s:
-                    break
+                    return stopped, last_acc, last_eval
                 metrics = self.train_step()
                 if self.step % cfg.eval_every == 0:
                     last_acc = metrics["heldout_accuracy"] = self.evaluate().accuracy
@@ -343,26 +379,32 @@ class RLTrainer:
                 bar.update(1)
                 bar.set_postfix_str(_progress_line(self, metrics, last_acc, start))
                 if self.step % cfg.checkpoint_every == 0:
-                    run_state.save(self)
-        except (NonFiniteLossError, CollapseError) as e:
+                    self._save()
+        finally:
             bar.close()
-            writer.close()
-            raise type(e)(f"{e}; the run stopped at step {self.step} and its last good checkpoint "
-                          f"is kept in {self.run_dir / 'checkpoint'}") from None
-        bar.close()
-        if last_eval == self.step:  # the last step was just evaluated
-            final = last_acc
-        else:
-            final = self.evaluate().accuracy
-            writer.log(self.step, {"heldout_accuracy": final})
-        writer.close()
+
+    def _stop_on_signal(self, stop: StopRequest) -> None:
+        if self.saved_step != self.step:
+            self._save()
+        self._write_timeline()
+        raise RunInterrupted(f"stopped by {stop.requested} after step {self.step}; its checkpoint is in "
+                             f"{self.run_dir / 'checkpoint'} and `rlfusion train --resume {self.run_dir}` "
+                             f"continues from it", stop.signum)
+
+    def _save(self) -> None:
+        run_state.save(self)
+        self.saved_step = self.step
+
+    def _write_timeline(self) -> None:
         if self.timeline.spans:
             self.timeline.write_chrome_trace(self.run_dir / "timeline.json")
             self.timeline.plot_gantt(self.run_dir / "timeline.png", title=f"{self.run_dir.name}: device timeline")
-        run_state.save(self)
-        save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
-                        {"rl_steps": self.step, "heldout_accuracy": final})
-        return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
+
+
+def write_run_config(run_dir: Path, cfg: TrainConfig) -> None:
+    """`run_dir/config.json`: what `--resume` rebuilds the run from."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
 def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> None:
@@ -409,7 +451,15 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not an rlfusion run folder (no config.json)")
-    data = json.loads(cfg_path.read_text())
+    if not run_state.has_checkpoint(run_dir):
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: the run stopped before its first "
+                                f"step; start it again with the same command")
+    try:
+        data = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path} is not a readable run config ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{cfg_path} is not a run config (expected a JSON object)")
     for key, value in (overrides or {}).items():
         data[key] = value
     cfg = from_dict(TrainConfig, data)

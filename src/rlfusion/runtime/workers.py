@@ -33,6 +33,7 @@ columns flow (`dataflow.py`).
 from __future__ import annotations
 
 import copy
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -70,6 +71,20 @@ def _no_stop_sync() -> dict[str, float]:
     return {"stop_sync_calls": 0.0, "stop_sync_s": 0.0}
 
 
+def listening_store(host: str, world_size: int) -> dist.TCPStore:
+    """The rendezvous store's server, listening on `host` alone. torch binds every interface
+    whatever host it is given, so the socket is bound here and handed over as the listen fd."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # the store owns the socket from here (detach: Python's socket object must not close it)
+    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
 class DeviceWorker:
     """The roles of one device. Every span of work is recorded as (phase, wall start, wall end)."""
 
@@ -95,7 +110,8 @@ class DeviceWorker:
             release(self.policy)  # resident only while generating
         task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         reward_fn = task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
-        self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens)
+        self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens,
+                                   name=cfg.reward, timeout_s=cfg.reward_timeout_s)
                        if "reward" in roles else None)
         self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens)
                           if "reference" in roles and cfg.algo.kl_coef else None)
@@ -122,12 +138,14 @@ class DeviceWorker:
 
     def address(self) -> tuple[str, int]:
         """Start the rendezvous of the device world here: a store listening on a port the OS
-        picks (held from now on, so no other process can take it first). Returns this node's IP
-        and that port."""
+        picks (held from now on, so no other process can take it first), on this node's
+        address in the Ray cluster only (loopback on a single-node run). Returns that address
+        and port."""
         import ray
 
-        self._store = dist.TCPStore("0.0.0.0", 0, self.plan.num_devices, is_master=True, wait_for_workers=False)
-        return ray.util.get_node_ip_address(), self._store.port
+        host = ray.util.get_node_ip_address()
+        self._store = listening_store(host, self.plan.num_devices)
+        return host, self._store.port
 
     def connect(self, address: tuple[str, int] | None) -> None:
         """Join the device world through the rendezvous store at `address` (device 0's

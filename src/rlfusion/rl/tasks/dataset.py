@@ -26,10 +26,15 @@ class DatasetTask:
                  max_prompt_tokens: int | None = None) -> None:
         self.config = cfg
         self.verifier = VERIFIERS[cfg.verifier]
+        loaded = load_problems(cfg)
         problems = [(where, replace(p, prompt=render_prompt(p.prompt, cfg, tokenizer)))
-                    for where, p in load_problems(cfg)]
-        if tokenizer is not None and max_prompt_tokens is not None:
-            problems = _fit_context(problems, tokenizer, max_prompt_tokens, cfg)
+                    for where, p in loaded]
+        if tokenizer is not None:  # a prompt the tokenizer cannot encode fails here, not mid-run
+            # 1 + : the BOS the rollout puts first
+            lengths = [1 + len(_encode(tokenizer, p.prompt, raw.prompt, where, cfg))
+                       for (where, raw), (_, p) in zip(loaded, problems)]
+            if max_prompt_tokens is not None:
+                problems = _fit_context(problems, lengths, max_prompt_tokens, cfg)
         if len(problems) <= cfg.num_heldout:
             raise ValueError(f"data.num_heldout={cfg.num_heldout} is invalid: {cfg.path} has "
                              f"{len(problems)} usable rows; hold out fewer so some remain to train on")
@@ -66,11 +71,34 @@ def render_prompt(prompt: str, cfg: DataConfig, tokenizer: Tokenizer | None) -> 
     return tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
 
 
-def _fit_context(problems: list[tuple[str, Problem]], tokenizer: Tokenizer, limit: int,
+def _encode(tokenizer: Tokenizer, text: str, row_prompt: str, where: str, cfg: DataConfig) -> list[int]:
+    """`tokenizer.encode(text)`, with a failure blamed on the row or config string it came from."""
+    try:
+        return tokenizer.encode(text)
+    except ValueError as e:
+        bad = next((ch for ch in text if not _encodes(tokenizer, ch)), None)
+        if bad is None:
+            raise ValueError(f"{where}: the tokenizer cannot encode the prompt ({e})") from None
+        source = (f"{where}: prompt" if bad in row_prompt else
+                  "data.system_prompt" if bad in cfg.system_prompt else
+                  "data.prompt_template" if bad in cfg.prompt_template else "the chat template")
+        alphabet = getattr(tokenizer, "alphabet", None)
+        allowed = f"; allowed: {alphabet!r}" if alphabet else ""
+        raise ValueError(f"{source} has character {bad!r} the tokenizer does not know{allowed}") from None
+
+
+def _encodes(tokenizer: Tokenizer, ch: str) -> bool:
+    try:
+        tokenizer.encode(ch)
+    except ValueError:
+        return False
+    return True
+
+
+def _fit_context(problems: list[tuple[str, Problem]], lengths: list[int], limit: int,
                  cfg: DataConfig) -> list[tuple[str, Problem]]:
     kept = []
-    for where, p in problems:
-        n = 1 + len(tokenizer.encode(p.prompt))  # + BOS, as the rollout encodes it
+    for (where, p), n in zip(problems, lengths):
         if n <= limit:
             kept.append((where, p))
         elif cfg.long_prompts == "error":
