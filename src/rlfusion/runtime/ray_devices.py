@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -30,6 +31,10 @@ class RayDevices:
     the in-process stages, so the trainer's step is the same code in both backends."""
 
     def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
+        if not cfg.deploy.ray_address and "ray" not in sys.modules:
+            # a local cluster: Ray puts every server (GCS, raylet, workers, agents) on loopback
+            # only when it treats the machine as a lone laptop; read once, when Ray is imported
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
         from ray.util.placement_group import placement_group
 
@@ -159,16 +164,13 @@ CONNECT_TIMEOUT_S = 5.0  # how long `deploy.ray_address` may take to accept a co
 
 
 def _start_ray(ray, address: str, num_cpus: int) -> None:
-    """Join the cluster at `address`, or start a single-node one whose every port (GCS, raylet,
-    workers, agents) listens on loopback only."""
+    """Join the cluster at `address`, or start a single-node one (on loopback when this process
+    had not imported Ray before, see `RayDevices`)."""
     if address:
         _check_reachable(address)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        return
-    # Ray treats a node as a local machine only (every server on 127.0.0.1) when clusters are
-    # disabled; read when Ray starts its processes, which inherit it
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=num_cpus)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=num_cpus)
 
 
 def _check_reachable(address: str) -> None:
