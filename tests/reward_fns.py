@@ -57,3 +57,7 @@ class ReturnsNone:
 class ReturnsTooFew:
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         return [1.0]
+
+
+def always_none(response: str, problem) -> None:
+    """A reward function that never returns a value."""

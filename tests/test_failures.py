@@ -267,3 +267,21 @@ def test_a_single_node_run_listens_on_loopback_only(base, tmp_path):
     exposed = [(t, a, p) for t, a, p in report["listening"] if not _is_loopback(t, a)]
     assert not exposed, f"listening beyond loopback: {exposed}"
     assert report["reachable"] == [], "the rendezvous port answered on a non-loopback address"
+
+
+@pytest.mark.slow
+def test_a_reward_returning_none_on_a_device_worker_is_one_line(base, tmp_path):
+    proc = _cli("train", *_args(base, tmp_path, "none", "reward=reward_fns:always_none", "deploy.num_devices=2"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    last = err.strip().splitlines()[-1]  # before it: Ray's start-up note and the progress bar
+    assert "Traceback" not in err and last.startswith("rlfusion train: error: "), err
+    assert "reward='reward_fns:always_none' returned None" in last
+    assert "--resume" in last  # the checkpoint of step 0 is the way back
+    assert run_state.has_checkpoint(tmp_path / "none")
+
+
+def test_an_unwritable_run_folder_is_one_line(base, tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    assert main(["train", *_args(base, tmp_path / "file", "x", "deploy.backend=local")]) == 1
+    assert str(tmp_path / "file") in _one_line(capsys)
