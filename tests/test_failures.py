@@ -30,14 +30,6 @@ SMALL = ["max_steps=3", "checkpoint_every=25", "eval_every=25", "eval_problems=2
          "rollout.group_size=2", "rollout.max_new_tokens=8", "collapse_patience=0", "threads=1"]
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("base")
-    save_checkpoint(path, MoETransformer(get_preset("tiny")), CharTokenizer.arithmetic())
-    return path
-
-
 def _args(base, out, name, *extra):
     return [f"base={base}", f"out_dir={out}", f"run_name={name}", *SMALL, *extra]
 

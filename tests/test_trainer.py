@@ -7,10 +7,6 @@ import torch
 
 from rlfusion.cli import main
 from rlfusion.config import load_config
-from rlfusion.model.checkpoint import save_checkpoint
-from rlfusion.model.config import get_preset
-from rlfusion.model.tokenizer import CharTokenizer
-from rlfusion.model.transformer import MoETransformer
 from rlfusion.obs.metrics import read_metrics
 from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
 from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages
@@ -21,14 +17,6 @@ from rlfusion.runtime.trainer import RLTrainer, resume
 TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
                "time_update_s", "time_step_s", "time_queue_s", "time_decode_s", "time_prefill_s",
                "time_stop_sync_s"}
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("base")
-    save_checkpoint(path, MoETransformer(get_preset("tiny")), CharTokenizer.arithmetic())
-    return path
 
 
 def _cfg(base, tmp_path, name, **over) -> TrainConfig:

@@ -322,9 +322,9 @@ class RLTrainer:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self, progress: bool = True) -> RunResult:
-        cfg = self.cfg
         self.progress = progress
-        write_run_config(self.run_dir, cfg)
+        write_run_config(self.run_dir, self.cfg)
+        # a signal during the final evaluation and save lets them finish: the run is then complete
         with StopRequest() as stop:
             if self.base_accuracy is None:
                 self.base_accuracy = self.evaluate().accuracy
@@ -342,17 +342,18 @@ class RLTrainer:
                 raise type(e)(f"{e}; the run stopped at step {self.step}: its last checkpoint (step "
                               f"{self.saved_step}) is in {self.run_dir / 'checkpoint'} and `rlfusion train "
                               f"--resume {self.run_dir}` continues from it") from None
-        if last_eval == self.step:  # the last step was just evaluated
-            final = last_acc
-        else:
-            final = self.evaluate().accuracy
-            writer.log(self.step, {"heldout_accuracy": final})
-        writer.close()
-        self._write_timeline()
-        self._save()
-        save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
-                        {"rl_steps": self.step, "heldout_accuracy": final})
+            final = last_acc if last_eval == self.step else self._final_eval(writer)
+            writer.close()
+            self._write_timeline()
+            self._save()
+            save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
+                            {"rl_steps": self.step, "heldout_accuracy": final})
         return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
+
+    def _final_eval(self, writer: MetricsWriter) -> float:
+        final = self.evaluate().accuracy
+        writer.log(self.step, {"heldout_accuracy": final})
+        return final
 
     def _loop(self, writer: MetricsWriter, stop: StopRequest) -> tuple[str, float, int]:
         """Steps until max_steps, the time budget or a stop signal (then checkpoint and raise
