@@ -87,6 +87,15 @@ def test_resume_from_a_checkpoint_of_another_architecture_is_one_line(base, tmp_
     assert str(run_dir / "checkpoint") in line and "shape" in line
 
 
+def test_resume_from_truncated_weights_is_one_line(base, tmp_path, capsys):
+    run_dir = _run_folder(base, tmp_path, "truncated")
+    weights = run_dir / "checkpoint" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    line = _one_line(capsys)
+    assert str(weights) in line and "not a readable safetensors file" in line
+
+
 def test_resume_without_a_checkpoint_says_how_to_start_again(base, tmp_path, capsys):
     cfg = load_config(TrainConfig, None, _args(base, tmp_path, "empty", "deploy.backend=local"))
     write_run_config(tmp_path / "empty", cfg)  # a start that stopped before its first step
