@@ -61,3 +61,12 @@ class ReturnsTooFew:
 
 def always_none(response: str, problem) -> None:
     """A reward function that never returns a value."""
+
+
+def huge_int(response: str, problem) -> int:
+    return 10 ** 400  # too large for a float
+
+
+def exits(response: str, problem) -> float:
+    import sys
+    sys.exit(3)

@@ -286,3 +286,50 @@ def test_an_unwritable_run_folder_is_one_line(base, tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
     assert main(["train", *_args(base, tmp_path / "file", "x", "deploy.backend=local")]) == 1
     assert str(tmp_path / "file") in _one_line(capsys)
+
+
+@pytest.mark.parametrize("tamper, says", [
+    (lambda s: s.pop("elapsed"), "no entry 'elapsed'"),
+    (lambda s: s.update(step="abc"), "is not a step count"),
+    (lambda s: s.update(queue={"x": 1}), "does not fit this run"),
+    (lambda s: s.update(torch_rng=torch.zeros(5)), "does not fit this run"),
+])
+def test_a_trainer_state_of_the_wrong_shape_is_one_line(base, tmp_path, capsys, tamper, says):
+    run_dir = _run_folder(base, tmp_path, "tampered")
+    file = run_dir / "checkpoint" / run_state.STATE
+    state = run_state.read_state(file)
+    tamper(state)
+    torch.save(state, file)
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    line = _one_line(capsys)
+    assert str(file) in line and says in line
+
+
+def test_nothing_overwrites_a_checkpoint(base, tmp_path, capsys):
+    run_dir = _run_folder(base, tmp_path, "kept")
+    ckpt = run_dir / "checkpoint"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    # a new run named after the checkpoint folder, inside the run folder
+    assert main(["train", *_args(base, run_dir, "checkpoint", "deploy.backend=local")]) == 2
+    assert "holds a model checkpoint" in _one_line(capsys)
+    assert main(["train", *_args(base, tmp_path, "kept/checkpoint", "deploy.backend=local")]) == 2
+    assert "plain folder name" in _one_line(capsys)
+    assert main(["export-hf", str(ckpt), str(ckpt)]) == 2
+    assert "never overwrites" in _one_line(capsys)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--resume", ""], "--resume needs the run folder"),
+    (["eval", "--ckpt", "", "--n", "2"], "--ckpt is empty"),
+    (["eval", "--k", "-1", "--n", "2"], "--k=-1 must be in [0, 64]"),
+])
+def test_empty_or_out_of_range_flags_are_one_line(argv, says, capsys):
+    assert main(argv) == 2
+    assert says in _one_line(capsys)
+
+
+def test_resume_of_a_model_checkpoint_points_to_its_run_folder(base, tmp_path, capsys):
+    run_dir = _run_folder(base, tmp_path, "inner")
+    assert main(["train", "--resume", str(run_dir / "checkpoint")]) == 2
+    assert f"--resume {run_dir}" in _one_line(capsys)

@@ -160,3 +160,11 @@ def test_config_timeout_must_be_positive():
         TrainConfig(reward_timeout_s=0)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardStage(reward_fns.length_reward, _Tok(), AlgoConfig(), 16, timeout_s=-1)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_number_too_large_and_sys_exit_are_reward_faults(timeout_s):
+    with pytest.raises(RewardError, match="returned a int for sample 0"):
+        _stage("reward_fns:huge_int", timeout_s).score(_trajs())
+    with pytest.raises(RewardError, match="raised SystemExit: 3 on sample 0"):
+        _stage("reward_fns:exits", timeout_s).score(_trajs())

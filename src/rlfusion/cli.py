@@ -13,6 +13,7 @@ from rlfusion.runtime.stop import RunInterrupted
 
 
 SHIPPED_BASE = Path(__file__).parent / "assets" / "base-tiny"
+MAX_PASS_K = 64  # samples per problem for pass@k
 
 
 def default_base_path(model: str = "tiny") -> Path:
@@ -77,7 +78,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlfusion.runtime import run_state
     from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps, write_run_config
 
-    if args.resume:
+    if args.resume is not None:
+        if not args.resume.strip():
+            raise ValueError("--resume needs the run folder to continue, e.g. --resume runs/NAME")
         if args.config:
             raise ValueError(f"--resume continues a run with its own config.json; drop {args.config!r}")
         overrides = dict(parse_override(o) for o in args.overrides)
@@ -85,6 +88,9 @@ def cmd_train(args: argparse.Namespace) -> None:
             if key not in ("max_steps", "time_budget_s"):
                 raise ValueError(f"--resume accepts only max_steps=/time_budget_s= overrides, got {key!r}")
         run_dir = Path(args.resume)
+        if (run_dir / "model.safetensors").is_file():
+            raise ValueError(f"{run_dir} is a model checkpoint, not a run folder; resume the run folder that "
+                             f"holds it (e.g. --resume {run_dir.parent})")
         if not (run_dir / "config.json").is_file():
             raise FileNotFoundError(f"{run_dir} is not an rlfusion run folder (no config.json)")
         lock = run_state.lock_run_dir(run_dir)  # held until this process exits
@@ -99,11 +105,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"base model: {base}")
         cfg = dataclasses.replace(cfg, base=str(base.resolve()))
         run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("grpo-%Y%m%d-%H%M%S"))
+        if (run_dir / "model.safetensors").exists():  # checked before the lock adds a file there
+            raise ValueError(f"{run_dir} holds a model checkpoint, not an rlfusion run; pick another "
+                             f"run_name= or out_dir=")
         lock = run_state.lock_run_dir(run_dir)  # before anything starts: one process per run folder
         if run_state.has_checkpoint(run_dir):
             raise ValueError(f"run folder {run_dir} already exists; pick another run_name= or "
                              f"continue it with --resume {run_dir}")
         if (run_dir / "config.json").exists():
+            if not run_state.is_run_folder(run_dir):
+                raise ValueError(f"{run_dir} holds files that are not an rlfusion run (a model checkpoint?); "
+                                 f"pick another run_name= or out_dir=")
             print(f"run folder {run_dir} has no checkpoint (an earlier start stopped before its first "
                   f"step): starting it again")
             run_state.clear_outputs(run_dir)
@@ -124,6 +136,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from rlfusion.model.checkpoint import load_checkpoint
     from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
+    if args.ckpt is not None and not args.ckpt.strip():
+        raise ValueError("--ckpt is empty; name a checkpoint folder, or leave --ckpt out for the base model")
+    if not 0 <= args.k <= MAX_PASS_K:
+        raise ValueError(f"--k={args.k} must be in [0, {MAX_PASS_K}] (0 = no pass@k)")
     path = Path(args.ckpt) if args.ckpt else find_base()
     if path is None:
         raise ValueError("no base model found; pass --ckpt DIR or run `rlfusion pretrain` first")
@@ -147,8 +163,12 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
     from rlfusion.model.checkpoint import load_checkpoint
     from rlfusion.model.hf import save_hf
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an empty folder; export-hf writes a new folder "
+                         f"and never overwrites one (a checkpoint could be lost)")
     model, tokenizer, _ = load_checkpoint(args.ckpt)
-    out = save_hf(model, args.out, tokenizer, family=args.family)
+    out = save_hf(model, out, tokenizer, family=args.family)
     print(f"wrote Hugging Face folder {out} (model_type "
           f"{json.loads((out / 'config.json').read_text())['model_type']})")
 

@@ -47,6 +47,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ValueError(f"config file {path}: TOML nested too deeply to read") from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -12,11 +12,13 @@ is wrong, which the CLI prints as its error line.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlfusion.model.config import MLAConfig, ModelConfig
@@ -53,6 +55,8 @@ def read_json_file(path: str | Path) -> object:
         return json.loads(read_text_file(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
 
 
 def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -114,7 +118,11 @@ def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: Tokenize
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tmp = path / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp))
+    try:
+        save_file(state, str(tmp))
+    except SafetensorError as e:  # e.g. the disk filled: an OS failure, reported as one
+        tmp.unlink(missing_ok=True)
+        raise OSError(errno.EIO, f"cannot write safetensors ({first_line(e)})", str(tmp)) from None
     tmp.replace(path / WEIGHTS)
     meta = {"model": config_to_dict(model.config),
             "tokenizer": tokenizer.to_dict() if tokenizer is not None else None,

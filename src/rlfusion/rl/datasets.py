@@ -112,6 +112,8 @@ def _rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise ValueError(f"{where}: JSON nested too deeply to read") from None
 
 
 def _decode_line(raw: bytes, where: str, first: bool) -> str:

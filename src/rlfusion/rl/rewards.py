@@ -55,7 +55,7 @@ def import_reward(spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"reward={spec!r}: cannot import module {module_name!r} ({e})") from None
-    except Exception as e:  # the module itself failed while importing (syntax, its own code)
+    except (Exception, SystemExit) as e:  # the module itself failed while importing (syntax, its own code)
         raise ValueError(f"reward={spec!r}: importing module {module_name!r} raised "
                          f"{type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
@@ -79,7 +79,7 @@ def finite_score(value: Any) -> float | None:
         return None
     try:
         score = float(value)
-    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor with several elements
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # e.g. a tensor with several elements
         return None
     return score if math.isfinite(score) else None
 

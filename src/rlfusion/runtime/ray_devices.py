@@ -111,8 +111,7 @@ class RayDevices:
 
     def _died(self, device: int | None, why: str) -> "WorkerDiedError":
         where = f"device {device} ({'+'.join(self.plan.roles(device))})" if device is not None else "a device worker"
-        return WorkerDiedError(f"{where} died ({why}); resume the run from its last checkpoint with "
-                               f"`rlfusion train --resume RUN_DIR`")
+        return WorkerDiedError(f"{where} died ({why})")
 
     def _dead_devices(self) -> list[int]:
         """Devices whose worker process is gone (asked on the "pool" thread, which answers even
@@ -205,8 +204,9 @@ def _last_line(text: str) -> str:
 PLACEMENT_TIMEOUT_S = 120.0  # how long the device bundles may wait for free CPUs
 
 
-class WorkerDiedError(RuntimeError):
-    """A device worker process died; the message names its device and roles."""
+class WorkerDiedError(RunError):
+    """A device worker process died; the message names its device and roles (the trainer adds
+    the checkpoint to resume from)."""
 
 
 def _split(items: list, num_parts: int) -> list[list]:

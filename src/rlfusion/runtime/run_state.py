@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 import torch
+from safetensors import SafetensorError
 
 from rlfusion.errors import RunError
 from rlfusion.model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint
@@ -43,11 +44,20 @@ def save(trainer) -> Path:
     tmp = trainer.run_dir / "checkpoint.tmp"
     try:
         return _save(trainer, tmp)
-    except OSError as e:
+    except (OSError, SafetensorError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not _is_write_error(e):
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
         kept = (f"the checkpoint of step {trainer.saved_step} in {trainer.run_dir / 'checkpoint'} is kept"
                 if trainer.saved_step is not None else "no earlier checkpoint exists")
-        raise RunError(f"cannot save a checkpoint in {e.filename or tmp} ({e.strerror or e}); {kept}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:160]
+        raise RunError(f"cannot save a checkpoint in {getattr(e, 'filename', None) or tmp} ({why}); {kept}") from None
+
+
+def _is_write_error(e: RuntimeError) -> bool:
+    """torch.save reports a failed write (disk full) as a RuntimeError from its zip writer."""
+    text = str(e)
+    return "inline_container" in text or "No space left" in text or "file write failed" in text
 
 
 def _save(trainer, tmp: Path) -> Path:
@@ -93,11 +103,27 @@ def load(trainer) -> None:
                                 f"the run stopped before its first step; start it again with the same command")
     model, _, _ = load_checkpoint(path)
     load_weights_into(trainer.model, model.state_dict(), str(path))
-    state = read_state(path / STATE)
-    trainer.step, trainer.elapsed = state["step"], state["elapsed"]
+    file = path / STATE
+    state = read_state(file)
+    try:
+        _restore(trainer, state, file)
+    except (KeyError, TypeError, AttributeError, IndexError, OverflowError, RuntimeError, ValueError) as e:
+        if isinstance(e, ValueError) and str(file) in str(e):
+            raise  # already names the file and what to do
+        what = f"no entry {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:200]
+        raise ValueError(f"{file} does not fit this run ({type(e).__name__}: {what}); it was not written by "
+                         f"this version of rlfusion for this run's settings") from None
+
+
+def _restore(trainer, state: dict, path: Path) -> None:
+    """Put every part of a trainer state back; a part of the wrong kind raises (see `load`)."""
+    if not isinstance(state["step"], int) or state["step"] < 0:
+        raise TypeError(f"step={state['step']!r} is not a step count")
+    trainer.step, trainer.elapsed = state["step"], float(state["elapsed"])
     trainer.saved_step = trainer.step
     trainer.base_accuracy = state["base_accuracy"]
     trainer.actor.version = state["actor_version"]
+    _check_optimizer_shapes(state["optimizer"], list(trainer.model.parameters()))
     trainer.actor.optimizer.load_state_dict(state["optimizer"])
     trainer.prompt_rng.setstate(state["prompt_rng"])
     trainer.rollout.set_rng_state(state["engine_rng"])
@@ -109,17 +135,28 @@ def load(trainer) -> None:
         saved, now = state["stalesync"].get("shape"), _stalesync_shape(trainer)
         if saved is not None and saved != now:
             changed = ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k])
-            raise ValueError(f"{path / STATE} holds StaleSync rollouts in flight that do not fit the new "
+            raise ValueError(f"{path} holds StaleSync rollouts in flight that do not fit the new "
                              f"settings ({changed}); resume with the settings it was saved with")
         trainer.stale.load_state_dict(state["stalesync"]["book"])
         trainer.pending = state["stalesync"]["pending"]
     elif trainer.stale is not None and trainer.step:
-        raise ValueError(f"{path / STATE} was written without StaleSync; resume it with stalesync.enabled=false")
+        raise ValueError(f"{path} was written without StaleSync; resume it with stalesync.enabled=false")
     elif trainer.stale is None and state.get("stalesync"):
-        raise ValueError(f"{path / STATE} holds StaleSync rollouts in flight; resume it with stalesync.enabled=true")
+        raise ValueError(f"{path} holds StaleSync rollouts in flight; resume it with stalesync.enabled=true")
     if trainer.critic is not None and state.get("critic"):
         trainer.critic.model.load_state_dict(state["critic"]["model"])
         trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])
+
+
+def _check_optimizer_shapes(saved: dict, params: list[torch.Tensor]) -> None:
+    """Optimizer moments must have their parameter's shape (torch would load others and fail
+    in the next update). A device workers' state nests the optimizer's under "optimizer"."""
+    inner = saved.get("optimizer", saved) if "state" not in saved else saved
+    for i, moments in inner["state"].items():
+        for key, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[int(i)].shape:
+                raise TypeError(f"optimizer state {key} of parameter {i} has shape {list(value.shape)}, "
+                                f"the parameter {list(params[int(i)].shape)}")
 
 
 def read_state(file: Path) -> dict:
@@ -165,6 +202,18 @@ def clear_outputs(run_dir: Path) -> None:
 
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
     shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
+
+
+def is_run_folder(run_dir: Path) -> bool:
+    """Whether `run_dir/config.json` is a run's config (not a model checkpoint's) and no weights
+    lie beside it, so the folder may be started again."""
+    import json
+
+    try:
+        data = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "rollout" in data and not (run_dir / "model.safetensors").exists()
 
 
 def has_checkpoint(run_dir: Path) -> bool:

@@ -204,6 +204,16 @@ class _GroupRun:
         return {"finished": finished, "unfinished": unfinished, "generated_tokens": generated}
 
 
+# What user reward code may raise that stops the run as a reward fault: sys.exit() and the
+# like too (on the scoring thread they would otherwise end only that thread, or the worker)
+USER_CODE_ERRORS = (Exception, SystemExit, GeneratorExit)
+
+
+def _clip(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class RewardStage:
     """Rule reward per sample (`RewardFn`) or a batched reward model (`RewardModel.score`).
 
@@ -261,8 +271,8 @@ class RewardStage:
         if hasattr(self.reward, "score"):
             try:
                 raw = self.reward.score([t.problem.prompt for t in trajs], texts)
-            except Exception as e:
-                raise RewardError(f"reward={self.name!r}: score() raised {type(e).__name__}: {e} "
+            except USER_CODE_ERRORS as e:
+                raise RewardError(f"reward={self.name!r}: score() raised {type(e).__name__}: {_clip(e)} "
                                   f"(scoring {len(trajs)} samples)") from e
             try:
                 raw = list(raw)
@@ -280,8 +290,8 @@ class RewardStage:
                     at[0] = i
                 try:
                     raw.append(self.reward(text, t.problem))
-                except Exception as e:
-                    raise RewardError(f"reward={self.name!r} raised {type(e).__name__}: {e} on sample {i} "
+                except USER_CODE_ERRORS as e:
+                    raise RewardError(f"reward={self.name!r} raised {type(e).__name__}: {_clip(e)} on sample {i} "
                                       f"of {len(trajs)} ({self._sample(trajs, texts, i)})") from e
             what = "a reward function must return a finite number"
         scores = [finite_score(v) for v in raw]

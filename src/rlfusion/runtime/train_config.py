@@ -152,6 +152,9 @@ class TrainConfig:
         check_fields("train", {
             "max_steps": (self.max_steps >= 0, "must be >= 0 (0 = until time_budget_s)"),
             "time_budget_s": (self.time_budget_s > 0, "must be > 0"),
+            "run_name": (self.run_name == "" or (self.run_name not in (".", "..") and "/" not in self.run_name
+                                                 and "\\" not in self.run_name),
+                         "must be a plain folder name inside out_dir (no '/' or '..')"),
             "eval_every": (self.eval_every >= 1, "must be >= 1"),
             "eval_problems": (self.eval_problems >= 1, "must be >= 1"),
             "checkpoint_every": (self.checkpoint_every >= 1, "must be >= 1"),

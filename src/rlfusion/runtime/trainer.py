@@ -457,7 +457,7 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
                                 f"step; start it again with the same command")
     try:
         data = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{cfg_path} is not a readable run config ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{cfg_path} is not a run config (expected a JSON object)")
