@@ -1,6 +1,6 @@
 """Supervised pretraining of the tiny base model on the built-in task, on CPU, in minutes.
 
-Learning on this task has a phase change whose timing depends on the seed (CALIBRATION.md), so
+Learning on this task has a phase change whose timing depends on the seed (measured over seeds on 2 cores), so
 the stage stops on a *measured* held-out accuracy (`target_accuracy`) rather than a fixed step
 count, with a wall-clock budget as the backstop. A curriculum over the number of terms starts
 on short problems, where the carry rules are learned fastest. The checkpoint is written at the

@@ -189,7 +189,7 @@ class ModelConfig:
 
 
 def _tiny() -> ModelConfig:
-    # Sized after CALIBRATION.md: ~1.7M parameters, trains on 2 CPU cores in minutes. The vocab
+    # ~1.7M parameters: pretrains and RL-trains on 2 CPU cores in minutes. The vocab
     # is exactly the arithmetic CharTokenizer's (3 specials + 14 characters).
     return ModelConfig(
         vocab_size=17, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -208,7 +208,7 @@ def _tiny_mla() -> ModelConfig:
 
 
 def _pangu_ultra_moe_718b() -> ModelConfig:
-    # MISSION.md: 61 layers, hidden 7680, 256 routed + 1 shared expert, top-8, expert FFN 2048,
+    # Pangu Ultra MoE: 61 layers, hidden 7680, 256 routed + 1 shared expert, top-8, expert FFN 2048,
     # MLA attention, first 3 layers dense, vocab 153,600. Head count, MLA ranks and the dense
     # FFN width follow the published Pangu Ultra MoE / DeepSeek-V3 family conventions.
     return ModelConfig(

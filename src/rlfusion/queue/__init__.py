@@ -1,4 +1,4 @@
-"""DistQueue: the data queue between RL stages (MISSION.md §3).
+"""DistQueue: the data queue between RL stages.
 
 Backends: `DistQueue` (in-process) here; `ray_backend.RayDistQueue` (controller actor + storage
 shards) and `hierarchical.GroupQueue` (one reader per model-parallel group) are imported from

@@ -1,4 +1,4 @@
-"""Deployment: which devices run which RL roles, in which mode (MISSION.md §1).
+"""Deployment: which devices run which RL roles, in which mode (RL Fusion's placements).
 
     separated     rollout devices ≠ train devices; new weights go rollout-ward after every update
                   (bucketed broadcast). N devices: the first ⌈N/2⌉ generate, the rest train;

@@ -1,4 +1,4 @@
-"""StaleSync: RL stages run in parallel under a bound on policy staleness (MISSION.md §2).
+"""StaleSync: RL stages run in parallel under a bound on policy staleness.
 
 Policy version v = number of actor updates so far; every generated token carries the version of
 the weights that produced it. A sample's staleness at the update that trains version v is

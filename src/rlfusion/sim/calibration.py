@@ -9,8 +9,8 @@ Three sources write one: `measure.measure_calibration()` times the real engine, 
 reference forward, switch, weight broadcast and two-process contention on this machine
 (`rlfusion simulate --calibrate PATH`); `cluster_calibration.calibration_from_hardware()`
 derives one for an accelerator cluster from the training cost model and hardware specs (for
-projections, every assumption listed in `source_notes`); `cpu_default()` holds the figures in
-CALIBRATION.md (decode 1 -> 3.0 ms, 8 -> 5.5, 32 -> 7.7, 128 -> 13.4, 256 -> 19.1 ms per step;
+projections, every assumption listed in `source_notes`); `cpu_default()` holds the figures measured
+on a 2-core CPU with the tiny MoE (decode 1 -> 3.0 ms, 8 -> 5.5, 32 -> 7.7, 128 -> 13.4, 256 -> 19.1 ms per step;
 RL update 7-9K tokens/s), with the fields it does not give marked `placeholder`.
 """
 
@@ -174,7 +174,7 @@ class Calibration:
 
 
 def cpu_default() -> Calibration:
-    """This machine, from CALIBRATION.md, until measured files exist."""
+    """This machine (2-core CPU, tiny MoE, figures measured once by hand), until measured files exist."""
     return Calibration(
         decode_batch_sizes=(1, 8, 32, 128, 256),
         decode_step_ms=(3.0, 5.5, 7.7, 13.4, 19.1),
@@ -184,9 +184,9 @@ def cpu_default() -> Calibration:
         switch_s=0.05,
         transfer_GBps=1.0,
         weight_GB=0.0072,  # 1.79M params * 4 bytes
-        source="CALIBRATION.md (2-core CPU, tiny MoE)",
+        source="measured by hand (2-core CPU, tiny MoE)",
         source_notes=(
-            "decode_step_ms: measured (CALIBRATION.md 'The long tail, measured')",
+            "decode_step_ms: measured (engine decode step per batch size)",
             "train_tokens_per_s_per_device: measured 7-9K tokens/s, midpoint",
             "prefill_ms_per_token, train_step_overhead_s, switch_s, transfer_GBps: "
             "placeholder until bench/ microbenchmarks write a measured file",

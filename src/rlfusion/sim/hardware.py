@@ -101,7 +101,7 @@ H100 = ChipSpec("h100-sxm", peak_tflops=989.0, memory_GB=80.0, memory_bandwidth_
 H200 = dataclasses.replace(H100, name="h200-sxm", memory_GB=141.0, memory_bandwidth_GBps=4800.0)
 
 # This machine before `measure_cpu` has run: one worker process on 2 cores. The FLOP rate
-# matches the ~8K train tokens/s of the 0.9M-active tiny model in CALIBRATION.md
+# matches the ~8K train tokens/s of the 0.9M-active tiny model measured here
 # (6 * 0.9M * 8K ~ 43 GFLOP/s, at the assumed 30% efficiency ~ 0.15 TFLOP/s peak).
 CPU_DEFAULT = ChipSpec("cpu-2core", peak_tflops=0.15, memory_GB=8.0, memory_bandwidth_GBps=10.0,
                        matmul_efficiency=0.30, attention_efficiency=0.15, half_efficiency_rows=8)

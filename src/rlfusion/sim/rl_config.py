@@ -29,7 +29,7 @@ class RLSimConfig:
     num_steps: int = 6  # RL updates to simulate
     prompt_len: int = 12  # tokens
     response_median: float = 24.0  # tokens, median of the log-normal length distribution
-    response_p99_over_median: float = 3.75  # long tail (CALIBRATION.md: 3.5-4)
+    response_p99_over_median: float = 3.75  # long tail (measured on the arithmetic task: 3.5-4)
     max_response_len: int = 128
     # Measured lengths, used in order (sample i gets response_lengths[i % len]) instead of the
     # log-normal: replays a real run's response-length distribution. Empty = log-normal.
