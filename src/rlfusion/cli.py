@@ -114,7 +114,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                              f"continue it with --resume {run_dir}")
         if (run_dir / "config.json").exists():
             if not run_state.is_run_folder(run_dir):
-                raise ValueError(f"{run_dir} holds files that are not an rlfusion run (a model checkpoint?); "
+                raise ValueError(f"{run_dir} holds a config.json that is not an rlfusion run's; "
                                  f"pick another run_name= or out_dir=")
             print(f"run folder {run_dir} has no checkpoint (an earlier start stopped before its first "
                   f"step): starting it again")

@@ -205,15 +205,14 @@ def clear_outputs(run_dir: Path) -> None:
 
 
 def is_run_folder(run_dir: Path) -> bool:
-    """Whether `run_dir/config.json` is a run's config (not a model checkpoint's) and no weights
-    lie beside it, so the folder may be started again."""
+    """Whether `run_dir/config.json` is a run's config, not a model checkpoint's."""
     import json
 
     try:
         data = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(data, dict) and "rollout" in data and not (run_dir / "model.safetensors").exists()
+    return isinstance(data, dict) and "rollout" in data
 
 
 def has_checkpoint(run_dir: Path) -> bool:
