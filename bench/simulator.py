@@ -1,6 +1,6 @@
 """Validation of the RL simulator: predict the measured tokens/s of real runs from microbenchmarks.
 
-1. Calibrate: `rlfusion.sim.measure` times the real engine (decode step vs active rows,
+1. Calibrate: `rlfusion.measure.calibrate` times the real engine (decode step vs active rows,
    prefill), the actor update and reference forward (tokens/s + fixed cost), the switch, the
    weight broadcast between two gloo processes and how much two busy 1-thread processes slow
    each other here. It never sees an RL step.
@@ -57,8 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfusion.sim.calibration import Calibration, save_calibration
-from rlfusion.sim.measure import default_setup, measure_calibration
-from rlfusion.sim.measure_contention import concurrent_speed, contention_probe, contention_workers
+from rlfusion.measure.calibrate import default_setup, measure_calibration
+from rlfusion.measure.contention import concurrent_speed, contention_probe, contention_workers
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import SimResult, simulate
 from rlfusion.sim.rl_stalesync import ROLLOUT_STATS
@@ -386,7 +386,7 @@ def main() -> None:
     if rounds < 1:
         parser.error(f"--rounds={rounds} must be >= 1")
     t0 = time.perf_counter()
-    print("calibration microbenchmarks (rlfusion.sim.measure, 1 thread per device):", flush=True)
+    print("calibration microbenchmarks (rlfusion.measure.calibrate, 1 thread per device):", flush=True)
     cal = measure_calibration(None, threads=1, quick=args.quick)
     if args.calibration_out:
         save_calibration(cal, args.calibration_out)

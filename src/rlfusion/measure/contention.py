@@ -1,5 +1,5 @@
 """How much two busy device processes slow each other on this machine (part of
-`rlfusion.sim.measure`'s calibration; `bench/simulator.py` also samples it between its rounds).
+`rlfusion.measure.calibrate`'s calibration; `bench/simulator.py` also samples it between its rounds).
 
 Two Ray actors, placed as the real device workers are (1 thread each), run a fixed workload
 sized like one colocated device's step — a rollout of `PROBE_SAMPLES` rows and an update on as
@@ -19,7 +19,7 @@ quiet machine, 0.78 vs 0.85 beside 12 idle device workers, one measurement each)
 lock-step run includes its own gradient all-reduce (~1% of the workload here), which the
 simulator also charges separately (`grad_sync_GB`): a small pessimistic bias, stated.
 
-torch and Ray are imported inside the functions so `rlfusion.sim` stays torch-free.
+torch and Ray are imported inside the functions, as in `calibrate.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import datetime
 import statistics
 import time
 
-from rlfusion.sim.measure import _load, _Setup, engine_step_times, synthetic_trajectories, task_prompts
+from rlfusion.measure.calibrate import _load, _Setup, engine_step_times, synthetic_trajectories, task_prompts
 
 PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
 

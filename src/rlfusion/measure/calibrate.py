@@ -20,12 +20,13 @@ run, one device (worker process, `threads` threads) at a time, with the shipped 
                              time alone / time together (two busy 1-thread processes on this VM,
                              with Ray's own processes beside them, do not get two full cores)
     lockstep_speed           the same with the two meeting as colocated devices do (a barrier
-                             after the rollout, the gradient all-reduce): `measure_contention.py`
+                             after the rollout, the gradient all-reduce): `contention.py`
 
 Nothing here sees an RL step's throughput: the simulator predicts that from these numbers.
-torch and the model are imported inside the functions so `rlfusion.sim` stays torch-free.
+torch and the model are imported inside the functions, so importing this module (as
+`rlfusion simulate --calibrate` does) costs nothing until a measurement runs.
 
-    python -m rlfusion.sim.measure calibration.json [--quick]
+    python -m rlfusion.measure.calibrate calibration.json [--quick]
     rlfusion simulate --calibrate calibration.json [--quick]
 """
 
@@ -424,7 +425,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
         f"({pair['transfer_GBps']:.2f} GB/s); stop-rule sum (4-int all-reduce) "
         f"{pair['stop_sync_s'] * 1e6:.0f} us while both decode ({idle_sum_s * 1e6:.0f} us idle)")
-    from rlfusion.sim.measure_contention import measure_contention  # it imports this module
+    from rlfusion.measure.contention import measure_contention  # it imports this module
 
     contention = measure_contention(setup)
     alone, together, lockstep = contention.pop("_contention")
@@ -433,7 +434,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"{contention['concurrent_speed']:.2f}, lock-step speed {contention['lockstep_speed']:.2f}")
     cal = Calibration(
         **engine, **train, **pair, **contention, devices_per_engine=1, driver_s_per_sample=driver,
-        source=f"measured on this machine by rlfusion.sim.measure ({threads} thread(s) per "
+        source=f"measured on this machine by rlfusion.measure.calibrate ({threads} thread(s) per "
                f"device, {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s)",
         source_notes=(
             "decode_step_ms / prefill: LLMEngine steps of the shipped base model, fixed-length runs",

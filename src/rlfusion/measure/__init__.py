@@ -1,0 +1,8 @@
+"""The measurement harness: runs the real rollout engine, trainer stages, switch, weight
+broadcast and device workers on this machine to produce the measured costs (a `Calibration`)
+that the torch-free simulator in `rlfusion.sim` predicts RL throughput from.
+
+`calibrate`: the microbenchmarks and the whole calibration (`rlfusion simulate --calibrate`,
+`python -m rlfusion.measure.calibrate`); `contention`: how much two busy device processes slow
+each other (two Ray device actors, alone, together and in lock-step).
+"""
