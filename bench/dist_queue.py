@@ -191,7 +191,7 @@ def rl_loop_section(steps: int) -> float:
     from pathlib import Path
     import tempfile
 
-    from rlfusion.cli import find_base
+    from rlfusion.model.checkpoint import find_base
     from rlfusion.runtime.train_config import TrainConfig
     from rlfusion.runtime.trainer import RLTrainer
 

@@ -36,7 +36,7 @@ of its whole segment, from the end of the previous rlfusion segment to the end o
 optimizer step; rlfusion's is the wall clock of `RLTrainer.train_step` calls.
 
 The base model: `--base DIR`, else the pretrained base `rlfusion train` starts from
-(`rlfusion.cli.find_base`: the user's cache, then the checkpoint shipped with the package), else a
+(`rlfusion.model.checkpoint.find_base`: the user's cache, then the checkpoint shipped with the package), else a
 random tiny model (its rewards are all zero and its responses end at random; both sides still
 generate, which is what is measured).
 
@@ -61,9 +61,8 @@ from pathlib import Path
 
 import torch
 
-from rlfusion.cli import default_base_path, find_base
 from rlfusion.config import load_config
-from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
+from rlfusion.model.checkpoint import default_base_path, find_base, load_checkpoint, save_checkpoint
 from rlfusion.model.config import get_preset
 from rlfusion.model.hf_export import EXTRA, hf_tokenizer, max_expert_bias, to_hf
 from rlfusion.model.tokenizer import CharTokenizer

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from rlfusion.cli import SHIPPED_BASE, main
+from rlfusion.cli import main
 from rlfusion.config import load_config
+from rlfusion.model.checkpoint import SHIPPED_BASE
 from rlfusion.runtime.train_config import TrainConfig
 
 # Sizes that keep a run that got past validation short (none should).

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from rlfusion.cli import find_base
+from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.model.checkpoint import load_checkpoint
 from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan

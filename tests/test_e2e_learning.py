@@ -3,8 +3,8 @@
 
 import pytest
 
-from rlfusion.cli import SHIPPED_BASE
 from rlfusion.config import load_config
+from rlfusion.model.checkpoint import SHIPPED_BASE
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 

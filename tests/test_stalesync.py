@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfusion.cli import find_base
+from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.engine.types import Completion, SamplingParams
 from rlfusion.runtime.stages import RolloutStage

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,23 +11,7 @@ from rlfusion.errors import RunError
 from rlfusion.runtime.stop import RunInterrupted
 
 
-SHIPPED_BASE = Path(__file__).parent / "assets" / "base-tiny"
 MAX_PASS_K = 64  # samples per problem for pass@k
-
-
-def default_base_path(model: str = "tiny") -> Path:
-    """Where `rlfusion pretrain` caches a base model (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
-    root = Path(os.environ.get("RLFUSION_CACHE", Path.home() / ".cache" / "rlfusion"))
-    return root / f"base-{model}"
-
-
-def find_base(model: str = "tiny") -> Path | None:
-    """The base model to start from: one the user pretrained (cache) first, else the checkpoint
-    shipped with the package (made by `rlfusion pretrain`, see docs/benchmarks.md)."""
-    for path in (default_base_path(model), SHIPPED_BASE if model == "tiny" else None):
-        if path is not None and (path / "model.safetensors").is_file():
-            return path
-    return None
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -55,6 +38,7 @@ def _human(n: int) -> str:
 
 def cmd_pretrain(args: argparse.Namespace) -> None:
     from rlfusion.config import load_config
+    from rlfusion.model.checkpoint import default_base_path
     from rlfusion.pretrain import PretrainConfig, pretrain
 
     cfg = load_config(PretrainConfig, args.config, args.overrides)
@@ -71,6 +55,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     import time
 
     from rlfusion.config import load_config, parse_override
+    from rlfusion.model.checkpoint import default_base_path, find_base
     from rlfusion.pretrain import pretrain
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.deployment import DeploymentPlan
@@ -133,7 +118,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from rlfusion.evaluate import evaluate
-    from rlfusion.model.checkpoint import load_checkpoint
+    from rlfusion.model.checkpoint import find_base, load_checkpoint
     from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
     if args.ckpt is not None and not args.ckpt.strip():

@@ -393,7 +393,7 @@ def measure_pair(setup: _Setup) -> dict:
 # ---- the whole calibration -----------------------------------------------------------------
 
 def default_setup(threads: int = 1, quick: bool = False) -> _Setup:
-    from rlfusion.cli import find_base
+    from rlfusion.model.checkpoint import find_base
 
     base = find_base()
     if base is None:

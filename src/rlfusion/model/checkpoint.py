@@ -2,6 +2,8 @@
 
 `save_checkpoint(dir, model, tokenizer)` writes `model.safetensors` and `config.json`;
 `load_checkpoint(dir)` rebuilds both with one call; `load_base(dir)` also reads Hugging Face folders.
+`find_base()` picks the base model a run starts from when none is named: the user's cached
+one (`rlfusion pretrain`, `default_base_path`), else the one shipped with the package.
 
 This module is also the one layer that reads model files from disk (`read_json_file`,
 `read_text_file`, `read_safetensors_file`) and loads weights into a model (`load_weights_into`):
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from rlfusion.model.transformer import MoETransformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+SHIPPED_BASE = Path(__file__).resolve().parent.parent / "assets" / "base-tiny"  # made by `rlfusion pretrain`
 
 
 # ---- reading files -------------------------------------------------------------------------
@@ -170,3 +174,19 @@ def load_base(path: str | Path, device: str | torch.device = "cpu"
         model, tokenizer, meta = load_hf(path)
         return model.to(device), tokenizer, meta
     return load_checkpoint(path, device)
+
+
+def default_base_path(model: str = "tiny") -> Path:
+    """Where `rlfusion pretrain` caches a base model (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
+    root = Path(os.environ.get("RLFUSION_CACHE", Path.home() / ".cache" / "rlfusion"))
+    return root / f"base-{model}"
+
+
+def find_base(model: str = "tiny") -> Path | None:
+    """The base model to start from: one the user pretrained (cache) first, else the checkpoint
+    shipped with the package (made by `rlfusion pretrain`, see docs/benchmarks.md); None if
+    neither holds weights."""
+    for path in (default_base_path(model), SHIPPED_BASE if model == "tiny" else None):
+        if path is not None and (path / WEIGHTS).is_file():
+            return path
+    return None
