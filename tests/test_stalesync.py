@@ -5,6 +5,7 @@ and both Ray deployment modes run under the bound."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
 import random
@@ -21,7 +22,9 @@ from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.engine.types import Completion, SamplingParams
 from rlfusion.runtime.stages import RolloutStage
-from rlfusion.runtime.stalesync import StaleSyncConfig, StalenessBook
+from rlfusion.runtime.stalesync import (Group, RolloutPlan, StaleSyncConfig, StalenessBook, admissible,
+                                        assign_groups, contiguous_parts, due_groups, finish_quota, rollout_quota,
+                                        rollout_stops, select_batch, staleness)
 from rlfusion.runtime.train_config import RolloutConfig, TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 
@@ -124,12 +127,12 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
         book.load_state_dict(book_state)
         plan = book.plan(version, update_version, lambda: _Problem(str(next(prompts))), reserved)
         assert len(book.groups) + reserved <= book.capacity  # admission control
-        prefix = {(gid, t.metrics["sample"]): list(t.versions) for gid, _, open_ in plan["items"] for t in open_}
-        out = stage.run_groups(plan["items"], version, plan["quota"], plan["due"], plan["drop"])
+        prefix = {(gid, t.metrics["sample"]): list(t.versions) for gid, _, open_ in plan.items for t in open_}
+        out = stage.run_groups(plan.items, version, plan.quota, plan.due, plan.drop)
         for t in out["finished"] + out["unfinished"]:  # a resumed sample keeps what it had
             old = prefix.get((t.group_id, t.metrics["sample"]), [])
             assert t.versions[:len(old)] == old and all(v == version for v in t.versions[len(old):])
-        before = {gid: p for gid, p, _ in plan["items"]}
+        before = {gid: p for gid, p, _ in plan.items}
         book.collect(plan, out)
         dropped_problems.extend(before[g].prompt for g in out["dropped"])
         return out
@@ -257,11 +260,11 @@ def test_drop_policy_gives_a_due_group_its_last_rollout_first():
     stage = fake_stage(2, lengths, slots=8)
     problems = iter(_Problem(c) for c in "abcdefgh")
     plan = book.plan(0, 0, problems.__next__)
-    book.collect(plan, stage.run_groups(plan["items"], 0, plan["quota"], plan["due"], plan["drop"]))
+    book.collect(plan, stage.run_groups(plan.items, 0, plan.quota, plan.due, plan.drop))
     book.take_batch(0)  # groups 0 and 2 train; 3 waits finished; 1 (1 of 5 tokens) is due at update 1
     plan = book.plan(1, 1, problems.__next__)
-    assert plan["due"] == {1} and plan["quota"] == 1  # not 0, though group 3 covers the threshold
-    out = stage.run_groups(plan["items"], 1, plan["quota"], plan["due"], plan["drop"])
+    assert plan.due == {1} and plan.quota == 1  # not 0, though group 3 covers the threshold
+    out = stage.run_groups(plan.items, 1, plan.quota, plan.due, plan.drop)
     book.collect(plan, out)
     assert out["dropped"] == [1] and book.stats["dropped_tokens"] == 2 * 4  # it ran 3 more steps first
     assert [p.prompt for p in book.requeued] == ["b"]
@@ -274,13 +277,79 @@ def test_wait_policy_waits_for_a_due_group_and_drop_policy_requeues_it():
                                              overdue=overdue), 2, 2)
         stage = fake_stage(2, lengths, slots=4)
         plan = book.plan(0, 0, iter([_Problem("a"), _Problem("b")]).__next__)
-        out = stage.run_groups(plan["items"], 0, plan["quota"], plan["due"], plan["drop"])
+        out = stage.run_groups(plan.items, 0, plan.quota, plan.due, plan.drop)
         book.collect(plan, out)
         assert out["dropped"] == want_dropped
         batch, stats = book.take_batch(0)
         assert {t.group_id for t in batch} == ({0, 1} if overdue == "wait" else {1})
         if overdue == "drop":
             assert [p.prompt for p in book.requeued] == ["a"] and book.stats["dropped_tokens"] > 0
+
+
+# ---- the rules, as pure functions ----
+
+def test_admission_keeps_at_most_s_plus_one_batches_in_flight():
+    assert admissible(in_flight=0, reserved=0, max_staleness=0, batch_groups=4) == 4
+    assert admissible(in_flight=5, reserved=2, max_staleness=1, batch_groups=4) == 1
+    assert admissible(in_flight=7, reserved=3, max_staleness=1, batch_groups=4) == 0  # never negative
+
+
+def test_deadline_quota_and_threshold():
+    groups = [Group(0, None, 0), Group(1, None, 1), Group(2, None, 2)]
+    assert due_groups(groups, 1, 2) == frozenset({0, 1}) and due_groups(groups, 0, 0) == frozenset({0})
+    assert [finish_quota(t, 8) for t in (0.25, 0.75, 1.0, 3, 20)] == [2, 6, 8, 3, 8]
+    assert finish_quota(0.3, 10) == 3  # 0.3 * 10 is 3.0000000000000004 in floating point
+    assert rollout_quota(6, finished=4, due=0, drop=False) == 2
+    assert rollout_quota(6, finished=9, due=2, drop=False) == 0
+    assert rollout_quota(6, finished=9, due=2, drop=True) == 1  # a due group gets its last rollout
+
+
+@pytest.mark.parametrize("finished, due_unfinished, busy, failed, drop, stop", [
+    (3, 0, 1, 0, False, True),  # quota reached, nothing due
+    (2, 0, 1, 0, False, False),  # below quota
+    (3, 1, 1, 0, False, False),  # a due group still runs: wait for it
+    (3, 1, 1, 0, True, True),  # ... or give it up
+    (0, 2, 0, 0, False, True),  # nothing left to run
+    (0, 2, 3, 1, False, True),  # a device failed
+])
+def test_stop_rule(finished, due_unfinished, busy, failed, drop, stop):
+    assert rollout_stops(finished, due_unfinished, busy, failed, quota=3, drop_overdue=drop) is stop
+
+
+def test_assign_groups_splits_new_groups_contiguously_and_spreads_resumed_ones():
+    assert contiguous_parts(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    items = [(0, "a", ["x"]), (1, "b", ["x"]), (2, "c", []), (3, "d", []), (4, "e", []), (5, "f", [])]
+    parts = assign_groups(items, 2)
+    assert [[gid for gid, _, _ in p] for p in parts] == [[0, 2, 3], [1, 4, 5]]
+    assert assign_groups([], 3) == [[], [], []]
+    rng = random.Random(0)
+    for _ in range(100):  # every group once, each part oldest first
+        n, k = rng.randint(0, 20), rng.randint(1, 4)
+        items = [(i, None, ["x"] if rng.random() < 0.4 else []) for i in range(n)]
+        parts = assign_groups(items, k)
+        assert len(parts) == k and sorted(it[0] for p in parts for it in p) == list(range(n))
+        assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
+
+
+def test_select_batch_takes_every_due_group_then_the_oldest():
+    finished = [Group(g, None, a) for g, a in ((0, 0), (3, 1), (4, 1), (5, 2), (6, 2))]
+    pick = lambda u, b: [g.group_id for g in select_batch(finished, 1, u, b)]
+    assert pick(1, 2) == [0, 3]  # due at 1: group 0 (admitted at 0); then the oldest other
+    assert pick(1, 4) == [0, 3, 4, 5]
+    assert pick(2, 2) == [0, 3, 4]  # more than B only when more are due
+    assert staleness(5, [3, 4, 5]) == 2 and staleness(5, []) == 0
+
+
+def test_plan_is_typed_and_the_book_applies_the_rules():
+    book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=1, rollout_finish_threshold=0.5), 4, 2)
+    plan = book.plan(0, 0, iter(range(100)).__next__)
+    assert isinstance(plan, RolloutPlan) and (plan.version, plan.update_version) == (0, 0)
+    assert plan.group_ids == list(range(8)) and plan.due == frozenset() and plan.quota == 2 and not plan.drop
+    assert len(book.groups) == book.capacity == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.quota = 3
+    plan = book.plan(1, 1, iter(range(100)).__next__, reserved=2)  # nothing admitted: full
+    assert len(book.groups) == 8 and plan.due == frozenset(range(8))
 
 
 @pytest.mark.parametrize("over, match", [

@@ -47,7 +47,13 @@ Off-policy correction is the actor loss's decoupled ratio (proximal = the pre-up
 recomputed) with importance weights π_prox / π_behaviour truncated at `algo.behaviour_weight_cap`,
 which is always on; with s = 0 the weights are 1.
 
-This module holds the bookkeeping (`StalenessBook`, no torch); the trainer drives it.
+This module owns the schedule: the rules are pure functions over typed values — admission
+(`admissible`), the deadline (`is_due`, `due_groups`), the quota (`finish_quota`, `rollout_quota`),
+the stop rule (`rollout_stops`), the spread of groups over rollout devices (`assign_groups`) and
+the choice of an update's groups (`select_batch`); `StalenessBook` holds the state (groups in
+flight, requeued prompts) and applies them, handing each rollout a `RolloutPlan`. No torch: the
+trainer executes the plans, and the simulator (`rlfusion.sim.rl_stalesync`) runs the same book
+and rules over the engine's scheduler.
 """
 
 from __future__ import annotations
@@ -116,17 +122,123 @@ class StalenessViolation(AssertionError):
     """A sample was about to train with staleness above the bound (a bug, never expected)."""
 
 
+# An entry of a rollout: (group id, problem, open samples); no open samples = a new group.
+GroupItem = tuple[int, Any, list]
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """One partial rollout, with weights `version`, for the update of `update_version`.
+
+    `items` are every unfinished group in flight as `(group_id, problem, open samples)`, oldest
+    first; `due` the ones among them whose deadline is this update; `quota` how many more groups
+    must finish before the rollout may stop; `drop`: the due groups that have not finished when
+    it stops are given up (`overdue="drop"`) instead of waited for."""
+
+    version: int
+    update_version: int
+    items: tuple[GroupItem, ...]
+    due: frozenset[int]
+    quota: int
+    drop: bool
+
+    @property
+    def group_ids(self) -> list[int]:
+        return [gid for gid, _, _ in self.items]
+
+
+# ---- the rules (pure functions) ----
+
+def finish_quota(threshold: float, batch_groups: int) -> int:
+    """Finished groups an update's rollout aims for: `threshold` × B rounded up for a fraction in
+    (0, 1], the count itself for a threshold > 1; never more than B."""
+    return min(batch_groups, math.ceil(threshold * batch_groups - 1e-9) if threshold <= 1 else int(threshold))
+
+
+def admissible(in_flight: int, reserved: int, max_staleness: int, batch_groups: int) -> int:
+    """How many new groups may be admitted: the groups in flight plus `reserved` (taken for an
+    update that has not run yet) stay at most (s + 1) × B, so each can train within s updates."""
+    return max(0, (max_staleness + 1) * batch_groups - in_flight - reserved)
+
+
+def is_due(admitted_version: int, max_staleness: int, update_version: int) -> bool:
+    """A group admitted under weights `admitted_version` must be in the update of
+    `admitted_version + s` at the latest."""
+    return admitted_version + max_staleness <= update_version
+
+
+def due_groups(groups, max_staleness: int, update_version: int) -> frozenset[int]:
+    """Ids of the `groups` whose deadline is the update of `update_version` (or earlier)."""
+    return frozenset(g.group_id for g in groups if is_due(g.admitted_version, max_staleness, update_version))
+
+
+def rollout_quota(quota: int, finished: int, due: int, drop: bool) -> int:
+    """How many more groups a rollout must finish: the threshold's `quota` less the `finished`
+    groups already waiting to train. With `drop` and `due` groups in the rollout, at least one:
+    a due group gets this last rollout before it can be given up."""
+    left = max(0, quota - finished)
+    return max(left, 1) if drop and due else left
+
+
+def rollout_stops(finished: int, due_unfinished: int, busy: int, failed: int, *, quota: int,
+                  drop_overdue: bool) -> bool:
+    """The partial rollout's stop rule, over one device's counts or their sums over the rollout
+    devices: stop on a failure, when nothing is left to run, or once `quota` groups have
+    finished and no due group is unfinished (with `drop_overdue` the unfinished due groups are
+    given up instead)."""
+    return bool(failed) or not busy or (finished >= quota and (drop_overdue or not due_unfinished))
+
+
+def contiguous_parts(items: list, num_parts: int) -> list[list]:
+    """Contiguous, near-equal parts (order kept, so concatenating the results restores it)."""
+    k, r = divmod(len(items), num_parts)
+    out, start = [], 0
+    for i in range(num_parts):
+        end = start + k + (i < r)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def assign_groups(items, num_devices: int) -> list[list[GroupItem]]:
+    """Which rollout device runs which group: new groups in contiguous parts (as the synchronous
+    rollout splits its prompts); resumed groups (with open samples) one at a time to the part
+    with the fewest groups, so the carried-over tail does not pile up on one device. Each part
+    oldest first: the engine admits in order, and the oldest are due soonest."""
+    parts = contiguous_parts([it for it in items if not it[2]], num_devices)
+    for it in (it for it in items if it[2]):
+        min(parts, key=len).append(it)
+    for part in parts:
+        part.sort(key=lambda it: it[0])
+    return parts
+
+
+def select_batch(finished: list[Group], max_staleness: int, update_version: int, batch_groups: int) -> list[Group]:
+    """The finished groups the update of `update_version` trains: every due one, then the oldest
+    others up to B groups (more only if more are due), in group order."""
+    due = [g for g in finished if is_due(g.admitted_version, max_staleness, update_version)]
+    others = [g for g in finished if not is_due(g.admitted_version, max_staleness, update_version)]
+    return sorted(due + others[:max(0, batch_groups - len(due))], key=lambda g: g.group_id)
+
+
+def staleness(update_version: int, versions) -> int:
+    """A sample's staleness at the update of `update_version`: how many updates its oldest token's
+    weights are behind (0 for a sample without tokens)."""
+    return update_version - min(versions, default=update_version)
+
+
+# ---- the state ----
+
 class StalenessBook:
     """Which groups are in flight, which are due, what the next update trains.
 
-    Samples are any objects with `versions` (per-token policy versions) and `response_ids`;
-    groups are identified by `group_id`."""
+    Samples are any objects with `group_id`, `versions` (per-token policy versions) and
+    `response_ids`."""
 
     def __init__(self, cfg: StaleSyncConfig, batch_groups: int, group_size: int):
         self.cfg, self.B, self.G = cfg, batch_groups, group_size
         self.s = cfg.max_staleness
-        t = cfg.rollout_finish_threshold
-        self.quota = min(batch_groups, math.ceil(t * batch_groups - 1e-9) if t <= 1 else int(t))
+        self.quota = finish_quota(cfg.rollout_finish_threshold, batch_groups)
         self.groups: dict[int, Group] = {}  # in flight, in admission order
         self.requeued: deque = deque()  # problems of dropped groups, admitted again first
         self.next_group_id = 0
@@ -139,10 +251,10 @@ class StalenessBook:
         return (self.s + 1) * self.B
 
     def admit(self, version: int, sample_problem: Callable[[], Any], reserved: int = 0) -> list[Group]:
-        """New groups, generated from weights `version`, while the groups in flight — the pool
-        plus `reserved` (taken for an update that has not run yet) — number fewer than (s+1)·B."""
+        """New groups, generated from weights `version`, as many as `admissible` allows for the
+        pool plus `reserved`; requeued prompts first, then `sample_problem()` in turn."""
         new = []
-        while len(self.groups) + reserved < self.capacity:
+        for _ in range(admissible(len(self.groups), reserved, self.s, self.B)):
             problem = self.requeued.popleft() if self.requeued else sample_problem()
             g = Group(self.next_group_id, problem, version)
             self.next_group_id += 1
@@ -151,9 +263,9 @@ class StalenessBook:
         self.stats["admitted"] += len(new)
         return new
 
-    def due(self, update_version: int) -> set[int]:
+    def due(self, update_version: int) -> frozenset[int]:
         """Groups that must be in the update of `update_version` (their last chance)."""
-        return {g.group_id for g in self.groups.values() if g.admitted_version + self.s <= update_version}
+        return due_groups(self.groups.values(), self.s, update_version)
 
     def runnable(self) -> list[Group]:
         """Groups with samples still to generate, oldest first."""
@@ -165,22 +277,19 @@ class StalenessBook:
     # ---- one rollout ----
 
     def plan(self, version: int, update_version: int, sample_problem: Callable[[], Any],
-             reserved: int = 0) -> dict[str, Any]:
-        """Admit new groups and describe the next rollout (weights `version`, for the update of
-        `update_version`): every unfinished group as `(group_id, problem, open samples)`, the
-        due ones it must finish, and how many more finished groups the threshold asks for."""
+             reserved: int = 0) -> RolloutPlan:
+        """Admit new groups and plan the next rollout (weights `version`, for the update of
+        `update_version`)."""
         self.admit(version, sample_problem, reserved)
         groups = self.runnable()
-        due = self.due(update_version) & {g.group_id for g in groups}
-        quota = max(0, self.quota - self.finished_count())
+        due = due_groups(groups, self.s, update_version)
         drop = self.cfg.overdue == "drop"
-        if drop and due:  # a due group gets this last rollout before it can be given up
-            quota = max(quota, 1)
-        return {"items": [(g.group_id, g.problem, g.open) for g in groups], "due": due, "quota": quota, "drop": drop}
+        return RolloutPlan(version, update_version, tuple((g.group_id, g.problem, g.open) for g in groups), due,
+                           rollout_quota(self.quota, self.finished_count(), len(due), drop), drop)
 
-    def collect(self, plan: dict[str, Any], out: dict[str, Any]) -> None:
+    def collect(self, plan: RolloutPlan, out: dict[str, Any]) -> None:
         """Take in a rollout's result (`RolloutStage.run_groups`' dict) for `plan`."""
-        self.record(out["finished"], out["unfinished"], [gid for gid, _, _ in plan["items"]])
+        self.record(out["finished"], out["unfinished"], plan.group_ids)
         if out["dropped"]:
             self.drop(set(out["dropped"]))
 
@@ -211,27 +320,25 @@ class StalenessBook:
     # ---- the update ----
 
     def take_batch(self, update_version: int) -> tuple[list, dict[str, float]]:
-        """The finished groups the update of `update_version` trains: every due group, then the
-        oldest others, up to B groups (more only if more are due). Samples in group order."""
+        """The groups `select_batch` picks for the update of `update_version`, removed from the
+        pool; their samples in group order. Raises `StalenessViolation` if a due group is
+        unfinished or a sample is staler than the bound."""
         finished = [g for g in self.groups.values() if g.finished]
-        due = [g for g in finished if g.admitted_version + self.s <= update_version]
-        overdue = self.due(update_version) - {g.group_id for g in due}
+        overdue = self.due(update_version) - {g.group_id for g in finished}
         if overdue:
             raise StalenessViolation(f"groups {sorted(overdue)} are due at version {update_version} "
                                      "but unfinished")
-        others = [g for g in finished if g.admitted_version + self.s > update_version]
-        take = due + others[:max(0, self.B - len(due))]
-        take.sort(key=lambda g: g.group_id)
+        take = select_batch(finished, self.s, update_version, self.B)
         batch = []
         for g in take:
             del self.groups[g.group_id]
             batch.extend(g.done)
-        staleness = [update_version - min(t.versions, default=update_version) for t in batch]
-        if staleness and max(staleness) > self.s:
-            raise StalenessViolation(f"a sample has staleness {max(staleness)} > max_staleness {self.s}")
+        stale = [staleness(update_version, t.versions) for t in batch]
+        if stale and max(stale) > self.s:
+            raise StalenessViolation(f"a sample has staleness {max(stale)} > max_staleness {self.s}")
         self.stats["trained_groups"] += len(take)
-        return batch, {"staleness_max": float(max(staleness, default=0)),
-                       "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        return batch, {"staleness_max": float(max(stale, default=0)),
+                       "staleness_mean": sum(stale) / max(len(stale), 1),
                        "groups_in_update": float(len(take)), "groups_in_flight": float(len(self.groups))}
 
     # ---- checkpoint ----
