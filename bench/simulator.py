@@ -140,7 +140,7 @@ def predict_sync(case: Case, cal: Calibration) -> Prediction:
     cfg = case.sim.replace(num_steps=len(steps), response_lengths=lengths, prompt_len=prompt_len,
                            prompt_lengths=prompts if len(prompts) == samples else (),
                            train_fraction=fraction,
-                           max_response_len=max(case.sim.max_response_len, max(lengths)))
+                           max_new_tokens=max(case.sim.max_new_tokens, max(lengths)))
     result = simulate(cfg, cal)
     ends = result.update_end_s
     seconds = [b - a for a, b in zip(ends, ends[1:])]
@@ -277,7 +277,6 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
     from fusion import DEPLOY_MODES as MODES, make_trainer  # bench/fusion.py, next to this file
     from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
 
-    sim_mode = {"separated": "separated", "colocated": "colocated", "fully_shared": "shared"}
     names = list(MODES) + list(STALESYNC_CASES)
     # logical CPUs: a 2-device placement group per run and the 2 probe actors; one runs at a time
     ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False,
@@ -312,30 +311,30 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
             cfg = trainers[MODES[0]].cfg
             for c in STALESYNC_CASES:
                 plan = trainers[c].devices.plan
-                placement = "rollout" if plan.reference == plan.rollout else "train"
-                stale_lengths[c] = (trainers[c].cfg, recorders[c].group_lengths(cfg.rollout.group_size), placement)
+                scorers = "rollout" if plan.reference == plan.rollout else "train"
+                stale_lengths[c] = (trainers[c].cfg, recorders[c].group_lengths(cfg.rollout.group_size), scorers)
             for t in trainers.values():
                 t.close()
     finally:
         ray.shutdown()
     base = RLSimConfig(devices_per_supernode=2, prompts_per_step=cfg.rollout.prompts_per_step,
-                       samples_per_prompt=cfg.rollout.group_size, staleness=0,
-                       max_batch_per_engine=cfg.rollout.max_num_seqs,
+                       group_size=cfg.rollout.group_size, max_staleness=0,
+                       max_num_seqs=cfg.rollout.max_num_seqs,
                        min_prefill_batch=getattr(cfg.rollout, "min_prefill_batch", 1),
-                       max_response_len=cfg.rollout.max_new_tokens)
-    cases = [Case(m, base.replace(mode=sim_mode[m]), steps[m]) for m in MODES]
+                       max_new_tokens=cfg.rollout.max_new_tokens)
+    cases = [Case(m, base.replace(mode=m), steps[m]) for m in MODES]  # the sim takes deploy.mode
     for c in STALESYNC_CASES:
-        tcfg, (lengths, drawn, prompts), placement = stale_lengths[c]
+        tcfg, (lengths, drawn, prompts), scorers = stale_lengths[c]
         st = tcfg.stalesync
         print(f"  {c}: {len(lengths)} admitted samples replayed by group id, {drawn} of them "
               f"(unfinished when the measurement ended) drawn from the run's lengths above their "
               f"partial length")
-        sim = base.replace(mode=sim_mode[tcfg.deploy.mode], staleness=st.max_staleness, partial_rollout=True,
+        sim = base.replace(mode=tcfg.deploy.mode, max_staleness=st.max_staleness, partial_rollout=True,
                            stalesync_model="runtime", rollout_finish_threshold=st.rollout_finish_threshold,
-                           reference_placement=placement,
+                           scorers=scorers,
                            response_lengths=lengths, prompt_lengths=prompts,
                            prompt_len=round(statistics.mean(prompts)),
-                           max_response_len=max(base.max_response_len, max(lengths)))
+                           max_new_tokens=max(base.max_new_tokens, max(lengths)))
         cases.append(Case(c, sim, steps[c], warmup=1))
     return cases
 
@@ -432,7 +431,7 @@ def main() -> None:
         print("\nStaleSync schedule, measured/predicted (mean per measured step):")
     for case in stale:
         r = predict(case, cal).result
-        n, per = len(case.steps), case.sim.samples_per_prompt
+        n, per = len(case.steps), case.sim.group_size
         gen = r.generated_per_update[case.warmup:]
         trained = [len(s.response_lengths) / per for s in case.steps]
         st_meas = statistics.mean(s.phases.get("metric/staleness_mean", 0.0) for s in case.steps)
@@ -450,7 +449,7 @@ def main() -> None:
               f"/{statistics.mean(gen):,.0f}, groups trained {statistics.mean(trained):.1f}/"
               f"{len(r.staleness_per_sample) / per / len(r.update_end_s):.1f} (sim: whole run), staleness mean {st_meas:.2f}/{st_pred:.2f} (sim: whole run), "
               f"max groups in flight (sim) {r.max_groups_in_flight} <= (s+1)B = "
-              f"{(case.sim.staleness + 1) * case.sim.prompts_per_step}; measured steps {n}")
+              f"{(case.sim.max_staleness + 1) * case.sim.prompts_per_step}; measured steps {n}")
     lengths = [n for case in cases for s in case.steps for n in s.response_lengths]
     print(f"\nreplayed response lengths: {len(lengths)} samples, mean "
           f"{statistics.mean(lengths):.1f}, max {max(lengths)}; calibration: concurrent speed "

@@ -22,7 +22,7 @@ FLAT = Calibration(decode_batch_sizes=(1,), decode_step_ms=(1.0,), prefill_ms_pe
                    reference_tokens_per_s_per_device=2000.0)
 # 2 devices, 1 prompt x 4 samples per step: engine0 gets samples 0-1, engine1 samples 2-3
 TWO = RLSimConfig(mode="colocated", devices_per_supernode=2, prompts_per_step=1,
-                  samples_per_prompt=4, num_steps=2, prompt_len=10, max_batch_per_engine=2,
+                  group_size=4, num_steps=2, prompt_len=10, max_num_seqs=2,
                   response_lengths=(10, 30, 20, 20), queue_bytes_per_token=0)
 
 
@@ -65,7 +65,7 @@ def test_replayed_prompt_lengths_set_each_samples_context():
 def test_contention_slows_concurrent_work_only():
     slow = FLAT.replace(concurrent_speed=0.5)
     assert _step_s(TWO, slow) == pytest.approx(0.01 + 0.120 + 0.01 + 2 * (120 / 2000 + 0.1))
-    separated = TWO.replace(mode="separated", max_batch_per_engine=4)  # one engine, one trainer
+    separated = TWO.replace(mode="separated", max_num_seqs=4)  # one engine, one trainer
     assert _step_s(separated, slow) == pytest.approx(_step_s(separated, FLAT))
 
 
@@ -76,7 +76,7 @@ def test_lockstep_speed_slows_colocated_devices_and_not_separated_overlap():
     assert _step_s(TWO, FLAT.replace(concurrent_speed=0.5, lockstep_speed=0.0)) == \
         pytest.approx(_step_s(TWO, FLAT.replace(concurrent_speed=0.5)))
     # separated StaleSync: rollout and update overlap independently, concurrent_speed applies
-    overlap = TWO.replace(mode="separated", max_batch_per_engine=4, staleness=1, num_steps=3)
+    overlap = TWO.replace(mode="separated", max_num_seqs=4, max_staleness=1, num_steps=3)
     assert _step_s(overlap, both) == pytest.approx(_step_s(overlap, FLAT.replace(concurrent_speed=0.8)))
     with pytest.raises(ValueError, match="lockstep_speed"):
         FLAT.replace(lockstep_speed=1.5)
@@ -87,9 +87,9 @@ def test_train_fraction_scales_only_the_update():
     assert _step_s(TWO, FLAT) - half == pytest.approx(0.5 * 120 / 2000)
 
 
-def test_shared_mode_pays_the_reference_switch():
+def test_fully_shared_mode_pays_the_reference_switch():
     cal = FLAT.replace(reference_switch_s=0.004)
-    assert _step_s(TWO.replace(mode="shared"), cal) == pytest.approx(_step_s(TWO, cal) + 0.004)
+    assert _step_s(TWO.replace(mode="fully_shared"), cal) == pytest.approx(_step_s(TWO, cal) + 0.004)
 
 
 def test_calibration_formulas_and_errors():
@@ -166,7 +166,7 @@ def test_stalesync_validation_compares_tokens_over_time_sums():
     # compared tokens/s is bench/stalesync.py's, sum of tokens over sum of step times
     bench = _bench()
     steps = [bench.MeasuredStep(n, t, (10,) * 4, 40, 100, {}) for n, t in ((90, 1.0), (0, 0.5), (60, 1.5))]
-    case = bench.Case("stalesync", TWO.replace(stalesync_model="runtime", staleness=1, partial_rollout=True),
+    case = bench.Case("stalesync", TWO.replace(stalesync_model="runtime", max_staleness=1, partial_rollout=True),
                       steps, warmup=1)
     assert case.measured_tokens_per_s == pytest.approx(150 / 3.0)
     pred = bench.predict(case, FLAT)
@@ -179,12 +179,12 @@ def test_stalesync_validation_compares_tokens_over_time_sums():
 def test_separated_scores_where_generated():
     # one engine (4 slots), one trainer: decode to 30 steps plus reference passes as samples
     # finish (20 + 60 + 40 tokens at 2000/s), then train 120 / 1000 + 0.1; switch 0.01 first
-    cfg = TWO.replace(mode="separated", max_batch_per_engine=4)
+    cfg = TWO.replace(mode="separated", max_num_seqs=4)
     assert _step_s(cfg, FLAT) == pytest.approx(0.01 + 0.030 + 0.060 + 0.12 + 0.1)
-    on_trainer = cfg.replace(reference_placement="train")
+    on_trainer = cfg.replace(scorers="train")
     assert _step_s(on_trainer, FLAT) == pytest.approx(0.01 + 0.030 + 0.060 + 0.12 + 0.1)
-    with pytest.raises(ValueError, match="reference_placement.*allowed"):
-        cfg.replace(reference_placement="gpu")
+    with pytest.raises(ValueError, match="scorers.*allowed"):
+        cfg.replace(scorers="gpu")
 
 
 def test_min_prefill_batch_delays_admission():

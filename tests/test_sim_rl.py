@@ -7,23 +7,23 @@ from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import simulate
 
 CAL = cpu_default()
-SMALL = RLSimConfig(prompts_per_step=8, samples_per_prompt=4, num_steps=4)
+SMALL = RLSimConfig(prompts_per_step=8, group_size=4, num_steps=4)
 
 
-@pytest.mark.parametrize("mode", ["separated", "colocated", "shared"])
-@pytest.mark.parametrize("staleness,partial", [(0, False), (1, True), (2, True)])
-def test_utilization_bounded_and_staleness_respected(mode, staleness, partial):
-    cfg = SMALL.replace(mode=mode, staleness=staleness, partial_rollout=partial)
+@pytest.mark.parametrize("mode", ["separated", "colocated", "fully_shared"])
+@pytest.mark.parametrize("max_staleness,partial", [(0, False), (1, True), (2, True)])
+def test_utilization_bounded_and_staleness_respected(mode, max_staleness, partial):
+    cfg = SMALL.replace(mode=mode, max_staleness=max_staleness, partial_rollout=partial)
     result = simulate(cfg, CAL)
     assert result.updates == cfg.num_steps
     assert all(0.0 <= u <= 1.0 for u in result.utilization.values())
-    assert result.max_staleness <= staleness
+    assert result.staleness_max <= max_staleness
     assert result.tokens_per_s > 0
 
 
-@pytest.mark.parametrize("mode", ["separated", "colocated", "shared"])
+@pytest.mark.parametrize("mode", ["separated", "colocated", "fully_shared"])
 def test_sync_never_overlaps_update_and_rollout_of_same_version(mode):
-    result = simulate(SMALL.replace(mode=mode, staleness=0), CAL)
+    result = simulate(SMALL.replace(mode=mode, max_staleness=0), CAL)
     updates = [e for e in result.timeline if e.role == "train"]
     rollouts = [e for e in result.timeline if e.role == "rollout"]
     assert updates and rollouts
@@ -34,16 +34,16 @@ def test_sync_never_overlaps_update_and_rollout_of_same_version(mode):
 
 
 def test_stalesync_overlaps_rollout_with_update_when_separated():
-    result = simulate(SMALL.replace(mode="separated", staleness=1, partial_rollout=True), CAL)
+    result = simulate(SMALL.replace(mode="separated", max_staleness=1, partial_rollout=True), CAL)
     updates = [e for e in result.timeline if e.role == "train"]
     rollouts = [e for e in result.timeline if e.role == "rollout"]
     assert any(r.start < u.end and u.start < r.end for u in updates for r in rollouts)
 
 
 @pytest.mark.parametrize("mode", ["separated", "colocated"])
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_more_devices_never_reduce_throughput_ideal_network(mode, staleness):
-    base = SMALL.replace(mode=mode, staleness=staleness, partial_rollout=staleness > 0)
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_more_devices_never_reduce_throughput_ideal_network(mode, max_staleness):
+    base = SMALL.replace(mode=mode, max_staleness=max_staleness, partial_rollout=max_staleness > 0)
     tputs = [simulate(base.replace(devices_per_supernode=d), CAL).tokens_per_s
              for d in (2, 4, 8)]
     assert tputs == sorted(tputs)

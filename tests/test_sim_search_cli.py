@@ -56,7 +56,7 @@ def test_plan_bad_flags():
 
 def test_simulate_command_writes_trace(tmp_path, capsys):
     cfg = tmp_path / "sim.toml"
-    cfg.write_text('[simulate]\nmode = "separated"\nstaleness = 1\nnum_steps = 3\n')
+    cfg.write_text('[simulate]\nmode = "separated"\nmax_staleness = 1\nnum_steps = 3\n')
     args = _parser().parse_args(["simulate", str(cfg), "--out", str(tmp_path / "out")])
     assert args.func(args) == 0
     assert "tokens/s" in capsys.readouterr().out

@@ -40,13 +40,13 @@ class Calibration:
     prefill_fixed_ms: float = 0.0  # fixed cost of one prefill pass (any rows), ms
     reference_tokens_per_s_per_device: float = 0.0  # measured ref forward rate; 0: use fraction
     reference_overhead_s: float = 0.0  # fixed cost of one reference pass over a batch, s
-    reference_switch_s: float | None = None  # bring the offloaded reference in and out (shared
-    #                                          mode); None: same as switch_s
+    reference_switch_s: float | None = None  # bring the offloaded reference in and out
+    #                                          (fully_shared mode); None: same as switch_s
     concurrent_speed: float = 1.0  # per-device speed while every device of a host is busy,
     #                                relative to one busy device alone (CPU cores that share
     #                                caches and memory bandwidth: < 1; accelerators: 1)
     lockstep_speed: float = 0.0  # the same while the devices work in lock-step, as colocated and
-    #                              shared devices do (they meet at the driver's phase barriers
+    #                              fully shared devices do (they meet at the driver's phase barriers
     #                              and the gradient all-reduce, so work that slows one holds up
     #                              the other); 0: concurrent_speed
     grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across

@@ -176,8 +176,9 @@ def register_simulate_command(subparsers) -> argparse.ArgumentParser:
                         help="--project: hardware kind of one supernode (cm384, 910b, h100, h200)")
     parser.add_argument("--supernodes", type=_positive_int, default=4,
                         help="--project: largest number of supernodes")
-    parser.add_argument("--staleness", type=_positive_int, default=1,
-                        help="--project: staleness bound of the StaleSync variant")
+    parser.add_argument("--max-staleness", type=_positive_int, default=1,
+                        help="--project: staleness bound of the StaleSync variant "
+                             "(stalesync.max_staleness)")
     parser.set_defaults(func=run_simulate)
     return parser
 
@@ -197,7 +198,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.cluster_kind not in CLUSTER_KINDS or args.cluster_kind == "cpu":
             raise ValueError(f"--cluster-kind={args.cluster_kind!r}; allowed: "
                              f"{', '.join(k for k in CLUSTER_KINDS if k != 'cpu')}")
-        print(run_projection(args.model, args.cluster_kind, args.supernodes, args.staleness))
+        print(run_projection(args.model, args.cluster_kind, args.supernodes, args.max_staleness))
     if args.config is not None:
         from rlfusion.sim.report import simulate_and_report  # keeps `plan` imports small
 

@@ -30,22 +30,22 @@ class ProjectionRow:
     step_s: float  # mean time per update
 
 
-def workload(mode: str, staleness: int, chips_per_supernode: int) -> RLSimConfig:
+def workload(mode: str, max_staleness: int, chips_per_supernode: int) -> RLSimConfig:
     """The RL step assumed for the projection (reasoning-style long-tail responses)."""
     return RLSimConfig(mode=mode, devices_per_supernode=chips_per_supernode,
-                       prompts_per_step=128, samples_per_prompt=16, num_steps=4,
+                       prompts_per_step=128, group_size=16, num_steps=4,
                        prompt_len=1024, response_median=1536.0, response_p99_over_median=3.75,
-                       max_response_len=7168, max_batch_per_engine=256, staleness=staleness,
-                       partial_rollout=staleness > 0, inter_supernode_GBps=50.0,
+                       max_new_tokens=7168, max_num_seqs=256, max_staleness=max_staleness,
+                       partial_rollout=max_staleness > 0, inter_supernode_GBps=50.0,
                        rollout_fraction=0.5)
 
 
 def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
-            supernodes: tuple[int, ...] = (1, 2, 3, 4), staleness: int = 1
+            supernodes: tuple[int, ...] = (1, 2, 3, 4), max_staleness: int = 1
             ) -> tuple[list[ProjectionRow], list[str]]:
     """Rows for every (mode, variant, supernodes) and the assumption lines."""
-    if staleness < 1:
-        raise ValueError(f"--staleness={staleness} must be >= 1 (the StaleSync variant)")
+    if max_staleness < 1:
+        raise ValueError(f"--max-staleness={max_staleness} must be >= 1 (the StaleSync variant)")
     model = get_preset(model_name)
     probe = get_cluster(kind, 1)
     supernode = get_cluster(kind, probe.chips_per_domain)
@@ -53,7 +53,7 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
     cal = calibration_from_hardware(model, supernode, assumptions)
     rows = []
     for mode in ("colocated", "separated"):
-        for variant, s in (("sync", 0), ("stalesync", staleness)):
+        for variant, s in (("sync", 0), ("stalesync", max_staleness)):
             first = None
             for n in supernodes:
                 cfg = workload(mode, s, supernode.num_chips).replace(num_supernodes=n)
@@ -64,7 +64,7 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
                 rows.append(ProjectionRow(mode, variant, n, result.tokens_per_s,
                                           result.tokens_per_s / (n * first),
                                           device_utilization(result), step))
-    w = workload("colocated", staleness, supernode.num_chips)
+    w = workload("colocated", max_staleness, supernode.num_chips)
     lines = [
         f"model {model_name}: {model.param_counts()['total'] / 1e9:,.0f}B total, "
         f"{model.param_counts()['active'] / 1e9:,.1f}B active parameters",
@@ -73,16 +73,16 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
         f"{supernode.chip.memory_bandwidth_GBps:.0f} GB/s), fabric {supernode.intra.bandwidth_GBps:.0f}"
         f" GB/s per chip inside, {w.inter_supernode_GBps:.0f} GB/s per chip between supernodes",
         f"workload per supernode and update: {w.prompts_per_step} prompts x "
-        f"{w.samples_per_prompt} samples, prompt {w.prompt_len} tokens, response log-normal "
+        f"{w.group_size} samples, prompt {w.prompt_len} tokens, response log-normal "
         f"median {w.response_median:.0f}, p99/median {w.response_p99_over_median}, capped at "
-        f"{w.max_response_len}; weak scaling (prompts per update x supernodes); "
+        f"{w.max_new_tokens}; weak scaling (prompts per update x supernodes); "
         f"{w.num_steps} updates simulated",
-        f"engines: {cal.devices_per_engine} chips each, up to {w.max_batch_per_engine} "
+        f"engines: {cal.devices_per_engine} chips each, up to {w.max_num_seqs} "
         "sequences in flight (continuous batching), prefill of prompt (and of resumed context "
         "after a partial-rollout abort)",
         f"separated: {w.rollout_fraction:.0%} of the chips generate, the rest train; colocated: "
         "every chip generates, computes reference logprobs, then trains",
-        f"StaleSync: staleness bound s = {staleness}, partial rollout (colocated: a rollout "
+        f"StaleSync: staleness bound s = {max_staleness}, partial rollout (colocated: a rollout "
         "phase ends once a batch is ready; unfinished samples resume next phase)",
         f"calibration: {cal.source}",
         *[f"  {note}" for note in cal.source_notes],
@@ -110,7 +110,7 @@ def format_projection(rows: list[ProjectionRow], lines: list[str], seconds: floa
     return "\n".join(out)
 
 
-def run_projection(model_name: str, kind: str, max_supernodes: int, staleness: int) -> str:
+def run_projection(model_name: str, kind: str, max_supernodes: int, max_staleness: int) -> str:
     start = time.perf_counter()
-    rows, lines = project(model_name, kind, tuple(range(1, max_supernodes + 1)), staleness)
+    rows, lines = project(model_name, kind, tuple(range(1, max_supernodes + 1)), max_staleness)
     return format_projection(rows, lines, time.perf_counter() - start)

@@ -31,8 +31,8 @@ def calibration_for(cfg: RLSimConfig) -> Calibration:
 def scaling_curve(cfg: RLSimConfig, cal: Calibration, supernodes: tuple[int, ...] = (1, 2, 4)
                   ) -> list[ScalingPoint]:
     """Weak scaling: prompts per step grow with the number of supernodes."""
-    variants = {"sync": cfg.replace(staleness=0, partial_rollout=False),
-                "stalesync": cfg.replace(staleness=max(cfg.staleness, 1), partial_rollout=True)}
+    variants = {"sync": cfg.replace(max_staleness=0, partial_rollout=False),
+                "stalesync": cfg.replace(max_staleness=max(cfg.max_staleness, 1), partial_rollout=True)}
     points = []
     for name, base in variants.items():
         first = None
@@ -56,12 +56,12 @@ def to_chrome_trace(events: list[TimelineEvent]) -> dict:
 
 
 def format_result(cfg: RLSimConfig, result: SimResult) -> str:
-    lines = [f"mode {cfg.mode}, staleness {cfg.staleness}, partial rollout "
+    lines = [f"mode {cfg.mode}, max_staleness {cfg.max_staleness}, partial rollout "
              f"{cfg.partial_rollout}, {cfg.num_devices} devices, {result.updates} updates",
              f"tokens/s {result.tokens_per_s:,.0f}   samples/s {result.samples_per_s:,.1f}   "
              f"makespan {result.makespan_s:.2f}s   device utilization "
              f"{device_utilization(result):.1%}   dropped {result.dropped_samples}   "
-             f"max staleness {result.max_staleness}", "", f"{'lane':<12}{'devices':>8}"
+             f"staleness_max {result.staleness_max}", "", f"{'lane':<12}{'devices':>8}"
              f"{'util':>8}"]
     for lane, util in result.utilization.items():
         lines.append(f"{lane:<12}{result.lane_devices[lane]:>8}{util:>8.1%}")

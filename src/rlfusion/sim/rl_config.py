@@ -13,24 +13,27 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-MODES = ("separated", "colocated", "shared")
+MODES = ("separated", "colocated", "fully_shared")  # deploy.mode
 STALESYNC_MODELS = ("samples", "runtime")
-REFERENCE_PLACEMENTS = ("rollout", "train")
+SCORERS = ("rollout", "train")
 
 
 @dataclass(frozen=True)
 class RLSimConfig:
-    mode: str = "colocated"  # separated | colocated | shared (actor, ref, reward on one pool)
+    """Keys that a run has too carry the run's names (`rlfusion train`'s `deploy.mode`,
+    `rollout.*`, `stalesync.*`)."""
+
+    mode: str = "colocated"  # separated | colocated | fully_shared (actor, ref, reward on one pool)
     devices_per_supernode: int = 2  # devices (workers/chips) in one supernode
     num_supernodes: int = 1
     rollout_fraction: float = 0.5  # separated mode: share of devices that generate
     prompts_per_step: int = 32  # per supernode (weak scaling keeps this per supernode)
-    samples_per_prompt: int = 8
+    group_size: int = 8  # samples per prompt (rollout.group_size)
     num_steps: int = 6  # RL updates to simulate
     prompt_len: int = 12  # tokens
     response_median: float = 24.0  # tokens, median of the log-normal length distribution
     response_p99_over_median: float = 3.75  # long tail (measured on the arithmetic task: 3.5-4)
-    max_response_len: int = 128
+    max_new_tokens: int = 128  # longest response (rollout.max_new_tokens)
     # Measured lengths, used in order (sample i gets response_lengths[i % len]) instead of the
     # log-normal: replays a real run's response-length distribution. Empty = log-normal.
     response_lengths: tuple[int, ...] = ()
@@ -40,16 +43,15 @@ class RLSimConfig:
     prompt_lengths: tuple[int, ...] = ()
     train_fraction: float = 1.0  # share of a batch's tokens the update trains on (DAPO dynamic
     #                              sampling drops groups whose rewards are all equal; measured)
-    max_batch_per_engine: int = 256  # continuous-batching slots per engine instance
+    max_num_seqs: int = 256  # continuous-batching slots per engine instance (rollout.max_num_seqs)
     min_prefill_batch: int = 1  # while decoding, admit only once this many slots are free (or
     #                             every waiting sample fits), as the engine's scheduler does
-    reference_placement: str = "rollout"  # "rollout": each engine computes reference logprobs
-    #                                       of its samples after generating them; "train": the
-    #                                       train devices do, before the update (separated
-    #                                       mode only; the runtime's deploy.scorers)
-    staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
+    scorers: str = "rollout"  # "rollout": each engine computes reference logprobs of its samples
+    #                           after generating them; "train": the train devices do, before the
+    #                           update (separated mode only; deploy.scorers)
+    max_staleness: int = 0  # s: an update at version u only uses samples started at >= u - s
     partial_rollout: bool = False  # co-located: end rollout at N finished, resume the rest
-    # How StaleSync (staleness >= 1, partial_rollout) is modelled. "samples": the idealised
+    # How StaleSync (max_staleness >= 1, partial_rollout) is modelled. "samples": the idealised
     # sample-level rule (an update goes ahead once N samples are ready; projections use it).
     # "runtime": the runtime's StalenessBook exactly (rl_stalesync.py): prompt groups admitted
     # while fewer than (s+1)*B are in flight, a group admitted at version a due at update a+s,
@@ -57,10 +59,10 @@ class RLSimConfig:
     # and the due ones are done (overdue = wait), separated rollout/update overlap for s >= 1.
     stalesync_model: str = "samples"
     rollout_finish_threshold: float = 1.0  # runtime model: a fraction in (0, 1] or a count > 1
-    max_batched_tokens: int = 4096  # runtime model: the engine's token budget per step (packed prefill)
+    max_num_batched_tokens: int = 4096  # runtime model: the engine's token budget per step (packed prefill)
     stop_sync_every: int = 8  # runtime model: engine steps between the rollout devices'
     #                           stop-rule sums (mirrors stages.SYNC_EVERY; a test checks)
-    reward_model: bool = False  # shared mode: a reward-model forward (else a free verifier)
+    reward_model: bool = False  # fully_shared mode: a reward-model forward (else a free verifier)
     queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version
     padding_free: bool = True  # DistQueue packs samples without padding
     inter_supernode_GBps: float = 0.0  # per-device bandwidth between supernodes; 0 = ideal
@@ -70,9 +72,8 @@ class RLSimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"simulate.mode={self.mode!r}; allowed: {', '.join(MODES)}")
-        if self.reference_placement not in REFERENCE_PLACEMENTS:
-            raise ValueError(f"simulate.reference_placement={self.reference_placement!r}; "
-                             f"allowed: {', '.join(REFERENCE_PLACEMENTS)}")
+        if self.scorers not in SCORERS:
+            raise ValueError(f"simulate.scorers={self.scorers!r}; allowed: {', '.join(SCORERS)}")
         if self.stalesync_model not in STALESYNC_MODELS:
             raise ValueError(f"simulate.stalesync_model={self.stalesync_model!r}; "
                              f"allowed: {', '.join(STALESYNC_MODELS)}")
@@ -81,13 +82,13 @@ class RLSimConfig:
             raise ValueError(f"simulate.rollout_finish_threshold={t}: allowed: a fraction in "
                              "(0, 1] or a whole count > 1")
         for key in ("devices_per_supernode", "num_supernodes", "prompts_per_step",
-                    "samples_per_prompt", "num_steps", "max_response_len",
-                    "max_batch_per_engine", "min_prefill_batch", "max_batched_tokens",
+                    "group_size", "num_steps", "max_new_tokens",
+                    "max_num_seqs", "min_prefill_batch", "max_num_batched_tokens",
                     "stop_sync_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"simulate.{key}={getattr(self, key)} must be >= 1")
-        if self.staleness < 0:
-            raise ValueError(f"simulate.staleness={self.staleness} must be >= 0")
+        if self.max_staleness < 0:
+            raise ValueError(f"simulate.max_staleness={self.max_staleness} must be >= 0")
         if not 0.0 < self.rollout_fraction < 1.0:
             raise ValueError(f"simulate.rollout_fraction={self.rollout_fraction} must be "
                              "in (0, 1)")
@@ -107,7 +108,7 @@ class RLSimConfig:
 
     @property
     def samples_per_step(self) -> int:
-        return self.prompts_per_step * self.samples_per_prompt * self.num_supernodes
+        return self.prompts_per_step * self.group_size * self.num_supernodes
 
     @property
     def length_sigma(self) -> float:

@@ -15,17 +15,17 @@ Owns `simulate()` and its `SimResult`/`TimelineEvent` outputs. Modes:
   rollout phase ends once N samples are ready and every in-flight sample that would exceed
   the bound has finished; the rest is aborted and resumed (re-prefilling prompt + generated
   tokens) in the next phase.
-- shared: colocated with the reference weights offloaded while unused (each engine brings them
-  in and out around its reference pass), plus an optional reward model (one more switch and
-  forward pass per step).
+- fully_shared: colocated with the reference weights offloaded while unused (each engine
+  brings them in and out around its reference pass), plus an optional reward model (one more
+  switch and forward pass per step).
 Staleness s = 0 therefore reproduces synchronous RL in every mode. Costs come only from a
 `Calibration` (measured inputs); nothing is fitted to throughput.
 
 Contention: while more than one device works at once, every compute cost is divided by
 `Calibration.concurrent_speed` (measured; < 1 for worker processes sharing a CPU, 1 for
-accelerators). Devices work at once in colocated and shared modes with 2+ devices, in
+accelerators). Devices work at once in colocated and fully_shared modes with 2+ devices, in
 separated mode among 2+ engines or 2+ trainers, and between engines and trainers when s >= 1
-(they overlap). Colocated and shared devices work in lock-step (the driver's phase barriers,
+(they overlap). Colocated and fully shared devices work in lock-step (the driver's phase barriers,
 the gradient all-reduce), and so do 2+ data-parallel train devices in any mode: there the
 divisor is `Calibration.lockstep` (measured with the two probe processes meeting as a
 colocated step does; work that slows one holds up both). An engine that finishes its share
@@ -72,7 +72,7 @@ class SimResult:
     lane_devices: dict[str, int]  # lane -> devices it stands for
     timeline: list[TimelineEvent]
     dropped_samples: int  # finished but too stale to train on
-    max_staleness: int  # largest (update version - sample min_version) trained on
+    staleness_max: int  # largest (update version - sample min_version) trained on (the run's metric)
     updates: int
     update_end_s: tuple[float, ...] = ()  # when each update's new weights exist
     # stalesync_model "runtime" only: tokens generated in each update's step (its rollouts),
@@ -123,13 +123,13 @@ class _Sim:
         self.timeline: list[TimelineEvent] = []
         self.version = 0
         self.dropped = 0
-        self.max_staleness = 0
+        self.staleness_max = 0
         self.trained_tokens = 0
         engines = self._num_engines()
         self.engines = [_Engine(f"engine{i}") for i in range(engines)]
         self.update_end: list[float] = []
         slow = 1.0 / (cal.concurrent_speed if cfg.mode == "separated" else cal.lockstep)
-        overlap = cfg.mode == "separated" and cfg.staleness > 0
+        overlap = cfg.mode == "separated" and cfg.max_staleness > 0
         self.engine_slow = slow if (engines > 1 or overlap) else 1.0
         # data-parallel train devices meet in the gradient all-reduce: lock-step in every mode
         self.train_slow = (1.0 / cal.lockstep if self.train_devices() > 1
@@ -156,7 +156,7 @@ class _Sim:
             length = round(cfg.response_median * math.exp(self.rng.gauss(0.0, cfg.length_sigma)))
         prompt = (cfg.prompt_lengths[self.next_idx % len(cfg.prompt_lengths)] if cfg.prompt_lengths
                   else cfg.prompt_len)
-        sample = Sample(self.next_idx, self.next_idx // self.n, prompt, min(max(length, 1), cfg.max_response_len))
+        sample = Sample(self.next_idx, self.next_idx // self.n, prompt, min(max(length, 1), cfg.max_new_tokens))
         self.next_idx += 1
         return sample
 
@@ -166,12 +166,12 @@ class _Sim:
         (a new sample of batch b needs b <= max_batch_index)."""
         if not eng.active:
             eng.clock = max(eng.clock, now)
-        free = self.cfg.max_batch_per_engine - len(eng.active)
+        free = self.cfg.max_num_seqs - len(eng.active)
         waiting = len(self.resume) + max(0, (max_batch_index + 1) * self.n - self.next_idx)
         if eng.active and free < min(waiting, self.cfg.min_prefill_batch):
             return  # the scheduler waits for a bigger prefill batch
         added: list[Sample] = []
-        while len(eng.active) + len(added) < self.cfg.max_batch_per_engine:
+        while len(eng.active) + len(added) < self.cfg.max_num_seqs:
             if self.resume:
                 added.append(self.resume.pop(0))
             elif self.next_idx // self.n <= max_batch_index:
@@ -228,7 +228,7 @@ class _Sim:
         eng.active = [s for s in eng.active if s.generated < s.length]
         tokens = sum(s.prompt_len + s.length for s in done)
         eng.finished_tokens += tokens
-        if tokens and self.cfg.mode == "separated" and self.cfg.reference_placement == "rollout":
+        if tokens and self.cfg.mode == "separated" and self.cfg.scorers == "rollout":
             # scored where generated, as they finish (the per-pass fixed cost is not charged)
             ref = tokens / self.cal.reference_rate(self.cal.devices_per_engine) * self.engine_slow
             self.record(eng.name, "ref", eng.clock, eng.clock + ref, eng.version)
@@ -243,7 +243,7 @@ class _Sim:
         """The N oldest ready samples within the staleness bound of `update`, or None."""
         if len(self.ready) < self.n:  # cannot fill a batch yet; stale ones are dropped later
             return None
-        bound = update - self.cfg.staleness
+        bound = update - self.cfg.max_staleness
         stale = [s for s in self.ready if s.min_version < bound]
         self.dropped += len(stale)
         self.ready = sorted((s for s in self.ready if s.min_version >= bound),
@@ -251,7 +251,7 @@ class _Sim:
         if len(self.ready) < self.n:
             return None
         batch, self.ready = self.ready[:self.n], self.ready[self.n:]
-        self.max_staleness = max(self.max_staleness, max(update - s.min_version for s in batch))
+        self.staleness_max = max(self.staleness_max, max(update - s.min_version for s in batch))
         self.trained_tokens += sum(s.length for s in batch)
         return batch
 
@@ -261,14 +261,14 @@ class _Sim:
         cfg, cal = self.cfg, self.cal
         tokens = sum(s.prompt_len + s.length for s in batch)
         queued = tokens if cfg.padding_free else len(batch) * (max((s.prompt_len for s in batch), default=cfg.prompt_len)
-                                                               + cfg.max_response_len)
+                                                               + cfg.max_new_tokens)
         devices = self.train_devices()
         rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9)
                    + len(batch) * cal.driver_s_per_sample)]
-        if cfg.mode == "separated" and cfg.reference_placement == "train":
+        if cfg.mode == "separated" and cfg.scorers == "train":
             phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
-        if cfg.mode == "shared" and cfg.reward_model:
+        if cfg.mode == "fully_shared" and cfg.reward_model:
             phases += [("switch", cal.switch_s),
                        ("reward", cal.reference_s(tokens, devices) * self.train_slow)]
         train = (tokens * cfg.train_fraction / rate + cal.train_step_overhead_s) * self.train_slow
@@ -277,10 +277,10 @@ class _Sim:
 
     def reference_phases(self, tokens: int) -> list[tuple[str, float]]:
         """One engine's reference pass over the `tokens` it generated (colocated modes; with
-        reference_placement 'train' the pass runs on the same devices after the switch)."""
+        scorers 'train' the pass runs on the same devices after the switch)."""
         cal = self.cal
         forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine) * self.engine_slow)
-        if self.cfg.mode != "shared":
+        if self.cfg.mode != "fully_shared":
             return [forward]
         return [("switch", cal.reference_switch / 2), forward,
                 ("switch", cal.reference_switch / 2)]
@@ -316,7 +316,7 @@ def _colocated_phase_done(sim: _Sim, update: int, partial: bool) -> bool:
     if not partial:
         return (not sim.resume and all(not e.active for e in sim.engines)
                 and sim.next_idx >= (update + 1) * sim.n)
-    bound = update - sim.cfg.staleness
+    bound = update - sim.cfg.max_staleness
     if len(sim.ready) < sim.n or sum(1 for s in sim.ready if s.min_version >= bound) < sim.n:
         return False
     active = [s for e in sim.engines for s in e.active] + sim.resume
@@ -325,9 +325,9 @@ def _colocated_phase_done(sim: _Sim, update: int, partial: bool) -> bool:
 
 def _run_colocated(sim: _Sim) -> float:
     cfg, cal, now = sim.cfg, sim.cal, 0.0
-    partial = cfg.partial_rollout and cfg.staleness > 0
+    partial = cfg.partial_rollout and cfg.max_staleness > 0
     for update in range(cfg.num_steps):
-        limit = update + cfg.staleness if partial else update
+        limit = update + cfg.max_staleness if partial else update
         for eng in sim.engines:
             eng.version, eng.clock, eng.finished_tokens = update, now, 0
             sim.admit(eng, limit, now)
@@ -370,7 +370,7 @@ def _run_separated(sim: _Sim) -> float:
     training_until = math.inf
     arrivals: list[tuple[float, int]] = []
     for eng in sim.engines:
-        sim.admit(eng, cfg.staleness, now)
+        sim.admit(eng, cfg.max_staleness, now)
     while sim.version < cfg.num_steps:
         if training_until == math.inf:
             batch = sim.take_batch(sim.version)
@@ -399,10 +399,10 @@ def _run_separated(sim: _Sim) -> float:
                 sim.record(e.name, "switch", e.clock, e.clock + cal.switch_s, version)
                 e.clock += cal.switch_s
                 e.version = version
-                sim.admit(e, version + cfg.staleness, e.clock)
+                sim.admit(e, version + cfg.max_staleness, e.clock)
         else:
             sim.ready += sim.advance(eng, now)
-            sim.admit(eng, eng.version + cfg.staleness, now)
+            sim.admit(eng, eng.version + cfg.max_staleness, now)
     return now
 
 
@@ -433,7 +433,7 @@ def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
         makespan_s=makespan,
         utilization={lane: min(1.0, b / makespan) for lane, b in busy.items()},
         lane_devices=lanes, timeline=sim.timeline, dropped_samples=sim.dropped,
-        max_staleness=sim.max_staleness, updates=sim.version,
+        staleness_max=sim.staleness_max, updates=sim.version,
         update_end_s=tuple(sim.update_end),
         generated_per_update=tuple(book.generated) if book else (),
         staleness_per_sample=tuple(book.staleness_seen) if book else (),
