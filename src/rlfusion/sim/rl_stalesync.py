@@ -149,7 +149,9 @@ class RuntimeStaleSync:
             if cfg.response_lengths:
                 n = cfg.response_lengths[(group_id * self.G + i) % len(cfg.response_lengths)]
                 length = min(max(n, 1), cfg.max_new_tokens)
-            prompt = self._prompt_ids.setdefault(prompt_len, [0] * prompt_len)
+            if prompt_len not in self._prompt_ids:
+                self._prompt_ids[prompt_len] = [0] * prompt_len
+            prompt = self._prompt_ids[prompt_len]
             out.append(_SimSample(group_id, prompt_len, length, Request(f"{group_id}/{i}", prompt, self.params)))
         return out
 
