@@ -53,3 +53,22 @@ def test_cli_eval_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert main(["eval", "--ckpt", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_has_no_pretraining_keys(tmp_path, capsys):
+    assert "pretrain" not in TrainConfig.__dataclass_fields__  # `rlfusion pretrain` owns them
+    (tmp_path / "run.toml").write_text("[pretrain]\nseed = 2\n")
+    for args in (["pretrain.seed=1"], [str(tmp_path / "run.toml")]):
+        assert main(["train", *args, f"out_dir={tmp_path / 'runs'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "unknown config key 'pretrain'" in err
+        assert "rlfusion pretrain" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_without_a_base_names_rlfusion_pretrain(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("rlfusion.model.checkpoint.find_base", lambda model="tiny": None)
+    assert main(["train", "max_steps=1", f"out_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no base model" in err and "`rlfusion pretrain`" in err
+    assert not (tmp_path / "runs").exists()

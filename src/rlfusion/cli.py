@@ -54,12 +54,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     import dataclasses
     import time
 
-    from rlfusion.config import load_config, parse_override
-    from rlfusion.model.checkpoint import default_base_path, find_base
-    from rlfusion.pretrain import pretrain
+    from rlfusion.config import parse_override
+    from rlfusion.model.checkpoint import SHIPPED_BASE, default_base_path, find_base
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.deployment import DeploymentPlan
-    from rlfusion.runtime.train_config import TrainConfig
     from rlfusion.runtime import run_state
     from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps, write_run_config
 
@@ -81,12 +79,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         lock = run_state.lock_run_dir(run_dir)  # held until this process exits
         trainer = resume(run_dir, overrides)
     else:
-        cfg = load_config(TrainConfig, args.config, args.overrides)
-        base = Path(cfg.base) if cfg.base else find_base(cfg.pretrain.model)
+        cfg = _load_train_config(args)
+        base = Path(cfg.base) if cfg.base else find_base()
         if base is None:
-            base = default_base_path(cfg.pretrain.model)
-            print(f"no base model found: pretraining one into {base} first (one-time, cached)")
-            pretrain(cfg.pretrain, base)
+            raise ValueError(f"no base model: none pretrained into {default_base_path()} and none shipped "
+                             f"at {SHIPPED_BASE}; run `rlfusion pretrain` (about 3 minutes) or pass base=DIR")
         print(f"base model: {base}")
         cfg = dataclasses.replace(cfg, base=str(base.resolve()))
         run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("grpo-%Y%m%d-%H%M%S"))
@@ -114,6 +111,21 @@ def cmd_train(args: argparse.Namespace) -> None:
     finally:
         trainer.close()
         lock.close()
+
+
+def _load_train_config(args: argparse.Namespace):
+    """The run's `TrainConfig`; a `pretrain` section (`rlfusion pretrain`'s keys) is named as such."""
+    from rlfusion.config import load_config
+    from rlfusion.runtime.train_config import TrainConfig
+
+    try:
+        return load_config(TrainConfig, args.config, args.overrides)
+    except ValueError as e:
+        if not str(e).startswith("unknown config key 'pretrain'"):
+            raise
+        raise ValueError("unknown config key 'pretrain': `rlfusion train` starts from a base checkpoint "
+                         "(base=DIR; default: the one you pretrained, else the shipped one); pretraining "
+                         "keys go to `rlfusion pretrain`, e.g. `rlfusion pretrain seed=1`") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

@@ -1,8 +1,9 @@
 """Typed configuration of an RL run (`rlfusion train`): one dataclass per component.
 
-Defaults are the embedded default run: GRPO on the built-in arithmetic task, from the cached
-tiny base model, sized to finish in under 10 minutes on 2 CPU cores. The learning rate and clip
-were measured on the tiny model: 3e-4 worked; 5e-4 was unstable; 1e-3 collapsed.
+Defaults are the embedded default run: GRPO on the built-in arithmetic task, from the tiny base
+model, sized to finish in under 10 minutes on 2 CPU cores. The learning rate and clip were
+measured on the tiny model: 3e-4 worked; 5e-4 was unstable; 1e-3 collapsed. A run starts from a
+checkpoint (`base`); making one is `rlfusion pretrain`, with its own config (`PretrainConfig`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlfusion.config import check_fields
-from rlfusion.pretrain import PretrainConfig
 from rlfusion.rl.datasets import DataConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 from rlfusion.runtime.deployment import DeployConfig
@@ -123,7 +123,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    base: str = ""  # rlfusion or Hugging Face checkpoint folder; "" = the cached base model (pretrained if missing)
+    # rlfusion or Hugging Face checkpoint folder; "" = the base pretrained into the cache by
+    # `rlfusion pretrain`, else the one shipped with the package (model.checkpoint.find_base)
+    base: str = ""
     out_dir: str = "runs"
     run_name: str = ""  # "" = a timestamped name
     seed: int = 0
@@ -144,7 +146,6 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     stalesync: StaleSyncConfig = field(default_factory=StaleSyncConfig)
 
