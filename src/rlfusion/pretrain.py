@@ -157,7 +157,7 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
         step, tokens = step + 1, tokens + n
         loss_avg = loss if math.isnan(loss_avg) else 0.9 * loss_avg + 0.1 * loss
         if not math.isfinite(loss):
-            raise RunError(f"pretraining loss became {loss} at step {step}; lower pretrain.lr "
+            raise RunError(f"pretraining loss became {loss} at step {step}; lower the learning rate, lr= "
                            f"(now {cfg.lr}); the best checkpoint so far is kept in {out}")
         if step % cfg.eval_every_steps == 0 and loss_avg < cfg.eval_below_loss:
             result = evaluate(model, tokenizer, heldout, task.reward, seed=cfg.seed)
