@@ -32,7 +32,7 @@ from pathlib import Path
 
 import ray
 
-from rlfusion.cli import find_base
+from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer

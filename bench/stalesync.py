@@ -47,13 +47,13 @@ from pathlib import Path
 
 import ray
 
-from rlfusion.cli import find_base
+from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.obs.timeline import plot_gantt
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
-from rlfusion.sim.measure import default_setup
-from rlfusion.sim.measure_contention import measure_contention
+from rlfusion.measure.calibrate import default_setup
+from rlfusion.measure.contention import measure_contention
 
 THRESHOLD = 0.75  # partial rollout: an update goes ahead once 3/4 of its prompt groups finished
 
@@ -96,7 +96,7 @@ def engine_floors(max_num_seqs: int) -> dict[str, float]:
 
     from rlfusion.engine.engine import EngineConfig
     from rlfusion.model.checkpoint import load_checkpoint
-    from rlfusion.sim.measure import engine_step_times, task_prompts
+    from rlfusion.measure.calibrate import engine_step_times, task_prompts
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

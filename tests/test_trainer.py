@@ -9,14 +9,18 @@ from rlfusion.cli import main
 from rlfusion.config import load_config
 from rlfusion.obs.metrics import read_metrics
 from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
-from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages
+from rlfusion.rl.kl import kl_estimate
+from rlfusion.runtime.dataflow import group_problem
+from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages, gae_advantages
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.run_state import read_state
 from rlfusion.runtime.trainer import RLTrainer, resume
 
 TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
                "time_update_s", "time_step_s", "time_queue_s", "time_decode_s", "time_prefill_s",
-               "time_stop_sync_s"}
+               "time_stop_sync_s", "time_switch_s", "time_advantage_s",
+               # switches since the last step: an evaluation or checkpoint between steps adds one
+               "optimizer_offloads", "optimizer_restores"}
 
 
 def _cfg(base, tmp_path, name, **over) -> TrainConfig:
@@ -67,9 +71,13 @@ def test_run_folder_contents(base, tmp_path):
         assert (tmp_path / "r" / name).exists(), name
     assert json.loads((tmp_path / "r" / "config.json").read_text())["max_steps"] == 2
     events = json.loads((tmp_path / "r" / "timeline.json").read_text())["traceEvents"]
-    assert {e["name"] for e in events if e.get("ph") == "X"} == {"rollout", "score", "train"}
+    # the local backend's one device does what a Ray device does: the switch, and evaluation too
+    assert {e["name"] for e in events if e.get("ph") == "X"} == {"rollout", "switch", "reward", "reference", "queue", "train",
+                                                                 "eval"}
     rows = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "utilization_mean" in r]
-    assert len(rows) == 2 and all(0.9 < r["utilization_device0"] <= 1.0 for r in rows)
+    assert len(rows) == 2 and all(0.8 < r["utilization_device0"] <= 1.0 for r in rows), rows
+    # after the first update (AdamW's state exists from then on) it goes to host and back every step
+    assert all(r["optimizer_offloads"] == r["optimizer_restores"] == 1 for r in rows[1:]), rows
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(base, tmp_path, monkeypatch):
@@ -121,9 +129,11 @@ def test_existing_run_folder_is_not_overwritten(base, tmp_path, capsys):
 def test_reward_model_hook_scores_batches(base, tmp_path):
     cfg = _cfg(base, tmp_path, "rm", max_steps=1, reward='"reward_fns:ShortIsGood"')
     trainer = RLTrainer(cfg, tmp_path / "rm", base)
-    problems = [trainer.task.sample(trainer.prompt_rng) for _ in range(2)]
-    trajs = trainer.rollout.generate(problems, first_group_id=0)
-    trainer.reward.score(trajs)
+    device = trainer.devices.workers[0]  # the local backend's one device
+    problems = [group_problem(trainer.task, cfg.seed, g) for g in range(2)]
+    with device.switch.rollout():
+        trajs = device.rollout.generate(problems, [0, 1])
+    device.reward.score(trajs)
     texts = [trainer.tokenizer.decode(t.response_ids) for t in trajs]
     assert [t.reward for t in trajs] == [1.0 if len(x) < 6 else 0.0 for x in texts]
 
@@ -136,16 +146,16 @@ def test_bad_reward_spec_is_one_clear_line(base, tmp_path):
 def test_ppo_with_critic_trains_the_value_model(base, tmp_path):
     cfg = _cfg(base, tmp_path, "ppo", max_steps=3, **{"algo.advantage": "gae", "algo.kl_coef": 0, "algo.lam": 1})
     trainer = RLTrainer(cfg, tmp_path / "ppo", base)
-    head_before = trainer.critic.model.lm_head.weight.clone()
+    device = trainer.devices.workers[0]
+    head_before = device.critic.model.lm_head.weight.clone()
     metrics = [trainer.train_step() for _ in range(3)]
     assert all("value_error" in m for m in metrics)
-    assert not torch.equal(head_before, trainer.critic.model.lm_head.weight)
-    problems = [trainer.task.sample(trainer.prompt_rng)]
-    trajs = trainer.rollout.generate(problems, first_group_id=0)
-    trainer.reward.score(trajs)
-    trainer.critic.values(trajs)
-    from rlfusion.runtime.stages import compute_advantages
-    compute_advantages(trajs, cfg.algo, cfg.rollout.group_size)
+    assert not torch.equal(head_before, device.critic.model.lm_head.weight)
+    with device.switch.rollout():
+        trajs = device.rollout.generate([group_problem(trainer.task, cfg.seed, 99)], [99])
+    device.reward.score(trajs)
+    device.critic.values(trajs)
+    gae_advantages(trajs, cfg.algo)
     for t in trajs:
         assert len(t.token_advantages) == len(t.response_ids) == len(t.returns)
         # gamma = lam = 1: every token's return is the Monte Carlo return, the sequence reward
@@ -153,26 +163,35 @@ def test_ppo_with_critic_trains_the_value_model(base, tmp_path):
 
 
 def _direct_step(trainer: RLTrainer) -> dict[str, float]:
-    """Reference: the stages called one after another on shared trajectories, no queue."""
-    cfg = trainer.cfg
-    problems = [trainer.task.sample(trainer.prompt_rng) for _ in range(cfg.rollout.prompts_per_step)]
-    trainer.rollout.engine.policy_version = trainer.actor.version
-    trajs = trainer.rollout.generate(problems, first_group_id=trainer.step * len(problems))
-    trainer.reward.score(trajs)
+    """Reference: the stages called one after another on shared trajectories, no queue and no
+    switch (the device's stage objects, called directly)."""
+    cfg, device = trainer.cfg, trainer.devices.workers[0]
+    P = cfg.rollout.prompts_per_step
+    groups = list(range(trainer.step * P, (trainer.step + 1) * P))
+    with device.switch.rollout():  # (the switch moves state bitwise: nothing it computes changes)
+        trajs = device.rollout.generate([group_problem(trainer.task, cfg.seed, g) for g in groups], groups,
+                                        trainer.devices.version)
+    device.reward.score(trajs)
     metrics = {}
-    if trainer.reference is not None:
-        trainer.reference.logprobs(trajs)
+    if device.reference is not None:
+        device.reference.logprobs(trajs)
         if cfg.algo.kl_mode == "reward":
+            for t in trajs:
+                t.metrics["kl"] = float(kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs),
+                                                    cfg.algo.kl_kind).sum())
             metrics.update(apply_kl_reward_penalty(trajs, cfg.algo))
-    if trainer.critic is not None:
-        trainer.critic.values(trajs)
     kept = compute_advantages(trajs, cfg.algo, cfg.rollout.group_size)
-    if trainer.critic is not None:
-        metrics.update(trainer.critic.update(trajs))
+    if device.critic is not None:
+        device.switch.enter_train()
+        device.critic.values(trajs)
+        gae_advantages(trajs, cfg.algo)
+        metrics.update(device.critic.update(trajs))
+    device.switch.enter_train()
     if kept:
-        metrics.update(trainer.actor.update(kept))
+        metrics.update(device.actor.update(kept))
     else:
-        trainer.actor.version += 1
+        device.actor.skip_update()
+    trainer.devices.version += 1
     trainer.step += 1
     metrics["reward_mean"] = sum(t.reward for t in trajs) / len(trajs)
     metrics["kept_fraction"] = len(kept) / len(trajs)
@@ -191,8 +210,10 @@ def test_queue_dataflow_equals_direct_stage_calls(base, tmp_path, over):
         torch.manual_seed(1)
         want = _direct_step(direct)
         assert {k: got[k] for k in want} == want and got["kept_fraction"] > 0
-    assert len(via_queue.flow.queue) == 0  # every row retired after the update
+    assert len(via_queue.devices.queue) == 0  # every row retired after the update
+    via_queue.sync_model()
+    direct.sync_model()
     for (k, a), b in zip(via_queue.model.state_dict().items(), direct.model.state_dict().values()):
         assert torch.equal(a, b), k
-    assert via_queue.actor.version == 2 and any(  # the updates did change the weights
+    assert via_queue.version == 2 and any(  # the updates did change the weights
         not torch.equal(p, q) for p, q in zip(via_queue.model.parameters(), RLTrainer(cfg, tmp_path / "c", base).model.parameters()))

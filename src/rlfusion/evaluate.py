@@ -6,9 +6,9 @@ Generation goes through the rollout engine, so evaluation exercises the same pat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from rlfusion.engine.engine import EngineConfig, LLMEngine
+from rlfusion.engine.engine import EngineConfig, LLMEngine, run_to_completion
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
@@ -35,18 +35,36 @@ def evaluate(model: MoETransformer, tokenizer: Tokenizer, problems: list[Problem
              max_num_seqs: int = 128, seed: int = 0) -> EvalResult:
     was_training = model.training
     model.eval()
-    max_new = min(max_new_tokens, model.config.max_seq_len - 1
-                  - max(len(encode_prompt(tokenizer, p.prompt)) for p in problems))
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_ids=(tokenizer.eos_id,))
-    rewards, lengths = _score(model, tokenizer, problems, reward_fn, greedy, 1, max_num_seqs, seed)
+    max_new = eval_max_new_tokens(tokenizer, problems, max_new_tokens, model.config.max_seq_len)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, seed=seed))
+    completions = greedy_completions(engine, tokenizer, problems, max_new)
+    scored = [(reward_fn(tokenizer.decode(c.output_ids), p), len(c.output_ids)) for c, p in zip(completions, problems)]
     pass_k = None
     if k > 0:
         sampled = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_ids=(tokenizer.eos_id,))
         rewards_k, _ = _score(model, tokenizer, problems, reward_fn, sampled, k, max_num_seqs, seed)
         pass_k = sum(max(rewards_k[i * k:(i + 1) * k]) > 0 for i in range(len(problems))) / len(problems)
     model.train(was_training)
-    return EvalResult(sum(r > 0 for r in rewards) / len(problems), len(problems),
-                      sum(lengths) / len(lengths), pass_k, k)
+    return summarize(scored, pass_k, k)
+
+
+def summarize(scored: list[tuple[float, int]], pass_k: float | None = None, k: int = 0) -> EvalResult:
+    """An `EvalResult` from each problem's greedy (reward, response length)."""
+    return EvalResult(sum(r > 0 for r, _ in scored) / len(scored), len(scored),
+                      sum(n for _, n in scored) / len(scored), pass_k, k)
+
+
+def eval_max_new_tokens(tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int, max_seq_len: int) -> int:
+    """The response budget of an evaluation: `max_new_tokens`, or less where the longest prompt
+    leaves less room in the model's context."""
+    return min(max_new_tokens, max_seq_len - 1 - max(len(encode_prompt(tokenizer, p.prompt)) for p in problems))
+
+
+def greedy_completions(engine: Any, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int) -> list:
+    """One greedy completion per problem from `engine` (its KV cache must be allocated)."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,))
+    requests = [Request(f"eval/{i}", encode_prompt(tokenizer, p.prompt), greedy) for i, p in enumerate(problems)]
+    return run_to_completion(engine, requests)
 
 
 def _score(model, tokenizer, problems, reward_fn, params, k, max_num_seqs, seed):

@@ -138,6 +138,7 @@ class DistQueue:
         self.controller = QueueController(cfg.group_size)
         self.storage = StorageShard()
         self.stats = QueueStats()
+        self.wire_bytes = 0  # bytes this client moved to and from storage (none in process)
         self._cond = threading.Condition(threading.Lock())
 
     def __len__(self) -> int:
@@ -204,6 +205,31 @@ class DistQueue:
             if self.schema.spec(c).variable_length:
                 cells[c] = [list(v) for v in cells[c]]
         return Batch(rows, [m.group_id for m in meta], [m.version for m in meta], cells)
+
+    def get_rows(self, consumer: str, row_ids: Sequence[int], columns: Sequence[str],
+                 timeout: float | None = None) -> Batch:
+        """The named rows, in that order, marked consumed by `consumer`: a reader told which
+        rows to take (by the controller of a run) waits until their `columns` are all ready,
+        up to `timeout` seconds (None: forever; TimeoutError after it)."""
+        self.schema.check_names(columns)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self.controller.check_rows(consumer, row_ids)
+            while not self.controller.rows_ready(row_ids, columns):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"rows for {consumer!r} not ready in {timeout:.3g}s")
+                self._cond.wait(left)
+                self.controller.check_rows(consumer, row_ids)
+            self.controller.mark_consumed(consumer, row_ids)
+            self.stats.get_requests += 1
+            self.stats.rows_served += len(row_ids)
+            meta = [self.controller.rows[r] for r in row_ids]
+            cells = self.storage.read(row_ids, columns)
+        for c in columns:
+            if self.schema.spec(c).variable_length:
+                cells[c] = [list(v) for v in cells[c]]
+        return Batch(list(row_ids), [m.group_id for m in meta], [m.version for m in meta], cells)
 
     # ---- retiring ----
 

@@ -176,6 +176,20 @@ class QueueController:
                 out.extend(members)
         return out
 
+    def check_rows(self, consumer: str, row_ids: Sequence[int]) -> None:
+        """Named rows a reader may take: live, distinct and not yet consumed by `consumer`."""
+        if len(set(row_ids)) != len(row_ids):
+            raise ValueError("row ids to read must be distinct")
+        for r in row_ids:
+            m = self.rows.get(r)
+            if m is None:
+                raise ValueError(f"row {r} is not in the queue (never written, or retired)")
+            if consumer in m.consumed:
+                raise ValueError(f"row {r} was already consumed by {consumer!r}")
+
+    def rows_ready(self, row_ids: Sequence[int], columns: Sequence[str]) -> bool:
+        return all(r in self.rows and self.rows[r].ready.issuperset(columns) for r in row_ids)
+
     def mark_consumed(self, consumer: str, row_ids: Sequence[int]) -> None:
         for r in row_ids:
             self.rows[r].consumed.add(consumer)

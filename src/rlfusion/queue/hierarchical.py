@@ -47,10 +47,20 @@ class GroupQueue:
     def get(self, consumer: str, columns: Sequence[str], count: int, policy: str = "fifo",
             block: bool = False, timeout: float | None = None) -> Batch:
         """The same `Batch` on every rank of the group, read from the queue once."""
+        return self._shared(columns, lambda: self.queue.get(consumer, columns, count, policy,
+                                                             block=block, timeout=timeout))
+
+    def get_rows(self, consumer: str, row_ids: Sequence[int], columns: Sequence[str],
+                 timeout: float | None = None) -> Batch:
+        """The named rows on every rank of the group, read from the queue once (only the
+        reader's `row_ids` are used)."""
+        return self._shared(columns, lambda: self.queue.get_rows(consumer, row_ids, columns, timeout=timeout))
+
+    def _shared(self, columns: Sequence[str], read: Any) -> Batch:
         header: list[Any] = [None]
         if self.rank == self.reader:
             try:
-                batch = self.queue.get(consumer, columns, count, policy, block=block, timeout=timeout)
+                batch = read()
                 self.requests += 1
                 wire = pack_columns(self.schema, batch.columns, len(batch))
                 payload, layout = _flatten(wire)

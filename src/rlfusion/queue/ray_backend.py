@@ -21,6 +21,7 @@ Not here: torch.distributed (see `hierarchical.py`) and which stage reads what.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -122,6 +123,31 @@ class QueueControllerActor:
         self.stats.rows_served += len(rows)
         meta = [self.controller.rows[r] for r in rows]
         return rows, [m.group_id for m in meta], [m.version for m in meta]
+
+    async def acquire_rows(self, consumer: str, row_ids: list[int], columns: list[str],
+                           timeout: float | None) -> tuple[list[int], list[int]]:
+        """`row_ids` for `consumer` once their `columns` are ready (woken by each commit),
+        marked consumed by it; returns their group ids and versions."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = self._condition()
+        async with cond:
+            self.controller.check_rows(consumer, row_ids)
+            while not self.controller.rows_ready(row_ids, columns):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"rows for {consumer!r} not ready in {timeout:.3g}s")
+                try:
+                    await asyncio.wait_for(cond.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+                self.controller.check_rows(consumer, row_ids)
+            self.controller.mark_consumed(consumer, row_ids)
+        for r in row_ids:
+            self.reading[r] = self.reading.get(r, 0) + 1
+        self.stats.get_requests += 1
+        self.stats.rows_served += len(row_ids)
+        meta = [self.controller.rows[r] for r in row_ids]
+        return [m.group_id for m in meta], [m.version for m in meta]
 
     async def retire(self, row_ids: list[int]) -> list[int]:
         done = self.controller.retire(row_ids)
@@ -246,6 +272,10 @@ def _by_shard(row_ids: Sequence[int], num_shards: int) -> dict[int, list[int]]:
     return out
 
 
+def _nbytes(obj: Any) -> int:
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _call(ref: Any) -> Any:
     """`ray.get`, re-raising an actor's own error (ValueError, QueueFullError) as itself so the
     caller sees the one-line message, not a remote traceback."""
@@ -261,21 +291,30 @@ class RayDistQueue:
     """DistQueue client for the Ray backend; see the module docstring for the data path."""
 
     def __init__(self, cfg: QueueConfig, num_shards: int = 1, name: str | None = None,
-                 _actors: tuple[Any, list[Any]] | None = None):
+                 _actors: tuple[Any, list[Any]] | None = None, placement: list[Any] | None = None):
+        """`placement`: a Ray scheduling strategy per shard, then one for the controller (e.g.
+        the bundles of the devices' placement group, so the data sits beside the devices);
+        None spreads the shards over the cluster's nodes."""
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        if placement is not None and len(placement) != num_shards + 1:
+            raise ValueError(f"placement needs {num_shards + 1} strategies (one per shard, then the controller's), "
+                             f"got {len(placement)}")
         if not ray.is_initialized():
             raise RuntimeError("RayDistQueue needs Ray: call ray.init() (or ray.init(address=...)) first")
         self.cfg, self.schema, self.num_shards, self.name = cfg, Schema(tuple(cfg.columns)), num_shards, name
+        self.wire_bytes = 0  # bytes this client moved to and from the shards
+        self.meta_bytes = 0  # row ids, group ids and versions this client sent to or got from the controller
         if _actors is not None:
             self.controller, self.shards = _actors
             return
         named = {} if name is None else {"name": name}  # lives as long as this process's Ray job
+        where = placement or ["SPREAD"] * num_shards + ["DEFAULT"]
         # The actors only move metadata and bytes: they take no CPU slot from the RL workers.
         self.controller = ray.remote(QueueControllerActor).options(
-            num_cpus=0, max_concurrency=1000, **named).remote(cfg, num_shards)
+            num_cpus=0, max_concurrency=1000, scheduling_strategy=where[-1], **named).remote(cfg, num_shards)
         self.shards = [ray.remote(StorageShardActor).options(
-            num_cpus=0, scheduling_strategy="SPREAD",
+            num_cpus=0, scheduling_strategy=where[k],
             **({} if name is None else {"name": f"{name}/shard{k}"})).remote(self.schema)
             for k in range(num_shards)]
         ray.get(self.controller.set_shards.remote(self.shards))
@@ -321,6 +360,7 @@ class RayDistQueue:
         else:
             ids = list(row_ids)
             _call(self.controller.begin_write.remote(ids, names))
+        self.meta_bytes += _nbytes((ids, group_ids, versions))
         try:
             self._write_shards(ids, columns)
         except BaseException:
@@ -336,7 +376,9 @@ class RayDistQueue:
         refs = []
         for k, rows in _by_shard(ids, self.num_shards).items():
             part = {c: [vals[pos[r]] for r in rows] for c, vals in columns.items()}
-            refs.append(self.shards[k].write.remote(rows, pack_columns(self.schema, part, len(rows))))
+            wire = pack_columns(self.schema, part, len(rows))
+            self.wire_bytes += wire.nbytes
+            refs.append(self.shards[k].write.remote(rows, wire))
         ray.get(refs)
 
     # ---- reads ----
@@ -347,6 +389,19 @@ class RayDistQueue:
         check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
         rows, groups, versions = _call(self.controller.acquire.remote(
             consumer, list(columns), count, policy, block, timeout))
+        self.meta_bytes += _nbytes((rows, groups, versions))
+        return Batch(rows, groups, versions, self._read_shards(consumer, rows, columns))
+
+    def get_rows(self, consumer: str, row_ids: Sequence[int], columns: Sequence[str],
+                 timeout: float | None = None) -> Batch:
+        """Same contract as `DistQueue.get_rows`; the cells come straight from the shards."""
+        self.schema.check_names(columns)
+        rows = list(row_ids)
+        groups, versions = _call(self.controller.acquire_rows.remote(consumer, rows, list(columns), timeout))
+        self.meta_bytes += _nbytes((rows, groups, versions))
+        return Batch(rows, groups, versions, self._read_shards(consumer, rows, columns))
+
+    def _read_shards(self, consumer: str, rows: list[int], columns: Sequence[str]) -> dict[str, list[Any]]:
         by_shard = _by_shard(rows, self.num_shards)
         try:
             wires = ray.get([self.shards[k].read.remote(rs, list(columns)) for k, rs in by_shard.items()])
@@ -358,10 +413,11 @@ class RayDistQueue:
                 self.controller.release.remote(rows)
         cell: dict[int, dict[str, Any]] = {}
         for rs, wire in zip(by_shard.values(), wires):
+            self.wire_bytes += wire.nbytes
             vals = unpack_columns(wire)
             for i, r in enumerate(rs):
                 cell[r] = {c: vals[c][i] for c in columns}
-        return Batch(rows, groups, versions, {c: [cell[r][c] for r in rows] for c in columns})
+        return {c: [cell[r][c] for r in rows] for c in columns}
 
     # ---- retiring ----
 

@@ -36,6 +36,7 @@ class Trajectory:
     token_advantages: list[float] | None = None
     returns: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    row_id: int = -1  # its DistQueue row, once it has one
 
     @property
     def num_tokens(self) -> int:

@@ -1,27 +1,31 @@
 """The RL dataflow as DistQueue traffic: one queue row per sampled response, one column per field
-a stage adds, and the step that moves rows from stage to stage.
+a stage adds, and which columns each stage reads and writes.
 
-    rollout ─put─► [problem prompt_ids response_ids behaviour_logprobs versions finish_reason]
-    reward     get(problem, response_ids)            ─put─► reward, correct
-    reference  get(prompt_ids, response_ids)         ─put─► ref_logprobs           (with a KL term)
-    critic     get(prompt_ids, response_ids)         ─put─► values                 (PPO)
-    advantage  get(reward, ..., policy="group")      ─put─► advantage | token_advantages + returns, train
-    actor      get(everything the update needs)      ─► update; rows retired once the actor has them
+    rollout    (device)  ─put─► problem prompt_ids response_ids behaviour_logprobs versions
+                                finish_reason sample num_tokens response_len truncated
+    reward     (device)  get(problem, response_ids)                 ─put─► reward correct
+    reference  (device)  get(prompt_ids, response_ids, behaviour_logprobs) ─put─► ref_logprobs kl
+    advantage  (driver)  get(reward correct kl sample num_tokens response_len truncated)
+                                                      ─put─► advantage shaped_reward train
+    actor      (device)  get_rows(prompt_ids response_ids behaviour_logprobs advantage|shaped_reward
+                                  [ref_logprobs]) ─► update; the controller then retires the rows
 
-A stage reads only the columns it needs and writes only the ones it produces, so the stages can
-live in other processes (the Ray backend) or run concurrently (StaleSync) without change. The
-stage objects in `stages.py` still work on `Trajectory` lists; `to_trajectories` and
-`trajectory_columns` translate. Nothing here knows how the stages are placed or scheduled.
+Everything the controller reads or writes is a number per row; token-length columns move only
+between devices. A stage reads only the columns it needs and writes only the ones it produces.
+`Trajectory` is the stages' working form of a row: `to_trajectories` and `trajectory_columns`
+translate.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rlfusion.queue import Batch, ColumnSpec, QueueConfig
+from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
 
 TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
@@ -31,27 +35,76 @@ TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
     ColumnSpec("behaviour_logprobs", "float32", variable_length=True),
     ColumnSpec("versions", "int64", variable_length=True),  # policy version of each response token
     ColumnSpec("finish_reason", "object"),
+    ColumnSpec("sample", "int32"),  # index of the sample in its group
+    ColumnSpec("num_tokens", "int32"),  # prompt + response
+    ColumnSpec("response_len", "int32"),
+    ColumnSpec("truncated", "int8"),  # stopped at max_new_tokens
     ColumnSpec("reward", "float64"),
     ColumnSpec("correct", "float64"),  # the task score, before any shaping
     ColumnSpec("ref_logprobs", "float32", variable_length=True),
-    ColumnSpec("values", "float32", variable_length=True),
+    ColumnSpec("kl", "float64"),  # the sample's summed KL estimate against the reference
     ColumnSpec("advantage", "float64"),
-    ColumnSpec("token_advantages", "float32", variable_length=True),
-    ColumnSpec("returns", "float32", variable_length=True),
+    ColumnSpec("shaped_reward", "float64"),  # the reward after KL shaping (what GAE uses)
     ColumnSpec("train", "int8"),  # 1 = kept for the update (dynamic sampling may drop a group)
 )
-ROLLOUT_COLUMNS = ("problem", "prompt_ids", "response_ids", "behaviour_logprobs", "versions", "finish_reason")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The columns one stage reads and the ones it writes."""
+
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+ROLLOUT = Stage("rollout", (), ("problem", "prompt_ids", "response_ids", "behaviour_logprobs", "versions",
+                                "finish_reason", "sample", "num_tokens", "response_len", "truncated"))
+REWARD = Stage("reward", ("problem", "response_ids"), ("reward", "correct"))
+REFERENCE = Stage("reference", ("prompt_ids", "response_ids", "behaviour_logprobs"), ("ref_logprobs", "kl"))
+ADVANTAGE = Stage("advantage", ("reward", "correct", "sample", "num_tokens", "response_len", "truncated"),
+                  ("advantage", "shaped_reward", "train"))
+
+
+def advantage_reads(cfg: Any) -> tuple[str, ...]:
+    """What the controller's advantage stage reads: with KL reward shaping also each row's KL."""
+    return ADVANTAGE.reads + (("kl",) if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward" else ())
+
+
+def actor_reads(cfg: Any) -> list[str]:
+    """The columns an update reads: GAE (PPO with a critic) needs the reward, not an advantage."""
+    cols = ["prompt_ids", "response_ids", "behaviour_logprobs"]
+    cols.append("shaped_reward" if cfg.algo.advantage == "gae" else "advantage")
+    if cfg.algo.kl_coef and cfg.algo.kl_mode == "loss":
+        cols.append("ref_logprobs")
+    return cols
 
 
 def queue_config(group_size: int, capacity: int | None = None) -> QueueConfig:
     return QueueConfig(TRAJECTORY_COLUMNS, capacity=capacity, group_size=group_size)
 
 
+def group_problem(task: Any, seed: int, group_id: int) -> Problem:
+    """The problem of prompt group `group_id`: a pure function of the run's seed and the id, so
+    whichever device (or the controller) samples it gets the same one, and a resumed run too."""
+    return task.sample(random.Random(f"{seed}/{group_id}"))
+
+
+_GETTERS: dict[str, Callable[[Trajectory], Any]] = {
+    "sample": lambda t: t.metrics["sample"],
+    "correct": lambda t: t.metrics["correct"],
+    "kl": lambda t: t.metrics["kl"],
+    "shaped_reward": lambda t: t.metrics["shaped_reward"],
+    "train": lambda t: int(t.metrics.get("train", 1)),
+    "num_tokens": lambda t: t.num_tokens,
+    "response_len": lambda t: len(t.response_ids),
+    "truncated": lambda t: int(t.finish_reason == "length"),
+}
+
+
 def trajectory_columns(trajs: Sequence[Trajectory], names: Sequence[str]) -> dict[str, list[Any]]:
     """The named fields of each trajectory, as queue columns."""
-    getters: dict[str, Callable[[Trajectory], Any]] = {
-        "correct": lambda t: t.metrics["correct"], "train": lambda t: int(t.metrics.get("train", 1))}
-    return {n: [getters[n](t) if n in getters else getattr(t, n) for t in trajs] for n in names}
+    return {n: [_GETTERS[n](t) if n in _GETTERS else getattr(t, n) for t in trajs] for n in names}
 
 
 def to_trajectories(batch: Batch) -> list[Trajectory]:
@@ -65,49 +118,11 @@ def to_trajectories(batch: Batch) -> list[Trajectory]:
         t = Trajectory(group_id=group, problem=kw.pop("problem", None), prompt_ids=kw.pop("prompt_ids", []),
                        response_ids=kw.pop("response_ids", []), behaviour_logprobs=kw.pop("behaviour_logprobs", []),
                        versions=kw.pop("versions", []), finish_reason=kw.pop("finish_reason", ""), **kw)
-        for extra in ("correct", "train"):
+        for extra in ("sample", "correct", "kl", "train", "num_tokens", "response_len", "truncated"):
             if extra in cols:
                 t.metrics[extra] = cols[extra][i]
+        if "shaped_reward" in cols:  # the update's reward
+            t.reward = cols["shaped_reward"][i]
+        t.row_id = batch.row_ids[i]
         out.append(t)
     return out
-
-
-class QueueDataflow:
-    """The synchronous loop's side of the queue: puts rollouts, runs one stage at a time over
-    the rows, retires finished rows, and keeps the seconds spent on queue traffic (gets, puts
-    and the row <-> trajectory translation, not the stages' own work) in `overhead_s`."""
-
-    def __init__(self, queue: Any):
-        self.queue = queue
-        self.overhead_s = 0.0
-
-    def put_rollouts(self, trajs: Sequence[Trajectory]) -> list[int]:
-        """New rows, one per trajectory; a row's version is the oldest policy version among its tokens."""
-        t0 = time.perf_counter()
-        ids = self.queue.put(trajectory_columns(trajs, ROLLOUT_COLUMNS), group_ids=[t.group_id for t in trajs],
-                             versions=[min(t.versions, default=0) for t in trajs])
-        self.overhead_s += time.perf_counter() - t0
-        return ids
-
-    def run_stage(self, consumer: str, needs: Sequence[str], produces: Sequence[str], count: int,
-                  work: Callable[[list[Trajectory]], Any], policy: str = "fifo") -> tuple[list[Trajectory], Any]:
-        """Take `count` rows with `needs` ready, run `work` on them as trajectories, write back
-        `produces`. Returns the trajectories and what `work` returned."""
-        t0 = time.perf_counter()
-        batch = self.queue.get(consumer, needs, count, policy)
-        if len(batch) != count:
-            raise RuntimeError(f"stage {consumer!r} expected {count} ready rows, the queue had {len(batch)}")
-        trajs = to_trajectories(batch)
-        t1 = time.perf_counter()
-        result = work(trajs)
-        t2 = time.perf_counter()
-        if produces:
-            self.queue.put(trajectory_columns(trajs, produces), row_ids=batch.row_ids)
-        self.overhead_s += (t1 - t0) + (time.perf_counter() - t2)
-        return trajs, result
-
-    def retire_done(self, last_consumer: str) -> int:
-        t0 = time.perf_counter()
-        done = self.queue.clear_consumed([last_consumer])
-        self.overhead_s += time.perf_counter() - t0
-        return len(done)

@@ -61,6 +61,12 @@ class DeployConfig:
     # devices (FSDP2, ZeRO-3; the routed experts of an expert-parallel layout stay out of it)
     # instead of a full replica on each; every rollout still runs on a full replica per device
     train_fsdp: bool = False
+    # a training layout's tensor-parallel group reads the update's rows from the queue once (its
+    # first device) and broadcasts them to the others, instead of each device reading them
+    hierarchical_reads: bool = True
+    # how long a stage waits for the queue rows it was told to read (a producer that died or
+    # hangs ends the run with this in the message instead of a silent hang)
+    queue_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_fields("deploy", {
@@ -72,6 +78,7 @@ class DeployConfig:
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
             "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),
             "train_ep": (self.train_ep >= 1, "must be >= 1 (1 = every device holds every expert)"),
+            "queue_timeout_s": (self.queue_timeout_s > 0, "must be > 0 (seconds)"),
         }, self)
         if self.train_layout and (self.mode == "separated" or self.backend != "ray"):
             raise ValueError(f"{self.layout_name} is invalid with mode "

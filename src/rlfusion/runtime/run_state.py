@@ -1,5 +1,5 @@
 """Checkpoint and resume of an RL run: model, optimizer, RNG states, data position, step, the
-DistQueue's rows (including partially filled ones) and StaleSync's in-flight partial rollouts.
+StaleSync's in-flight partial rollouts.
 
 Written to `run_dir/checkpoint.tmp`; the previous checkpoint is renamed to `checkpoint.old`
 before the new one takes its place, so a run killed at any moment of a save leaves a complete
@@ -65,25 +65,24 @@ def _save(trainer, tmp: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.sync_model()
     save_checkpoint(tmp, trainer.model, trainer.tokenizer, {"rl_steps": trainer.step})
+    devices = trainer.devices
+    actor = devices.state()  # weights (saved above, from the controller's copy), optimizer, version
     torch.save({
         "step": trainer.step,
         "elapsed": trainer.elapsed,
         "base_accuracy": trainer.base_accuracy,
-        "actor_version": trainer.actor.version,
-        "optimizer": trainer.actor.optimizer.state_dict(),
-        "prompt_rng": trainer.prompt_rng.getstate(),
-        "engine_rng": trainer.rollout.rng_state(),
+        "actor_version": actor["version"],
+        "optimizer": actor["optimizer"],
+        "engine_rng": devices.rng_state(),
         "torch_rng": torch.get_rng_state(),
         "bad_steps": trainer.bad_steps,
-        "queue": trainer.flow.queue.state_dict(),  # empty between synchronous steps
         # StaleSync: groups in flight (partial samples with their token versions) and the batch
-        # already taken for the next update, so a resumed run keeps the staleness bound
+        # already taken for the next update, so a resumed run keeps the staleness bound (the
+        # queue itself is empty between steps: every step retires its rows)
         "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
                                                          "pending": trainer.pending,
                                                          "shape": _stalesync_shape(trainer)},
-        "critic": (None if trainer.critic is None else
-                   {"model": trainer.critic.model.state_dict(),
-                    "optimizer": trainer.critic.optimizer.state_dict()}),
+        "critic": devices.critic_state() if trainer.cfg.algo.advantage == "gae" else None,
     }, tmp / STATE)
     old = trainer.run_dir / "checkpoint.old"
     shutil.rmtree(old, ignore_errors=True)
@@ -122,15 +121,12 @@ def _restore(trainer, state: dict, path: Path) -> None:
     trainer.step, trainer.elapsed = state["step"], float(state["elapsed"])
     trainer.saved_step = trainer.step
     trainer.base_accuracy = state["base_accuracy"]
-    trainer.actor.version = state["actor_version"]
     _check_optimizer_shapes(state["optimizer"], list(trainer.model.parameters()))
-    trainer.actor.optimizer.load_state_dict(state["optimizer"])
-    trainer.prompt_rng.setstate(state["prompt_rng"])
-    trainer.rollout.set_rng_state(state["engine_rng"])
+    trainer.devices.load_state({"model": trainer.model.state_dict(), "optimizer": state["optimizer"],
+                                "version": state["actor_version"]})
+    trainer.devices.set_rng_state(state["engine_rng"])
     torch.set_rng_state(state["torch_rng"])
     trainer.bad_steps = state.get("bad_steps", 0)
-    if "queue" in state:
-        trainer.flow.queue.load_state_dict(state["queue"])
     if trainer.stale is not None and state.get("stalesync"):
         saved, now = state["stalesync"].get("shape"), _stalesync_shape(trainer)
         if saved is not None and saved != now:
@@ -143,9 +139,8 @@ def _restore(trainer, state: dict, path: Path) -> None:
         raise ValueError(f"{path} was written without StaleSync; resume it with stalesync.enabled=false")
     elif trainer.stale is None and state.get("stalesync"):
         raise ValueError(f"{path} holds StaleSync rollouts in flight; resume it with stalesync.enabled=true")
-    if trainer.critic is not None and state.get("critic"):
-        trainer.critic.model.load_state_dict(state["critic"]["model"])
-        trainer.critic.optimizer.load_state_dict(state["critic"]["optimizer"])
+    if trainer.cfg.algo.advantage == "gae" and state.get("critic"):
+        trainer.devices.load_critic_state(state["critic"])
 
 
 def _check_optimizer_shapes(saved: dict, params: list[torch.Tensor]) -> None:

@@ -23,7 +23,6 @@ from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl import advantages as adv
 from rlfusion.rl.dapo import dynamic_sampling_mask, overlong_penalty
-from rlfusion.rl.kl import kl_reward_penalty
 from rlfusion.rl.policy_loss import value_loss
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardModel, describe_reward,
@@ -51,9 +50,9 @@ class RolloutStage:
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
-    def generate(self, problems: list[Problem], first_group_id: int, version: int | None = None,
+    def generate(self, problems: list[Problem], group_ids: list[int], version: int | None = None,
                  on_finish: Any = None) -> list[Trajectory]:
-        """Group ids count up from `first_group_id`; tokens are stamped with policy `version`.
+        """`group_ids[g]` is problem g's group; tokens are stamped with policy `version`.
         `on_finish(trajectory)`, if given, sees each sample the moment it finishes (the same
         engine steps run either way, so the samples do not depend on it). Returns the samples in
         request order (group by group); `metrics["sample"]` is each one's index in its group."""
@@ -63,7 +62,9 @@ class RolloutStage:
         was_training = model.training
         model.eval()
         G = self.cfg.group_size
-        requests = [Request(f"{first_group_id + g}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params)
+        if len(group_ids) != len(problems):
+            raise ValueError(f"{len(problems)} problems need as many group ids, got {len(group_ids)}")
+        requests = [Request(f"{group_ids[g]}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params)
                     for g, p in enumerate(problems) for i in range(G)]
         index = {r.request_id: k for k, r in enumerate(requests)}
         done: dict[int, Trajectory] = {}
@@ -73,7 +74,7 @@ class RolloutStage:
             while self.engine.has_unfinished():
                 for c in self.engine.step():
                     k = index[c.request_id]
-                    t = Trajectory(first_group_id + k // G, problems[k // G], c.prompt_ids, c.output_ids,
+                    t = Trajectory(group_ids[k // G], problems[k // G], c.prompt_ids, c.output_ids,
                                    c.logprobs, c.versions, c.finish_reason)
                     t.metrics["sample"] = k % G
                     done[k] = t
@@ -334,23 +335,20 @@ class ReferenceStage:
 
 
 def apply_kl_reward_penalty(trajs: list[Trajectory], algo: AlgoConfig) -> dict[str, float]:
-    batch = pack(trajs)
-    rewards_S = torch.tensor([t.reward for t in trajs])
-    mask = batch.loss_mask_N.bool()
-    penalized, metrics = kl_reward_penalty(rewards_S, batch.behaviour_logprobs_N[mask],
-                                           batch.ref_logprobs_N[mask], batch.seq_idx_N[mask],
-                                           algo.kl_coef, algo.kl_kind)
-    for t, r in zip(trajs, penalized.tolist()):
-        t.reward = r
-    return metrics
+    """Each sample's reward minus `kl_coef` x its summed KL estimate (`metrics["kl"]`, written by
+    the reference stage), as in classic RLHF."""
+    kl = [t.metrics["kl"] for t in trajs]
+    for t, k in zip(trajs, kl):
+        t.reward -= algo.kl_coef * k
+    return {"kl_seq_mean": sum(kl) / len(kl) if kl else 0.0}
 
 
 def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: int) -> list[Trajectory]:
-    """Set `advantage` (or per-token `token_advantages` for GAE) on every trajectory; returns the
-    ones to train on (dynamic sampling may drop groups whose rewards are all equal: they carry
-    no group-relative signal)."""
+    """Set `advantage` on every trajectory from the rewards of its group (GRPO, RLOO) or of the
+    batch (REINFORCE++); returns the ones to train on (dynamic sampling may drop groups whose
+    rewards are all equal: they carry no group-relative signal). GAE's per-token advantages
+    need the critic's values: `gae_advantages` computes them where the critic runs."""
     if algo.advantage == "gae":
-        _gae(trajs, algo)
         return trajs
     rewards_GS = torch.tensor([t.reward for t in trajs]).view(-1, group_size)
     if algo.advantage == "grpo":
@@ -370,9 +368,11 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 
 
-def _gae(trajs: list[Trajectory], algo: AlgoConfig) -> None:
-    """Per-token GAE with the sequence reward on the last response token."""
-    R = max(len(t.response_ids) for t in trajs)
+def gae_advantages(trajs: list[Trajectory], algo: AlgoConfig, group: Any = None) -> None:
+    """Per-token GAE with the sequence reward on the last response token, whitened over the
+    batch: with a data-parallel `group`, over every rank's tokens (each rank holds a share of
+    the samples), so the result does not depend on how the batch was split."""
+    R = max((len(t.response_ids) for t in trajs), default=0)
     rewards, values, mask = (torch.zeros(len(trajs), R) for _ in range(3))
     for s, t in enumerate(trajs):
         n = len(t.response_ids)
@@ -381,11 +381,18 @@ def _gae(trajs: list[Trajectory], algo: AlgoConfig) -> None:
         mask[s, :n] = 1.0
     adv_SR, ret_SR = adv.gae_advantages(rewards, values, mask, algo.gamma, algo.lam)
     valid = mask.bool()
-    mean, std = adv_SR[valid].mean(), adv_SR[valid].std().clamp_min(1e-6)
+    # sums in float64, so the whitening is the same for any split of the batch
+    sums = torch.tensor([float(valid.sum()), adv_SR[valid].double().sum(), adv_SR[valid].double().pow(2).sum()],
+                        dtype=torch.float64)
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    n, total, squares = sums.tolist()
+    mean = total / max(n, 1.0)
+    std = max(((squares - n * mean * mean) / max(n - 1.0, 1.0)) ** 0.5, 1e-6)
     adv_SR = (adv_SR - mean) / std  # whitened over the batch, as in standard PPO
     for s, t in enumerate(trajs):
-        n = len(t.response_ids)
-        t.token_advantages, t.returns = adv_SR[s, :n].tolist(), ret_SR[s, :n].tolist()
+        n_s = len(t.response_ids)
+        t.token_advantages, t.returns = adv_SR[s, :n_s].tolist(), ret_SR[s, :n_s].tolist()
 
 
 class CriticStage:

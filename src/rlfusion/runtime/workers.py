@@ -1,33 +1,20 @@
-"""Device workers: one process per device hosting the RL roles its `DeploymentPlan` gives it.
-The driver reaches them through `ray_devices.RayDevices` and its stage-shaped proxies.
+"""Device workers: one process per device (or one object in the driver's process, the local
+backend) hosting the RL roles its `DeploymentPlan` gives it. The controller reaches them only
+through `devices.Devices`, with commands and row ids; samples move between the devices through
+the DistQueue (`dataflow.py` lists the columns each stage reads and writes):
 
-    driver (RLTrainer + DistQueue)
-      │ generate(problems) ─► rollout devices   (engine over the policy weights)
-      │ score(trajs)       ─► reward device      (rule or reward model)
-      │ ref_logprobs(...)  ─► reference devices  (frozen base, split by tokens)
-      │ update(shards)     ─► train devices      (full replica each, or the actor's shards in a
-      │                                           training layout; gradients summed over the
-      │                                           train group: one full-batch step)
-      └ sync_weights()     ─► separated mode: train device 0 broadcasts the new weights to the
-                              rollout devices in contiguous buckets of `deploy.bucket_mb`
+    generate(group ids) rollout devices: sample each group's problem, generate, score and add
+                        reference logprobs when reward and reference live here, put the rows
+    score(count)        reward / reference devices (separated mode): read rows, write columns
+    update(row ids)     train devices: read their rows (one reader per tensor-parallel group,
+                        broadcast to the others), critic + GAE for PPO, one full-batch step
+    evaluate(indices)   rollout devices: greedy held-out accuracy on their share
+    sync_weights()      separated mode: bucketed broadcast of the new weights
 
-In colocated and fully-shared modes the engine generates from the very tensors the optimizer
-updates, so the switch to rollout moves no weights: it offloads the optimizer state to host and
-frees the gradients, and allocates the KV cache; the switch back releases the KV cache and
-restores the optimizer state. With a training layout (`deploy.train_tp` / `train_ep` /
-`train_fsdp`) the actor trains on its shards instead (`train_model`: attention heads and dense
-FFN columns over TP, routed experts over EP, data parallel across the TP groups, replicated or
-FSDP-sharded), and the engine generates
-from a full replica per device (`policy`): the switch to rollout fills the replica from the
-shards in buckets of `deploy.bucket_mb` (`fusion/reshard.py`, collective over the devices), the
-switch back frees it. In fully-shared mode the reference weights also live on host except
-while the reference runs. Every device keeps a `MemoryLedger` (bytes per category and
-phase) and checks the zero-redundancy rule: peak during a switch ≤ max(train, rollout peak).
-`ray_devices.RayDevices` starts one Ray actor per device in a placement group and joins them in
-one gloo (CPU) / nccl (CUDA) world; `deploy.backend=local` keeps the stages in the driver instead.
-
-Not here: the driver side (`ray_devices.py`), the order of stages (the trainer) and which
-columns flow (`dataflow.py`).
+Where the actor trains in a layout (`deploy.train_tp` / `train_ep` / `train_fsdp`) its shards
+are applied here (`_apply_layout`); everything that moves between training and generation
+(optimizer offload, KV cache, the replica, the reference weights, the weight broadcast) is
+`fusion.switch.DeviceSwitch`, which also keeps the device's memory ledger.
 """
 
 from __future__ import annotations
@@ -44,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rlfusion.fusion.memory import MemoryLedger
-from rlfusion.fusion.offload import HostPool, local_tensor, optimizer_tensors
-from rlfusion.fusion.reshard import build_inference_model, infer_to_train, release, train_to_infer
+from rlfusion.evaluate import greedy_completions
+from rlfusion.fusion.offload import local_tensor
+from rlfusion.fusion.reshard import build_inference_model, release
+from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
 from rlfusion.parallel.api import ParallelModel, lm_loss
 from rlfusion.parallel.data_parallel import apply_fsdp
@@ -54,14 +42,16 @@ from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import build_mesh
 from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
-from rlfusion.rl.problem import Problem
+from rlfusion.queue.hierarchical import GroupQueue
+from rlfusion.rl.kl import kl_estimate
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
-from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime import dataflow
 from rlfusion.runtime.actor import ActorStage
-from rlfusion.runtime.stages import CriticStage, ReferenceStage, RewardStage, RolloutStage
+from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.heap import freeze_long_lived
+from rlfusion.runtime.stages import CriticStage, ReferenceStage, RewardStage, RolloutStage, gae_advantages
 from rlfusion.runtime.train_config import TrainConfig
 
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
@@ -86,30 +76,33 @@ def listening_store(host: str, world_size: int) -> dist.TCPStore:
 
 
 class DeviceWorker:
-    """The roles of one device. Every span of work is recorded as (phase, wall start, wall end)."""
+    """The roles of one device. Every span of work is recorded as (phase, wall start, wall end).
+    `queue` is the run's DistQueue client (the in-process queue for the local backend; Ray
+    workers get theirs in `connect`)."""
 
-    def __init__(self, device: int, plan: DeploymentPlan, cfg: TrainConfig, base_path: str):
+    def __init__(self, device: int, plan: DeploymentPlan, cfg: TrainConfig, base_path: str, queue: Any = None):
         torch.set_num_threads(cfg.deploy.threads_per_device if cfg.deploy.backend == "ray" else cfg.threads)
         torch.manual_seed(cfg.seed)
         self.device, self.plan, self.cfg = device, plan, cfg
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path)
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
-        # one model, unless the actor trains in a layout (`train_tp` / `train_ep` / `train_fsdp`):
-        # then its shards (applied in `connect`) and a full replica, filled from them before every
-        # rollout
+        # one model, unless the actor trains in a layout: then its shards (applied in `connect`)
+        # and a full replica, filled from them before every rollout
         self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep)
                        if plan.train_layout and device in plan.train else None)
         self.train_model = model
         self.policy = model if self.layout is None else build_inference_model(model.config)
         self.pm: ParallelModel | None = None
         self._experts_of: dict[int, ExpertParallelExperts] = {}  # expert-parallel parameter → its module
+        self.spans: list[tuple[str, float, float]] = []
         self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
                         if "rollout" in roles else None)
         if self.layout is not None:
             release(self.policy)  # resident only while generating
-        task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
-        reward_fn = task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
+        self.tokenizer = tokenizer
+        self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
+        reward_fn = self.task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
         self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens,
                                    name=cfg.reward, timeout_s=cfg.reward_timeout_s)
                        if "reward" in roles else None)
@@ -117,9 +110,15 @@ class DeviceWorker:
                           if "reference" in roles and cfg.algo.kl_coef else None)
         self.actor: ActorStage | None = None
         self.critic: CriticStage | None = None  # PPO's value model, next to the actor
-        self.spans: list[tuple[str, float, float]] = []
+        self.dp_group: Any = None
+        self.switch = DeviceSwitch(device, self.policy, self.train_model,
+                                   self.rollout.engine.runner.cache if self.rollout is not None else None,
+                                   int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", self._span)
+        if self.reference is not None:
+            self.switch.attach(reference=self.reference.model)
+        self.queue = queue
+        self.reads: Any = queue  # where `update` reads its rows: the queue, or its TP group's reader
         self.sync_group = self.rollout_group = None
-        self.ledger = MemoryLedger(f"device{device}")
         # finished samples a peer may score (`generate(share=True)`, `take_finished`)
         self._pool: list[Trajectory] = []
         self._pooling = self._decoding = False
@@ -127,12 +126,7 @@ class DeviceWorker:
         self._pool_lock = threading.Lock()
         self._pool_changed = threading.Condition(self._pool_lock)  # an offer, or the pool's state moved on
         self._store = None  # device 0: the rendezvous store of the device world
-        self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
-        if self.rollout is not None:
-            self.rollout.engine.runner.cache.release()  # allocated only while generating
-        if self.reference is not None and plan.mode == "fully_shared":
-            self.reference_pool.offload(self.reference.model.parameters())
-        self._account()
+        self._queue_bytes = 0  # bytes this device's queue client had moved at the last report
 
     # ---- wiring ----
 
@@ -147,9 +141,12 @@ class DeviceWorker:
         self._store = listening_store(host, self.plan.num_devices)
         return host, self._store.port
 
-    def connect(self, address: tuple[str, int] | None) -> None:
+    def connect(self, address: tuple[str, int] | None, queue: Any = None) -> None:
         """Join the device world through the rendezvous store at `address` (device 0's
-        `address()`; None: a world of one, no process group) and build the actor."""
+        `address()`; None: a world of one, no process group), take the run's queue client and
+        build the actor."""
+        if queue is not None:
+            self.queue = self.reads = queue
         train_group = None
         if address is not None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -161,18 +158,19 @@ class DeviceWorker:
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
             self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
         if self.device in self.plan.train:
-            dp_group = train_group if len(self.plan.train) > 1 else None
+            self.dp_group = train_group if len(self.plan.train) > 1 else None
             if self.layout is not None:
-                dp_group = self._apply_layout()
+                self.dp_group = self._apply_layout()
             if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
                 if self.layout is not None:  # the driver refuses this first (trainer._check_train_layout)
                     raise ValueError("algo.advantage=gae needs full replicas: the critic sums its gradients "
                                      "over the data-parallel group itself, not over a training layout's")
-                self.critic = CriticStage(self.train_model, self.cfg.algo, self.cfg.optim, dp_group=dp_group)
+                self.critic = CriticStage(self.train_model, self.cfg.algo, self.cfg.optim, dp_group=self.dp_group)
             self.actor = ActorStage(self.train_model, self.cfg.algo, self.cfg.optim, self.cfg.rollout.temperature,
-                                    total_updates=self.cfg.max_steps, dp_group=dp_group, layout=self.pm,
+                                    total_updates=self.cfg.max_steps, dp_group=self.dp_group, layout=self.pm,
                                     dp_sharded=self.plan.train_fsdp)
-            self._account()
+            self.switch.attach(optimizer=self.actor.optimizer, pm=self.pm,
+                               critic=(self.critic.model, self.critic.optimizer) if self.critic else None)
 
     def settle(self) -> None:
         """Setup is over (called once in the worker's own process, after `connect`): full garbage
@@ -186,8 +184,9 @@ class DeviceWorker:
         each (`ActorStage` sums the replicas' gradients), or with `train_fsdp` shards it over them
         (FSDP2: parameters gathered per block for each pass, gradients reduce-scattered as sums,
         since the loss is normalized by the global batch); expert shards are summed over their
-        expert-data-parallel group either way. Returns the data-parallel group (None with one TP
-        group). Collective: every device joins."""
+        expert-data-parallel group either way. With `deploy.hierarchical_reads` one device of
+        each TP group reads the update's rows and broadcasts them to the others. Returns the
+        data-parallel group (None with one TP group). Collective: every device joins."""
         mesh = build_mesh(self.layout, self.train_model.config)
         for block in self.train_model.layers:
             if self.layout.tp > 1:
@@ -198,46 +197,69 @@ class DeviceWorker:
             apply_fsdp(self.train_model, mesh.device_mesh["dp"], sum_gradients=True)
         self.pm = ParallelModel(mesh, [self.train_model], self.train_model.config, 1, lm_loss, torch.device("cpu"))
         self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
+        if self.layout.tp > 1 and self.cfg.deploy.hierarchical_reads:
+            group = mesh.group("tp")
+            reader = min(dist.get_process_group_ranks(group))
+            self.reads = GroupQueue(self.queue if self.device == reader else None, self.queue.schema, group,
+                                    reader=reader, writer=reader)
         return mesh.group("dp") if self.layout.dp > 1 else None
 
     def ping(self) -> int:
         return self.device
 
-    # ---- stage work ----
+    # ---- rollout ----
 
-    def generate(self, problems: list[Problem], first_group_id: int, version: int,
-                 score_here: bool = False, share: bool = False) -> list[Trajectory]:
-        """Rollout; with `score_here` (reward and reference live on this device too) the new
-        trajectories are also scored and given reference logprobs before they leave the device.
+    def generate(self, group_ids: list[int], version: int, score_here: bool = False,
+                share: bool = False) -> dict[str, int]:
+        """Generate `group_size` samples for each group's problem and put them in the queue as
+        rows; with `score_here` (reward and reference live on this device too) the rows carry
+        their reward and reference logprobs when they go in. Returns counts only.
 
         With `share`, finished samples wait in a pool that `take_finished` (served on its own
         thread while this call runs) hands out, a chunk at a time, to an idle peer running
-        `score_from`; this call then returns only the samples nobody took, scored here. The pool
-        stays open while this device scores its own samples, `SCORE_CHUNK_TOKENS` at a time, so a peer
-        that runs out of work shares that too and the two finish together."""
+        `score_from`, which scores and puts them; this device scores and puts the rest,
+        `SCORE_CHUNK_TOKENS` at a time, so a peer that runs out of work shares that too and
+        the two finish together."""
         if share and not score_here:
             raise ValueError("generate(share=True) needs score_here=True: the samples a peer takes are "
                              "scored there, the rest here")
+        problems = [dataflow.group_problem(self.task, self.cfg.seed, g) for g in group_ids]
         if not share:
-            trajs = self._generate(problems, first_group_id, version)
+            with self.switch.rollout():
+                trajs = self.rollout.generate(problems, group_ids, version)
             if score_here:
                 self.score_and_reference(trajs)
-            return trajs
+            self._put(trajs, scored=score_here)
+            return {"rows": len(trajs), "generated_tokens": sum(len(t.response_ids) for t in trajs)}
         with self._pool_lock:
             self._pool, self._pooling, self._decoding = [], True, True
-        mine: list[Trajectory] = []
+        mine = generated = 0
         try:
-            self._switched(lambda: self.rollout.generate(problems, first_group_id, version, on_finish=self._offer))
+            with self.switch.rollout():
+                trajs = self.rollout.generate(problems, group_ids, version, on_finish=self._offer)
+            generated = sum(len(t.response_ids) for t in trajs)
             with self._pool_changed:
                 self._decoding = False  # from now on a helper takes even the last few samples
                 self._pool_changed.notify_all()
             while chunk := self._take(SCORE_CHUNK_TOKENS):
-                mine += self.score_and_reference(chunk)
+                self._put(self.score_and_reference(chunk), scored=True)
+                mine += len(chunk)
         finally:
             with self._pool_changed:
                 self._pool, self._pooling, self._decoding = [], False, False
                 self._pool_changed.notify_all()  # a waiting helper learns at once that the pool closed
-        return mine
+        return {"rows": mine, "generated_tokens": generated}
+
+    def _put(self, trajs: list[Trajectory], scored: bool) -> None:
+        if not trajs:
+            return
+        names = dataflow.ROLLOUT.writes + (self._score_columns() if scored else ())
+        with self._span("queue"):
+            self.queue.put(dataflow.trajectory_columns(trajs, names), group_ids=[t.group_id for t in trajs],
+                           versions=[min(t.versions, default=0) for t in trajs])
+
+    def _score_columns(self) -> tuple[str, ...]:
+        return dataflow.REWARD.writes + (dataflow.REFERENCE.writes if self.reference is not None else ())
 
     def _offer(self, traj: Trajectory) -> None:
         with self._pool_changed:
@@ -259,11 +281,11 @@ class DeviceWorker:
     def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS,
                       wait_s: float = 0.0) -> tuple[list[Trajectory], bool]:
         """Finished, not yet scored samples of the running `generate(share=True)`, up to
-        `max_tokens` tokens, which are the caller's to score from now on, and whether its pool is
-        still open (more may come). While this device still decodes, none unless `min_count`
-        wait (more will come); once it scores its own, any that wait. With `wait_s`, an open pool
-        with too few samples is waited on for up to that long: the answer comes as soon as
-        enough are offered or the pool closes."""
+        `max_tokens` tokens, which are the caller's to score and put from now on, and whether
+        its pool is still open (more may come). While this device still decodes, none unless
+        `min_count` wait (more will come); once it scores its own, any that wait. With `wait_s`,
+        an open pool with too few samples is waited on for up to that long: the answer comes as
+        soon as enough are offered or the pool closes."""
         deadline = time.monotonic() + wait_s
         with self._pool_changed:
             while True:
@@ -278,36 +300,39 @@ class DeviceWorker:
             decoding = self._decoding
         return self._take(max_tokens, min_count if decoding else 1), True
 
-    def score_from(self, peer: Any, wait_s: float, min_count: int) -> list[Trajectory]:
-        """Score `peer`'s finished samples (another device's worker, inside `generate(share=True)`)
-        a chunk at a time until its pool closes. While it has fewer than `min_count` waiting, the
-        peer holds each request up to `wait_s` and answers as soon as that changes, so this
-        call ends the moment the pool closes."""
+    def score_from(self, peer: Any, wait_s: float, min_count: int) -> int:
+        """Score and put `peer`'s finished samples (another device's worker, inside
+        `generate(share=True)`) a chunk at a time until its pool closes; returns how many. While
+        it has fewer than `min_count` waiting, the peer holds each request up to `wait_s` and
+        answers as soon as that changes, so this call ends the moment the pool closes."""
         import ray
 
-        out: list[Trajectory] = []
+        done = 0
         while True:
             taken, open_ = ray.get(peer.take_finished.options(concurrency_group="pool").remote(
                 min_count, SCORE_CHUNK_TOKENS, wait_s))
             if taken:
-                out += self.score_and_reference(taken)
+                self._put(self.score_and_reference(taken), scored=True)
+                done += len(taken)
             elif not open_:
-                return out
+                return done
 
     def score_and_reference(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """Reward and (if this device holds one) reference logprobs, written into `trajs`."""
         if trajs:
-            self.score(trajs)
+            self._reward(trajs)
             if self.reference is not None:
-                self.reference_logprobs(trajs)
+                self._reference(trajs)
         return trajs
 
     def rollout_groups(self, groups: list, version: int, quota: int, must_finish: set[int],
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:
         """StaleSync's partial rollout (`RolloutStage.run_groups`) inside the same switch as
-        `generate`; finished samples are scored here when reward and reference live here."""
+        `rollout`; finished samples are scored here when reward and reference live here. The
+        samples go back to the controller's book (partial ones resume in a later rollout)."""
         sync = self._sum_over_rollout_devices if len(self.plan.rollout) > 1 else None
-        out = self._switched(lambda: self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync))
+        with self.switch.rollout():
+            out = self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync)
         if score_here:
             self.score_and_reference(out["finished"])
         return out
@@ -320,134 +345,90 @@ class DeviceWorker:
         self._stop_sync["stop_sync_s"] += time.perf_counter() - start  # waiting for the peers included
         return t.tolist()
 
-    def _generate(self, problems: list[Problem], first_group_id: int, version: int) -> list[Trajectory]:
-        return self._switched(lambda: self.rollout.generate(problems, first_group_id, version))
+    # ---- scoring (reward and reference on devices other than the rollout's) ----
 
-    def _switched(self, rollout):
-        """Run `rollout()` in the inference layout: optimizer state to host and grads freed, KV
-        cache in; the cache goes again afterwards, even if the rollout fails."""
-        with self._span("switch"), self.ledger.phase("switch"):
-            if self.pm is not None:  # train layout → replica, bucket by bucket (collective)
-                self.actor.optimizer.zero_grad(set_to_none=True)
-                offload = not self.optimizer_pool.entries  # not already on host (no update since)
-                stats = train_to_infer(self.pm, self.policy, int(self.cfg.deploy.bucket_mb * 2**20),
-                                       optimizer=self.actor.optimizer if offload else None,
-                                       pool=self.optimizer_pool if offload else None)
-                self.ledger.set("buckets", stats.peak_extra_bytes)  # the largest bucket in flight
-                self._account()
-                self.ledger.set("buckets", 0)
-            elif self.actor is not None and not self.optimizer_pool.entries:  # train → rollout
-                self.actor.optimizer.zero_grad(set_to_none=True)  # stale after the step
-                self.optimizer_pool.offload(optimizer_tensors(self.actor.optimizer))
-                self._account()
-            self.rollout.engine.runner.cache.restore()
-            self._account()
-        try:
-            with self._span("rollout"), self.ledger.phase("rollout"):
-                trajs = rollout()
-        finally:  # the cache (and a replica) never outlive the rollout, even a failed one
-            with self._span("switch"), self.ledger.phase("switch"):
-                self.rollout.engine.runner.cache.release()
-                if self.pm is not None:  # the optimizer state comes back for the update
-                    infer_to_train(self.pm, self.policy)
-                self._account()
-        return trajs
+    def score(self, reward_rows: int, reference_rows: int) -> None:
+        """Read rows as they become ready — `reward_rows` for the reward, `reference_rows` for
+        the reference — and write those columns back. Each role reads as its own consumer, so
+        a row is scored by exactly one device per role."""
+        for stage, count in ((dataflow.REWARD, reward_rows), (dataflow.REFERENCE, reference_rows)):
+            if not count:
+                continue
+            timeout = self.cfg.deploy.queue_timeout_s
+            with self._span("queue"):
+                batch = self.queue.get(stage.name, stage.reads, count, block=True, timeout=timeout)
+            if len(batch) != count:
+                raise RuntimeError(f"stage {stage.name!r} on device {self.device} waited {timeout:g} s for "
+                                   f"{count} rows and got {len(batch)} (deploy.queue_timeout_s)")
+            trajs = dataflow.to_trajectories(batch)
+            (self._reward if stage is dataflow.REWARD else self._reference)(trajs)
+            with self._span("queue"):
+                self.queue.put(dataflow.trajectory_columns(trajs, stage.writes), row_ids=batch.row_ids)
 
-    def score(self, trajs: list[Trajectory]) -> list[tuple[float, float]]:
+    def _reward(self, trajs: list[Trajectory]) -> None:
         with self._span("reward"):
             self.reward.score(trajs)
-            return [(t.reward, t.metrics["correct"]) for t in trajs]
 
-    def reference_logprobs(self, trajs: list[Trajectory]) -> list[list[float]]:
-        with self._span("reference"), self.ledger.phase("reference"):
-            if self.reference_pool.entries:  # fully shared: the reference weights come in for this
-                self.reference_pool.restore()
-                self._account()
+    def _reference(self, trajs: list[Trajectory]) -> None:
+        with self.switch.reference_pass():
             self.reference.logprobs(trajs)
-            if self.plan.mode == "fully_shared":
-                self.reference_pool.offload(self.reference.model.parameters())
-                self._account()
-            return [t.ref_logprobs for t in trajs]
+        kind = self.cfg.algo.kl_kind
+        for t in trajs:  # the summed estimate KL reward shaping subtracts (metadata-sized)
+            kl = kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs), kind)
+            t.metrics["kl"] = float(kl.sum())
 
-    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        if self.optimizer_pool.entries:
-            with self._span("switch"), self.ledger.phase("switch"):
-                self.optimizer_pool.restore()
-                self._account()
-        with self._span("train"), self.ledger.phase("train"):
-            metrics = self.actor.update(trajs)
-            self._account()
+    # ---- training ----
+
+    def update(self, row_ids: list[int]) -> dict[str, float]:
+        """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
+        parallel rank's rows; the rows are read from the queue by id."""
+        with self._span("queue"):
+            batch = self.reads.get_rows("actor", row_ids, dataflow.actor_reads(self.cfg),
+                                        timeout=self.cfg.deploy.queue_timeout_s)
+        trajs = dataflow.to_trajectories(batch)
+        metrics: dict[str, float] = {}
+        with self.switch.train():
+            if self.critic is not None:
+                with self._span("critic"):
+                    self.critic.values(trajs)
+                    gae_advantages(trajs, self.cfg.algo, self.dp_group)
+                    metrics.update(self.critic.update(trajs))
+            if any(t.metrics.get("train", 1) for t in trajs) or self.critic is not None:
+                metrics.update(self.actor.update([t for t in trajs if t.metrics.get("train", 1)]))
+            else:
+                self.actor.skip_update()
         return metrics
 
-    def critic_values(self, trajs: list[Trajectory]) -> list[list[float]]:
-        with self._span("critic"):
-            self.critic.values(trajs)
-            return [t.values for t in trajs]
-
-    def critic_update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        with self._span("critic"), self.ledger.phase("train"):
-            return self.critic.update(trajs)
-
-    def critic_state(self) -> dict[str, Any]:
-        return {"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()}
-
-    def load_critic_state(self, part: str, state: dict[str, Any]) -> None:
-        """`part` "model" or "optimizer" of the critic (every train device holds the same)."""
-        getattr(self.critic, part).load_state_dict(state)
-
-    def memory(self) -> dict[str, Any]:
-        """Per-phase device peaks (bytes) since the last call, and the zero-redundancy check
-        (one bucket allowed: a training layout's reshard fills the replica through one)."""
-        peaks = self.ledger.peaks()
-        ok = True
-        if {"switch", "train", "rollout"} <= set(peaks):
-            bucket = int(self.cfg.deploy.bucket_mb * 2**20) if self.pm is not None else 0
-            ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=bucket)
-        self.ledger = _fresh_ledger(self.ledger)
-        return {"peaks": peaks, "zero_redundancy": ok}
-
-    def _account(self) -> None:
-        """Tracked tensor bytes per category (CPU has no allocator to ask; activations are not
-        counted)."""
-        led = self.ledger
-        led.track("weights", list(self.policy.parameters()))
-        if self.train_model is not self.policy:  # the actor's shards in its training layout
-            led.track("weights", list(self.train_model.parameters()), name="train")
-        if self.actor is not None:
-            led.track("optimizer", optimizer_tensors(self.actor.optimizer))
-            led.track("grads", [p.grad for p in self.train_model.parameters() if p.grad is not None])
-            led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
-        if self.rollout is not None:
-            led.set("kv_cache", self.rollout.engine.runner.cache.nbytes)
-        if self.critic is not None:  # resident in every phase
-            led.track("weights", list(self.critic.model.parameters()), name="critic")
-            led.track("optimizer", optimizer_tensors(self.critic.optimizer), name="critic")
-        if self.reference is not None:
-            led.track("weights", list(self.reference.model.parameters()), name="reference")
-            led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
+    def skip_update(self) -> None:
+        """No sample carried signal this step: the policy is unchanged, its version moves on."""
+        self.actor.skip_update()
 
     def sync_weights(self) -> int:
-        """Separated mode: train device 0 broadcasts every parameter and persistent buffer (the
-        routers' expert biases) to the rollout devices, packed into contiguous buckets of
-        `deploy.bucket_mb`. Returns bytes sent or received."""
-        if self.device not in self.plan.rollout and self.device != self.plan.train[0]:
-            return 0
-        # meet first, outside the span: with StaleSync's overlap the train device gets here while
-        # the rollout device is still generating, and waiting is idle time, not transfer
-        dist.barrier(group=self.sync_group)
-        with self._span("transfer"):
-            params = list(self.policy.state_dict().values())
-            limit = int(self.cfg.deploy.bucket_mb * 2**20)
-            moved = 0
-            for bucket in _buckets(params, limit):
-                flat = torch.cat([p.reshape(-1) for p in bucket])
-                dist.broadcast(flat, src=self.plan.train[0], group=self.sync_group)
-                offset = 0
-                for p in bucket:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                moved += flat.numel() * flat.element_size()
-            return moved
+        """Separated mode: the first train device broadcasts the new weights to the rollout
+        devices (`DeviceSwitch.broadcast_weights`). Returns bytes sent or received."""
+        joins = self.device in self.plan.rollout or self.device == self.plan.train[0]
+        return self.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins)
+
+    # ---- evaluation ----
+
+    def evaluate(self, indices: list[int], max_new_tokens: int) -> list[tuple[float, int]]:
+        """Greedy (reward, response length) of held-out problems `indices`, generated by this
+        device's rollout engine from the current policy."""
+        heldout = self.task.heldout()
+        problems = [heldout[i] for i in indices]
+        if not problems and self.pm is None:  # (a layout's switch is collective: join it anyway)
+            return []
+        model = self.rollout.engine.runner.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self.switch.rollout("eval"):
+                completions = greedy_completions(self.rollout.engine, self.tokenizer, problems, max_new_tokens)
+        finally:
+            model.train(was_training)
+            self.rollout.engine.runner.take_stats()  # the step's engine counts are the rollout's only
+        return [(float(self.task.reward(self.tokenizer.decode(c.output_ids), p)), len(c.output_ids))
+                for c, p in zip(completions, problems)]
 
     # ---- state ----
 
@@ -459,12 +440,10 @@ class DeviceWorker:
         return self.policy.state_dict() if keep else None
 
     def state(self, keep: bool = True) -> dict[str, Any] | None:
-        """The policy weights and optimizer state, whole (train devices hold identical replicas;
-        in a training layout the shards are gathered: every train device must call this, and
-        one with `keep=False` drops each gathered tensor at once and returns None)."""
-        if self.optimizer_pool.entries:  # offloaded for a rollout whose update was skipped
-            self.optimizer_pool.restore()
-            self._account()
+        """The policy weights, optimizer state and version, whole (train devices hold identical
+        replicas; in a training layout the shards are gathered: every train device must call
+        this, and one with `keep=False` drops each gathered tensor at once and returns None)."""
+        self.switch.enter_train()  # offloaded for a rollout whose update was skipped
         optimizer = self.actor.optimizer.state_dict()
         if self.pm is not None:
             params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
@@ -508,18 +487,25 @@ class DeviceWorker:
                 for name, t in self.train_model.state_dict(keep_vars=True).items():
                     local_tensor(t).copy_(local_tensor(self._part(state["model"][name], t)))
         if self.actor is not None:
+            self.switch.enter_train()
             optimizer = state["optimizer"]
             if self.pm is not None:  # whole optimizer states → this device's shards
                 params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
                 optimizer = {**optimizer, "state": {
                     i: {k: self._part(v, params[int(i)]) if k != "step" else v for k, v in st.items()}
                     for i, st in optimizer["state"].items()}}
+            # own storages (a state read from disk may not be resizable, and offloading resizes them)
+            optimizer = {**optimizer, "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                    for k, v in st.items()} for i, st in optimizer["state"].items()}}
             self.actor.optimizer.load_state_dict(optimizer)
             self.actor.version = state["version"]
 
-    def skip_update(self) -> None:
-        """No sample carried signal this step: the policy is unchanged, its version moves on."""
-        self.actor.skip_update()
+    def critic_state(self) -> dict[str, Any]:
+        return {"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()}
+
+    def load_critic_state(self, state: dict[str, Any]) -> None:
+        self.critic.model.load_state_dict(state["model"])
+        self.critic.optimizer.load_state_dict(state["optimizer"])
 
     def rng_state(self) -> torch.Tensor:
         return self.rollout.rng_state()
@@ -527,17 +513,20 @@ class DeviceWorker:
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.rollout.set_rng_state(state)
 
-    def engine_stats(self) -> dict[str, float]:
-        """The rollout engine's pass counts and seconds since the last call, and the partial
-        rollouts' stop-rule sums (calls and seconds, waiting for the other devices included)."""
-        if self.rollout is None:
-            return {}
-        out, self._stop_sync = {**self.rollout.engine.runner.take_stats(), **self._stop_sync}, _no_stop_sync()
-        return out
+    # ---- what the controller records per step ----
 
-    def take_spans(self) -> list[tuple[str, float, float]]:
-        out, self.spans = self.spans, []
-        return out
+    def report(self) -> dict[str, Any]:
+        """Since the last call: spans (phase, wall start, wall end), the rollout engine's pass
+        counts and seconds with the partial rollouts' stop-rule sums, the memory ledger's
+        per-phase peaks and zero-redundancy check, and the bytes this device moved through the
+        queue."""
+        spans, self.spans = self.spans, []
+        engine: dict[str, float] = {}
+        if self.rollout is not None:
+            engine, self._stop_sync = {**self.rollout.engine.runner.take_stats(), **self._stop_sync}, _no_stop_sync()
+        moved = getattr(self.queue, "wire_bytes", 0)
+        queue_bytes, self._queue_bytes = moved - self._queue_bytes, moved
+        return {"spans": spans, "engine": engine, "memory": self.switch.memory(), "queue_bytes": queue_bytes}
 
     @contextmanager
     def _span(self, phase: str) -> Iterator[None]:
@@ -546,28 +535,3 @@ class DeviceWorker:
             yield
         finally:
             self.spans.append((phase, start, time.time()))
-
-
-def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
-    """A ledger with the same current bytes and no phase peaks yet (peaks are per step)."""
-    new = MemoryLedger(old.device)
-    for location, cats in old.snapshot().items():
-        for category, nbytes in cats.items():
-            if nbytes:
-                new.set(category, nbytes, location=location)
-    return new
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive groups of same-dtype tensors of at most `limit` bytes (a larger tensor alone)."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if out and size + nbytes <= limit and out[-1][0].dtype == t.dtype:
-            out[-1].append(t)
-            size += nbytes
-        else:
-            out.append([t])
-            size = nbytes
-    return out

@@ -1,0 +1,210 @@
+"""The train↔rollout switch of one device, for every deployment mode: what moves, in which
+phase, and what the device's memory ledger sees.
+
+    entering rollout                                     entering training
+    colocated / fully shared, plain actor:
+      grads freed, optimizer state → host pool             optimizer state ← host pool
+      KV cache allocated                                   KV cache released (right after rollout)
+    colocated, actor in a training layout (TP / EP / FSDP):
+      grads freed, shards → full replica in buckets        replica freed, optimizer state back
+      (collective; optimizer state → host pool)
+    fully shared, reference role:
+      reference weights live on host; they come in for the reference pass and go out after it
+    separated (rollout devices ≠ train devices):
+      after each update the first train device broadcasts every parameter and persistent
+      buffer to the rollout devices in buckets of `bucket_bytes` (`buckets.plan_buckets`)
+
+`DeviceSwitch` holds the state that moves (host pools, the engine's KV cache, the replica) and
+the device's `MemoryLedger`; the device worker calls it around its roles' work and never moves
+optimizer state, caches or weights itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlfusion.fusion.buckets import pack, plan_buckets, specs_of, unpack
+from rlfusion.fusion.memory import MemoryLedger
+from rlfusion.fusion.offload import HostPool, optimizer_tensors
+from rlfusion.fusion.reshard import infer_to_train, train_to_infer
+
+
+class DeviceSwitch:
+    """One device's switch. `policy` is what the engine generates from, `train_model` what the
+    optimizer updates (the same module unless the actor trains in a layout, `pm`); `cache` is
+    the engine's KV cache (None on a device without rollout); `span(phase)` records a span of
+    the device's timeline."""
+
+    def __init__(self, device: int, policy: torch.nn.Module, train_model: torch.nn.Module, cache: Any,
+                 bucket_bytes: int, fully_shared: bool, span: Callable[[str], Any]):
+        self.policy, self.train_model, self.cache = policy, train_model, cache
+        self.bucket_bytes, self.fully_shared, self.span = bucket_bytes, fully_shared, span
+        self.ledger = MemoryLedger(f"device{device}")
+        self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
+        self.pm: Any = None  # the actor's training layout (ParallelModel), when it has one
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.critic: Any = None  # (model, optimizer) of PPO's value model: resident in every phase
+        self.reference: torch.nn.Module | None = None
+        self.offloads = self.restores = 0  # optimizer state moves to host and back (the ledger's count)
+        if cache is not None:
+            cache.release()  # allocated only while generating
+
+    def attach(self, *, optimizer: torch.optim.Optimizer | None = None, pm: Any = None,
+               reference: torch.nn.Module | None = None, critic: Any = None) -> None:
+        """The roles' state this switch moves (set once the roles exist)."""
+        if optimizer is not None:
+            self.optimizer = optimizer
+        if pm is not None:
+            self.pm = pm
+        if critic is not None:
+            self.critic = critic
+        if reference is not None:
+            self.reference = reference
+            if self.fully_shared:
+                self.reference_pool.offload(reference.parameters())
+        self.account()
+
+    # ---- colocated: rollout ↔ train on the same device ----
+
+    @contextmanager
+    def rollout(self, phase: str = "rollout") -> Iterator[None]:
+        """The body (a rollout, or an evaluation: `phase` names its timeline span) runs in the
+        inference layout (optimizer state on host, grads freed, KV cache in, a full replica in a
+        training layout); training state comes back afterwards, even if the body fails."""
+        with self.span("switch"), self.ledger.phase("switch"):
+            self._enter_rollout()
+        try:
+            with self.span(phase), self.ledger.phase("rollout"):
+                yield
+        finally:
+            with self.span("switch"), self.ledger.phase("switch"):
+                self._leave_rollout()
+
+    def _enter_rollout(self) -> None:
+        if self.pm is not None:  # train layout → replica, bucket by bucket (collective)
+            self.optimizer.zero_grad(set_to_none=True)
+            offload = not self.optimizer_pool.entries  # not already on host (no update since)
+            stats = train_to_infer(self.pm, self.policy, self.bucket_bytes,
+                                   optimizer=self.optimizer if offload else None,
+                                   pool=self.optimizer_pool if offload else None)
+            self.offloads += offload and bool(self.optimizer_pool.entries)
+            self.ledger.set("buckets", stats.peak_extra_bytes)  # the largest bucket in flight
+            self.account()
+            self.ledger.set("buckets", 0)
+        elif self.optimizer is not None and not self.optimizer_pool.entries:
+            self.optimizer.zero_grad(set_to_none=True)  # stale after the step
+            moved = self.optimizer_pool.offload(optimizer_tensors(self.optimizer))
+            self.offloads += moved.num_storages > 0  # (none before the first update: AdamW's state is lazy)
+            self.account()
+        self.cache.restore()
+        self.account()
+
+    def _leave_rollout(self) -> None:
+        self.cache.release()
+        if self.pm is not None:  # the replica never outlives the rollout
+            infer_to_train(self.pm, self.policy)
+        self.account()
+
+    def enter_train(self) -> None:
+        """Optimizer state back on the device before an update (or a checkpoint of it)."""
+        if self.optimizer_pool.entries:
+            with self.span("switch"), self.ledger.phase("switch"):
+                self.optimizer_pool.restore()
+                self.restores += 1
+                self.account()
+
+    @contextmanager
+    def train(self) -> Iterator[None]:
+        self.enter_train()
+        with self.span("train"), self.ledger.phase("train"):
+            yield
+            self.account()
+
+    @contextmanager
+    def reference_pass(self) -> Iterator[None]:
+        """Fully shared: the reference weights come in from host for the pass and go back."""
+        with self.span("reference"), self.ledger.phase("reference"):
+            if self.reference_pool.entries:
+                self.reference_pool.restore()
+                self.account()
+            try:
+                yield
+            finally:
+                if self.fully_shared:
+                    self.reference_pool.offload(self.reference.parameters())
+                    self.account()
+
+    # ---- separated: the new weights go from the train devices to the rollout devices ----
+
+    def broadcast_weights(self, src: int, group: Any, joins: bool) -> int:
+        """Every parameter and persistent buffer (the routers' expert biases) from global rank
+        `src` to the other members of `group`, packed into buckets of `bucket_bytes`; returns
+        bytes sent or received (0 on a device that is not a member: `joins` False)."""
+        if not joins:
+            return 0
+        # meet first, outside the span: with StaleSync's overlap the train device gets here while
+        # the rollout device is still generating, and waiting is idle time, not transfer
+        dist.barrier(group=group)
+        with self.span("transfer"):
+            state = self.policy.state_dict()
+            moved = 0
+            with torch.no_grad():
+                for bucket in plan_buckets(specs_of(state), self.bucket_bytes):
+                    flat = pack(bucket, state)
+                    dist.broadcast(flat, src=src, group=group)
+                    for name, view in unpack(bucket, flat).items():
+                        state[name].copy_(view)
+                    moved += flat.numel() * flat.element_size()
+            return moved
+
+    # ---- the ledger ----
+
+    def account(self) -> None:
+        """Tracked tensor bytes per category (CPU has no allocator to ask; activations are not
+        counted)."""
+        led = self.ledger
+        led.track("weights", list(self.policy.parameters()))
+        if self.train_model is not self.policy:  # the actor's shards in its training layout
+            led.track("weights", list(self.train_model.parameters()), name="train")
+        if self.optimizer is not None:
+            led.track("optimizer", optimizer_tensors(self.optimizer))
+            led.track("grads", [p.grad for p in self.train_model.parameters() if p.grad is not None])
+            led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
+        if self.cache is not None:
+            led.set("kv_cache", self.cache.nbytes)
+        if self.critic is not None:
+            model, optimizer = self.critic
+            led.track("weights", list(model.parameters()), name="critic")
+            led.track("optimizer", optimizer_tensors(optimizer), name="critic")
+        if self.reference is not None:
+            led.track("weights", list(self.reference.parameters()), name="reference")
+            led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
+
+    def memory(self) -> dict[str, Any]:
+        """Per-phase peaks (bytes) since the last call, the zero-redundancy check (one bucket
+        allowed: a training layout's reshard fills the replica through one) and how often the
+        optimizer state went to host and came back, since the last call."""
+        peaks = self.ledger.peaks()
+        ok = True
+        if {"switch", "train", "rollout"} <= set(peaks):
+            ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=self.bucket_bytes if self.pm is not None else 0)
+        self.ledger = _fresh_ledger(self.ledger)
+        out = {"peaks": peaks, "zero_redundancy": ok, "offloads": self.offloads, "restores": self.restores}
+        self.offloads = self.restores = 0
+        return out
+
+
+def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
+    """A ledger with the same current bytes and no phase peaks yet (peaks are per step)."""
+    new = MemoryLedger(old.device)
+    for location, cats in old.snapshot().items():
+        for category, nbytes in cats.items():
+            if nbytes:
+                new.set(category, nbytes, location=location)
+    return new
+

@@ -1,0 +1,213 @@
+"""The controller's one interface to the device workers: `Devices`. The controller calls it
+explicitly — rollout, score, update, weight sync, evaluate, state, per-step reports — and it
+sends each command to the devices whose roles run it, with group ids or row ids, never samples:
+the samples move between the devices through the DistQueue.
+
+    LocalDevices   one `DeviceWorker` in the controller's process (`deploy.backend=local`),
+                   the in-process queue; the same commands, switch and memory ledger
+    RayDevices     one Ray actor per device (`ray_devices.py`), the Ray queue (metadata in a
+                   controller actor, data in storage shards beside the devices)
+
+The two differ only in how a command reaches a worker (`_start` / `_wait`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import torch
+
+from rlfusion.queue import DistQueue
+from rlfusion.runtime.dataflow import queue_config
+from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.stalesync import contiguous_parts as split
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.workers import DeviceWorker
+
+
+class Devices:
+    """Commands to the device workers of `plan`. `version` is the policy version (updates
+    so far): the one counter of the run. `driver_bytes` counts what the step's commands and
+    their answers carried across the controller (Ray backend; 0 in process)."""
+
+    def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, queue: Any):
+        self.cfg, self.plan, self.queue = cfg, plan, queue
+        self.version = 0
+        self.score_here = all(dev in plan.reward and dev in plan.reference for dev in plan.rollout)
+        self.peer_scored = 0  # last shared rollout: samples scored by a device that did not generate them
+        self.weight_sync_bytes = 0
+        self.last_sync_s = 0.0  # separated: the broadcast, including waiting for a running rollout
+        self.count_bytes = False
+        self.driver_bytes = 0  # this step's commands and answers (see `take_driver_bytes`)
+        self.state_bytes = 0  # checkpoints and weights pulled to the controller
+
+    # ---- how a command reaches a worker (the backends differ only here) ----
+
+    def _start(self, device: int, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _wait(self, handles: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _run(self, calls: list[tuple[int, str, tuple]], kind: str = "step") -> list[Any]:
+        """Run `calls` (device, method, args) on their devices at once; their answers in order."""
+        return self._counted(self._wait([self._start(d, m, *self._counted(a, kind)) for d, m, a in calls]), kind)
+
+    def _counted(self, obj: Any, kind: str) -> Any:
+        if self.count_bytes and kind != "setup":
+            nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            if kind == "step":
+                self.driver_bytes += nbytes
+            else:
+                self.state_bytes += nbytes
+        return obj
+
+    def take_driver_bytes(self) -> int:
+        """Bytes the controller sent and received since the last call: commands and answers,
+        plus its own queue traffic (the advantage stage's scalars)."""
+        out = self.driver_bytes + self.queue.wire_bytes + getattr(self.queue, "meta_bytes", 0)
+        self.driver_bytes = 0
+        self.queue.wire_bytes = 0
+        if hasattr(self.queue, "meta_bytes"):
+            self.queue.meta_bytes = 0
+        return out
+
+    # ---- the step ----
+
+    def rollout(self, group_ids: list[int], version: int) -> int:
+        """Generate `group_size` samples per group on the rollout devices (contiguous parts of
+        the groups), scored on the way where reward and reference live there, else by the
+        scoring devices (`score`); every row ends up in the queue with its reward (and reference
+        logprobs). Returns the tokens generated."""
+        plan, share = self.plan, self.score_here and self.cfg.deploy.share_scoring and len(self.plan.rollout) > 1
+        calls = [(dev, "generate", (part, version, self.score_here, share))
+                 for dev, part in zip(plan.rollout, split(group_ids, len(plan.rollout)))
+                 if part or plan.train_layout]  # a layout's switch is collective: every device joins
+        outs = self._rollout(calls, share)
+        if not self.score_here:
+            self.score(len(group_ids) * self.cfg.rollout.group_size)
+        return sum(o["generated_tokens"] for o in outs)
+
+    def _rollout(self, calls: list[tuple[int, str, tuple]], share: bool) -> list[dict[str, int]]:
+        return self._run(calls)
+
+    def score(self, count: int) -> None:
+        """Reward and reference for `count` rows that are (or are about to be) in the queue, on
+        the scoring devices: the first reward device scores all, the reference devices split
+        the rows. Each waits for its rows to be ready."""
+        plan = self.plan
+        reference = list(plan.reference) if self.cfg.algo.kl_coef else []
+        shares = dict(zip(reference, (len(p) for p in split(list(range(count)), len(reference)))))
+        devices = sorted({plan.reward[0], *reference})
+        self._run([(d, "score", (count if d == plan.reward[0] else 0, shares.get(d, 0))) for d in devices])
+
+    def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool):
+        """StaleSync's partial rollout of `parts[i]` on rollout device i (non-blocking), stopping
+        once `quota` groups finished over all devices and the `due` ones are done; the returned
+        function waits for it and merges the devices' results."""
+        coordinated = len(self.plan.rollout) > 1  # every rollout device joins the stop-rule sums
+        calls = []
+        for dev, part in zip(self.plan.rollout, parts):
+            if part or coordinated:
+                mine = due & {gid for gid, _, _ in part}
+                calls.append((dev, "rollout_groups", (part, version, quota, mine, drop_overdue, self.score_here)))
+        handles = [self._start(d, m, *self._counted(a, "step")) for d, m, a in calls]
+
+        def wait() -> dict[str, Any]:
+            outs = self._counted(self._wait(handles), "step")
+            return {"finished": [t for o in outs for t in o["finished"]],
+                    "unfinished": [t for o in outs for t in o["unfinished"]],
+                    "dropped": [g for o in outs for g in o["dropped"]],
+                    "generated_tokens": sum(o["generated_tokens"] for o in outs)}
+        return wait
+
+    def update(self, shards: list[list[int]]) -> dict[str, float]:
+        """One full-batch step on the train devices: `shards[r]` are the row ids of data-parallel
+        rank r (the devices of one tensor-parallel group share theirs). In separated mode the
+        new weights then go to the rollout devices."""
+        calls = [(dev, "update", (shards[self.plan.dp_index(dev)],)) for dev in self.plan.train]
+        metrics = self._run(calls)[0]
+        self.version += 1
+        self._sync_rollout_weights()
+        return metrics
+
+    def skip_update(self) -> None:
+        """No sample carried signal: the policy is unchanged, its version moves on."""
+        self._run([(dev, "skip_update", ()) for dev in self.plan.train])
+        self.version += 1
+
+    def _sync_rollout_weights(self) -> None:
+        if not self.plan.colocated_actor:
+            start = time.perf_counter()
+            group = sorted({self.plan.train[0], *self.plan.rollout})
+            self.weight_sync_bytes = self._run([(dev, "sync_weights", ()) for dev in group])[0]
+            self.last_sync_s = time.perf_counter() - start
+
+    def evaluate(self, indices: list[int], max_new_tokens: int) -> list[tuple[float, int]]:
+        """Greedy (reward, response length) per held-out problem, data-parallel over the rollout
+        devices."""
+        parts = split(indices, len(self.plan.rollout))
+        calls = [(dev, "evaluate", (part, max_new_tokens)) for dev, part in zip(self.plan.rollout, parts)
+                 if part or self.plan.train_layout]
+        return [r for out in self._run(calls) for r in out]
+
+    def reports(self) -> dict[int, dict[str, Any]]:
+        """Each device's report since the last call (`DeviceWorker.report`)."""
+        return dict(enumerate(self._run([(d, "report", ()) for d in range(self.plan.num_devices)])))
+
+    # ---- state ----
+
+    def pull_weights(self, model: torch.nn.Module) -> None:
+        model.load_state_dict(self.on_train_devices("weights"))
+
+    def on_train_devices(self, method: str) -> Any:
+        """The first train device's answer to `weights` or `state`, whole tensors that every train
+        device could give. In a training layout gathering them is collective, so every train
+        device joins, but only the first keeps and returns the whole tensors (`keep=False`
+        elsewhere: one gathered tensor at a time, never the whole state on every device)."""
+        first, *others = self.plan.train if self.plan.train_layout else self.plan.train[:1]
+        return self._run([(first, method, ())] + [(d, method, (False,)) for d in others], kind="state")[0]
+
+    def state(self) -> dict[str, Any]:
+        """Policy weights, optimizer state and version, whole."""
+        return self.on_train_devices("state")
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._run([(d, "load_state", (state,)) for d in range(self.plan.num_devices)], kind="state")
+        self.version = state["version"]
+
+    def critic_state(self) -> dict[str, Any]:
+        return self._run([(self.plan.train[0], "critic_state", ())], kind="state")[0]
+
+    def load_critic_state(self, state: dict[str, Any]) -> None:
+        self._run([(d, "load_critic_state", (state,)) for d in self.plan.train], kind="state")
+
+    def rng_state(self) -> list[torch.Tensor]:
+        return self._run([(d, "rng_state", ()) for d in self.plan.rollout], kind="state")
+
+    def set_rng_state(self, states: list[torch.Tensor]) -> None:
+        if len(states) != len(self.plan.rollout):
+            raise ValueError(f"engine RNG states of {len(states)} rollout devices, this run has {len(self.plan.rollout)}")
+        self._run([(d, "set_rng_state", (s,)) for d, s in zip(self.plan.rollout, states)], kind="state")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class LocalDevices(Devices):
+    """One device in the controller's process: the same worker, commands, switch and ledger as
+    a Ray device, called directly."""
+
+    def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
+        queue = DistQueue(queue_config(cfg.rollout.group_size))
+        super().__init__(cfg, plan, queue)
+        self.workers = [DeviceWorker(0, plan, cfg, str(base_path), queue=queue)]
+        self.workers[0].connect(None)
+
+    def _start(self, device: int, method: str, *args: Any) -> Any:
+        return getattr(self.workers[device], method)(*args)
+
+    def _wait(self, handles: list[Any]) -> list[Any]:
+        return handles
