@@ -291,7 +291,7 @@ def test_an_unwritable_run_folder_is_one_line(base, tmp_path, capsys):
 @pytest.mark.parametrize("tamper, says", [
     (lambda s: s.pop("elapsed"), "no entry 'elapsed'"),
     (lambda s: s.update(step="abc"), "is not a step count"),
-    (lambda s: s.update(queue={"x": 1}), "does not fit this run"),
+    (lambda s: s.update(engine_rng=[torch.zeros(5)]), "does not fit this run"),
     (lambda s: s.update(torch_rng=torch.zeros(5)), "does not fit this run"),
 ])
 def test_a_trainer_state_of_the_wrong_shape_is_one_line(base, tmp_path, capsys, tamper, says):

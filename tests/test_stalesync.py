@@ -389,6 +389,8 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
         a, b = sync.train_step(), stale.train_step()
         assert b["staleness_max"] == 0
         assert _comparable(a) == {k: v for k, v in _comparable(b).items() if k in a}
+    sync.sync_model()
+    stale.sync_model()
     for (k, p), q in zip(sync.model.state_dict().items(), stale.model.state_dict().values()):
         assert torch.equal(p, q), k
 
@@ -397,17 +399,17 @@ def test_partial_rollout_carries_mixed_versions_within_the_bound(tmp_path):
     trainer = RLTrainer(_cfg(tmp_path, "stalesync.enabled=true", "stalesync.max_staleness=2",
                              "stalesync.rollout_finish_threshold=0.5"), tmp_path / "r", find_base())
     seen, mixed = set(), False
-    real_learn = trainer._learn
+    real_put = trainer._put_batch
 
-    def learn(batch):
+    def put_batch(batch):  # the book's batch, on its way into the queue
         nonlocal mixed
         mixed |= any(len(set(t.versions)) > 1 for t in batch)
         gids = {t.group_id for t in batch}
         assert not gids & seen
         seen.update(gids)
-        return real_learn(batch)
+        return real_put(batch)
 
-    trainer._learn = learn
+    trainer._put_batch = put_batch
     for _ in range(6):
         m = trainer.train_step()
         assert m["staleness_max"] <= 2 and m["groups_in_update"] >= 2

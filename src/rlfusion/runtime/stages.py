@@ -30,6 +30,7 @@ from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardMode
 from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
                                    token_logprobs)
 from rlfusion.runtime.replicas import group_sum, sum_over_replicas
+from rlfusion.runtime.stalesync import rollout_stops
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
 
 
@@ -113,20 +114,15 @@ class RolloutStage:
             error = e
         while True:
             busy = error is None and self.engine.has_unfinished()
-            if sync is None:
-                if error is not None or not busy or (
-                        len(run.finished_groups) >= quota and (drop_overdue or must_finish <= run.finished_groups)):
-                    break
-            elif not busy or steps % SYNC_EVERY == 0:
+            if sync is None or not busy or steps % SYNC_EVERY == 0:
+                counts = (len(run.finished_groups), len(must_finish - run.finished_groups), int(busy),
+                          int(error is not None))
                 # a failing device keeps joining the sums with its error flag, so no peer is left
                 # waiting in a collective; everyone stops on the same call
-                done_sum, due_sum, busy_sum, errors = sync(len(run.finished_groups),
-                                                           len(must_finish - run.finished_groups),
-                                                           int(busy), int(error is not None))
-                if errors:
-                    peer_failed = error is None
-                    break
-                if not busy_sum or (done_sum >= quota and (drop_overdue or not due_sum)):
+                if sync is not None:
+                    counts = sync(*counts)
+                if rollout_stops(*counts, quota=quota, drop_overdue=drop_overdue):
+                    peer_failed = bool(counts[3]) and error is None
                     break
                 if not busy:
                     continue

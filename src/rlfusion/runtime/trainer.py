@@ -229,9 +229,8 @@ class RLTrainer:
         book = self.stale
         plan = book.plan(version, update_version, lambda: group_problem(self.task, self.cfg.seed, book.next_group_id),
                          int(reserved))
-        items = list(plan.items)
-        parts = assign_groups(items, len(self.devices.plan.rollout))
-        return plan, self.devices.start_groups(parts, version, plan.quota, set(plan.due), plan.drop)
+        parts = assign_groups(plan.items, len(self.devices.plan.rollout))
+        return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop)
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
         plan, wait = started
