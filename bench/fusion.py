@@ -16,7 +16,10 @@ parameters, gradients and optimizer state sharded over them, FSDP2): their switc
 shards into a full replica per device in buckets before every rollout (fusion/reshard.py) and
 frees it after. They run after the three modes in each round and take no part in the targets.
 Every mode's tracked memory peak per device (weights, gradients, optimizer state, KV cache; the
-larger device) is printed for the train and rollout phases.
+larger device) is printed for the train and rollout phases, and the bytes per step that crossed
+the controller (commands, answers, per-device reports, the advantage stage's per-row numbers)
+against the bytes that moved between the devices through the queue (`driver_bytes_share` =
+controller / (controller + queue)).
 
     python bench/fusion.py            # 9 rounds (~2 min)
     python bench/fusion.py --quick    # 3 rounds
@@ -122,7 +125,10 @@ def main() -> None:
                                 "train_mb": metrics["memory_peak_train_mb"],
                                 "rollout_mb": metrics["memory_peak_rollout_mb"],
                                 # samples scored by a device other than the one that generated them
-                                "peer_scored": t.devices.rollout.peer_scored,
+                                "peer_scored": t.devices.peer_scored,
+                                # bytes across the controller / (that + bytes through the queue)
+                                "driver_share": metrics["driver_bytes_share"],
+                                "driver_kb": metrics["driver_bytes"] / 1024, "queue_kb": metrics["queue_bytes"] / 1024,
                                 **{f"{d}/{ph}": sum(s.duration_s for s in new if s.device == d and s.phase == ph)
                                    for d in ("device0", "device1") for ph in PHASES}})
             print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['tok_s']:.0f} tok/s" for m in MODES), flush=True)
@@ -147,6 +153,8 @@ def main() -> None:
     print("samples (of 256) scored by the device that did not generate them, per step (mean, max): " +
           ", ".join(f"{m} {statistics.mean(x['peer_scored'] for x in rows[m]):.0f}, "
                     f"{max(x['peer_scored'] for x in rows[m])}" for m in MODES))
+    print("KB per step across the controller | through the queue (median): " +
+          "; ".join(f"{m} {med[m]['driver_kb']:.1f} | {med[m]['queue_kb']:.1f}" for m in MODES))
     print()
     total = {m: sum(x["tokens"] for x in rows[m]) / sum(x["step_s"] for x in rows[m]) for m in MODES}
     print(f"sum of tokens / sum of step times: colocated / separated {total['colocated'] / total['separated']:.2f}")
@@ -155,6 +163,7 @@ def main() -> None:
     print(f"ratio of the medians: {med['colocated']['tok_s'] / med['separated']['tok_s']:.2f}")
     print(f"target colocated_vs_separated: {statistics.median(ratios):.2f} (goal >= 1.6)")
     print(f"target colocated_utilization: {med['colocated']['util']:.2f} (goal >= 0.9)")
+    print(f"target driver_bytes_share: {med['colocated']['driver_share']:.3f} (goal <= 0.01)")
     print(f"target switch_share_of_step_colocated: {med['colocated']['switch_s'] / med['colocated']['step_s']:.3f} (goal <= 0.05)")
 
 

@@ -151,17 +151,19 @@ def predict_sync(case: Case, cal: Calibration) -> Prediction:
 # ---- measuring the real runs -----------------------------------------------------------------
 
 class _RecordingRollout:
-    """The trainer's rollout stage, remembering the trajectories of the last `generate`."""
+    """Remembers the per-row numbers (response length, prompt + response tokens) of the rows the
+    trainer's advantage stage read in the last step, in (group, sample) order: the samples
+    themselves stay on the devices."""
 
-    def __init__(self, inner):
-        self.inner, self.last = inner, []
+    def __init__(self, trainer):
+        self.last: list = []
+        inner = trainer._advantages
 
-    def generate(self, *args, **kwargs):
-        self.last = self.inner.generate(*args, **kwargs)
-        return self.last
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        def advantages(n):
+            rows, metrics = inner(n)
+            self.last = rows
+            return rows, metrics
+        trainer._advantages = advantages
 
 
 def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
@@ -172,12 +174,11 @@ def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
     for s in spans:
         key = f"{s.device}/{s.phase}"
         phases[key] = phases.get(key, 0.0) + s.duration_s
-    trajs = rec.last
+    rows = rec.last
+    prompts = tuple(r.metrics["num_tokens"] - r.metrics["response_len"] for r in rows)
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
-                        tuple(len(t.response_ids) for t in trajs),
-                        sum(len(t.prompt_ids) for t in trajs),
-                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases,
-                        tuple(len(t.prompt_ids) for t in trajs))
+                        tuple(r.metrics["response_len"] for r in rows), sum(prompts),
+                        round(m["update_tokens_per_s"] * m["time_update_s"]), phases, prompts)
 
 
 @dataclass
@@ -293,7 +294,7 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                 if m in STALESYNC_CASES:
                     recorders[m] = _BatchRecorder(t)
                 else:
-                    recorders[m] = t.rollout = _RecordingRollout(t.rollout)
+                    recorders[m] = _RecordingRollout(t)
                 t.train_step()  # warm-up
             for r in range(rounds):
                 alone, together, lockstep = contention_probe(workers)
