@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 import time
 
 import pytest
@@ -15,8 +16,10 @@ from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.model.checkpoint import load_checkpoint
 from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan
+from rlfusion.queue import DistQueue, split_balanced
+from rlfusion.runtime import dataflow
 from rlfusion.runtime.actor import ActorStage
-from rlfusion.runtime.stages import RolloutStage
+from rlfusion.runtime.stages import ReferenceStage, RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 from rlfusion.runtime.ray_devices import WorkerDiedError
@@ -79,12 +82,52 @@ def _cfg(tmp_path, mode: str, **over) -> TrainConfig:
     return load_config(TrainConfig, None, items + [f"{k}={v}" for k, v in over.items()])
 
 
+FIRST_TEST_GROUP = 1000  # the tests' own groups: clear of the ids a run's steps use (0, 1, ...)
+
+
 def _sample(cfg, base, num_prompts: int):
-    """Trajectories from the base policy on `num_prompts` task prompts (seeded)."""
+    """Trajectories from the base policy on `num_prompts` task prompts (seeded), with their
+    reference logprobs (the base model's, as a reference device would add them) and the
+    per-row numbers the controller's advantage stage writes."""
     model, tokenizer, _ = load_checkpoint(base)
     rng = random.Random(3)
     task = ArithmeticTask(cfg.task)
-    return RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate([task.sample(rng) for _ in range(num_prompts)], 0, 0)
+    groups = list(range(FIRST_TEST_GROUP, FIRST_TEST_GROUP + num_prompts))
+    trajs = RolloutStage(copy.deepcopy(model), tokenizer, cfg.rollout, seed=3).generate(
+        [task.sample(rng) for _ in range(num_prompts)], groups, 0)
+    ReferenceStage(model, cfg.rollout.temperature, cfg.optim.microbatch_tokens).logprobs(trajs)
+    for t in trajs:
+        t.metrics.update(correct=t.reward, shaped_reward=t.reward, train=1)
+    return trajs
+
+
+# what the rows of an update carry when they reach the actor: the rollout's columns, the
+# scorers' and the advantage stage's
+UPDATE_COLUMNS = dataflow.ROLLOUT.writes + ("reward", "correct", "ref_logprobs", "advantage", "shaped_reward", "train")
+
+
+def _put(trainer, trajs) -> list[int]:
+    """`trajs` as rows of the trainer's queue, ready for an update; returns their row ids."""
+    for t in trajs:
+        t.metrics["shaped_reward"] = t.reward
+    return trainer.devices.queue.put(dataflow.trajectory_columns(trajs, UPDATE_COLUMNS),
+                                     group_ids=[t.group_id for t in trajs],
+                                     versions=[min(t.versions, default=0) for t in trajs])
+
+
+def _shards(trainer, trajs, ids: list[int]) -> list[list[int]]:
+    """The row ids of each data-parallel rank, balanced by tokens (as the controller splits)."""
+    parts = split_balanced([t.num_tokens for t in trajs], trainer.devices.plan.train_dp)
+    return [[ids[i] for i in part] for part in parts]
+
+
+def _update(trainer, trajs) -> dict[str, float]:
+    """One update of the train devices on exactly `trajs` (through the queue, as in a step);
+    the rows retire afterwards."""
+    ids = _put(trainer, trajs)
+    metrics = trainer.devices.update(_shards(trainer, trajs, ids))
+    trainer.devices.queue.retire(ids)
+    return metrics
 
 
 def _kill(worker) -> None:
@@ -163,7 +206,7 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
             assert sum(t.num_tokens for t in trajs[-2:]) > 64
         reference = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature, total_updates=cfg.max_steps)
         want = reference.update(copy.deepcopy(trajs))
-        got = trainer.actor.update(copy.deepcopy(trajs))
+        got = _update(trainer, trajs)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
         gathered = trainer.devices.on_train_devices("weights")  # from both devices' shards
         for name, p in model.state_dict().items():
@@ -172,12 +215,12 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         m = trainer.train_step()  # rollout on the replica, then a TP update
         assert m["zero_redundancy_ok"] == 1.0 and m["time_switch_s"] > 0
         assert m["memory_peak_rollout_mb"] > m["memory_peak_train_mb"]  # the replica lives only for the rollout
-        state = trainer.actor.optimizer.state_dict()
+        state = trainer.devices.state()  # whole tensors, gathered from the shards
         assert all(not isinstance(v, torch.distributed.tensor.DTensor)
                    for st in state["optimizer"]["state"].values() for v in st.values())
-        trainer.actor.update(copy.deepcopy(trajs))  # moves away from the saved state...
-        trainer.actor.optimizer.load_state_dict(state)  # ...and back
-        again = trainer.actor.optimizer.state_dict()
+        _update(trainer, trajs)  # moves away from the saved state...
+        trainer.devices.load_state(state)  # ...and back, into the shards
+        again = trainer.devices.state()
         for name, t in state["model"].items():
             assert torch.equal(again["model"][name], t), name
         for i, st in state["optimizer"]["state"].items():
@@ -194,16 +237,16 @@ def test_colocated_data_parallel_update_equals_one_process(ray_session, tmp_path
     cfg = _cfg(tmp_path, "colocated", **{"optim.router_bias_update": "true"})
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
-        model, tokenizer, _ = load_checkpoint(base)
-        task = ArithmeticTask(cfg.task)
-        rng = random.Random(3)
-        trajs = RolloutStage(copy.deepcopy(model), tokenizer, cfg.rollout, seed=3).generate(
-            [task.sample(rng) for _ in range(4)], 0, 0)
+        model, _, _ = load_checkpoint(base)
+        trajs = _sample(cfg, base, 4)
         for i, t in enumerate(trajs):
             t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
         reference = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature, total_updates=cfg.max_steps)
         want = reference.update(copy.deepcopy(trajs))
-        got = trainer.actor.update(copy.deepcopy(trajs))
+        ids = _put(trainer, trajs)
+        shards = _shards(trainer, trajs, ids)
+        assert len(shards) == 2 and all(shards)  # each device trains on its half
+        got = trainer.devices.update(shards)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         replicas = [_worker_params(trainer, d) for d in (0, 1)]
         bias = [k for k in replicas[0] if k.endswith("expert_bias")]
@@ -226,11 +269,12 @@ def test_separated_mode_syncs_weights_and_learns_steps(ray_session, tmp_path):
         assert all(torch.equal(rollout[k], train[k]) for k in train)  # the rollout device got the update
         assert any(not torch.equal(before[k], train[k]) for k in train)
         num_bytes = sum(p.numel() * p.element_size() for p in trainer.model.state_dict().values())
-        assert trainer.actor.weight_sync_bytes == num_bytes and trainer.actor.version == 2
+        assert trainer.devices.weight_sync_bytes == num_bytes and trainer.version == 2
         phases = {d: {s.phase for s in trainer.timeline.spans if s.device == d} for d in ("device0", "device1")}
-        # KV cache in, generate, out, score its samples; weights in
-        assert phases["device0"] == {"rollout", "switch", "reference", "reward", "transfer"}
-        assert phases["device1"] == {"train", "transfer"}
+        # KV cache in, generate, out, score its samples, put the rows; weights in
+        assert phases["device0"] == {"rollout", "switch", "reference", "reward", "queue", "transfer"}
+        # read its rows, train; weights out
+        assert phases["device1"] == {"queue", "train", "transfer"}
         assert 0 < m["utilization_device0"] < 1 and 0 < m["utilization_device1"] < 1
     finally:
         trainer.close()
@@ -261,7 +305,7 @@ def test_run_resumes_on_fresh_workers_after_a_worker_dies(ray_session, tmp_path,
         trainer.close()
     again = resume(tmp_path / "r", {"max_steps": 3})
     try:
-        assert again.step == 2 and again.actor.version == 2
+        assert again.step == 2 and again.version == 2
         # a layout's whole weights are gathered from every device's shards; replicas each hold them
         weights = [again.devices.on_train_devices("weights")] if layout else again.devices.call(
             [w.weights.remote() for w in again.devices.workers])
@@ -283,10 +327,11 @@ def test_worker_dying_before_a_collective_is_reported_at_once(ray_session, tmp_p
         trajs = _sample(cfg, base, 2)
         for i, t in enumerate(trajs):
             t.advantage = 1.0 if i % 2 else -1.0
+        shards = _shards(trainer, trajs, _put(trainer, trajs))  # the rows wait in the queue
         _kill(trainer.devices.workers[1])
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"device 1 \("):
-            trainer.actor.update(trajs)
+            trainer.devices.update(shards)
         assert time.monotonic() - start < 30
     finally:
         trainer.close()
@@ -301,21 +346,22 @@ def test_skipped_update_keeps_versions_and_checkpoints_with_offloaded_optimizer(
     try:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         trainer.train_step()  # the optimizer now has state
-        rng = random.Random(5)
-        problems = [trainer.task.sample(rng) for _ in range(2)]
-        trajs = trainer.rollout.generate(problems, 100, trainer.actor.version)  # offloads it
-        trainer.actor.skip_update()
+        devices = trainer.devices
+        devices.rollout([100, 101], trainer.version)  # offloads it; the rows wait in the queue
+        devices.skip_update()
         run_state.save(trainer)
         state = run_state.read_state(trainer.run_dir / "checkpoint" / run_state.STATE)
-        moments = [v["exp_avg"] for v in state["optimizer"]["optimizer"]["state"].values()]
+        moments = [v["exp_avg"] for v in state["optimizer"]["state"].values()]
         assert moments and all(m.untyped_storage().nbytes() > 0 for m in moments)
         versions = trainer.devices.call([w.state.remote() for w in trainer.devices.workers])
-        assert [v["version"] for v in versions] == [2, 2] == [trainer.actor.version] * 2
-        trainer.rollout.generate(problems, 200, trainer.actor.version)  # offload again, twice in a row
-        for t in trajs:
-            t.advantage = 1.0
-        trainer.actor.update(trajs)  # restores the optimizer state and trains
-        assert trainer.actor.version == 3
+        assert [v["version"] for v in versions] == [2, 2] == [trainer.version] * 2
+        devices.rollout([200, 201], trainer.version)  # offload again, twice in a row
+        batch = devices.queue.get("test", ["sample"], 16, block=True, timeout=60)
+        ids = [r for r, g in zip(batch.row_ids, batch.group_ids) if g in (100, 101)]
+        assert len(batch) == 16 and len(ids) == 8
+        devices.queue.put({"advantage": [1.0] * 8, "shaped_reward": [1.0] * 8, "train": [1] * 8}, row_ids=ids)
+        m = devices.update([ids[:4], ids[4:]])  # restores the optimizer state and trains
+        assert trainer.version == 3 and m["grad_norm"] > 0
     finally:
         trainer.close()
 
@@ -331,27 +377,48 @@ def test_non_finite_loss_on_one_train_device_stops_both(ray_session, tmp_path, l
     try:
         trajs = _sample(cfg, base, 4)
         for i, t in enumerate(trajs):
-            t.advantage = float("nan") if i == 0 else 1.0  # only the first device's share is bad
+            t.advantage = float("nan") if i == 0 else 1.0  # only one device's share is bad
+        ids = _put(trainer, trajs)
+        shards = _shards(trainer, trajs, ids)
+        assert len(shards) == 2 and all(shards)  # the NaN sample is on one of two ranks
         with pytest.raises(Exception, match="loss became nan"):
-            trainer.actor.update(trajs)
+            trainer.devices.update(shards)
     finally:
         trainer.close()
 
 
+def _rows(queue, count: int) -> list[tuple]:
+    """Every row of `queue` as (group id, sample, response, reward, reference logprobs), sorted."""
+    batch = queue.get("check", ["sample", "response_ids", "reward", "ref_logprobs"], count + 1)
+    c = batch.columns
+    return sorted(zip(batch.group_ids, c["sample"], c["response_ids"], c["reward"], c["ref_logprobs"]))
+
+
+def _same_rows(got: list[tuple], want: list[tuple]) -> None:
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    for a, b in zip(got, want):
+        assert a[2] == b[2] and a[3] == b[3], a[:2]
+        torch.testing.assert_close(torch.tensor(a[4]), torch.tensor(b[4]), rtol=0, atol=1e-5)
+
+
 def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_path):
     """A peer takes finished samples from a running rollout (`take_finished`, here from inside
-    the rollout, deterministically); the rollout returns only the rest, scored. Together they are
-    every sample once, identical to a rollout without sharing."""
+    the rollout, deterministically), then scores and puts them; the rollout scores and puts only
+    the rest. Every sample lands in the queue exactly once, identical to a rollout without
+    sharing."""
     from rlfusion.runtime.workers import DeviceWorker
 
     cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
     plan = DeploymentPlan.build(cfg.deploy)
-    problems = [ArithmeticTask(cfg.task).sample(random.Random(5)) for _ in range(4)]
-    plain = DeviceWorker(0, plan, cfg, str(find_base()))
+    groups = [10, 11, 12, 13]
+    G = cfg.rollout.group_size
+    plain = DeviceWorker(0, plan, cfg, str(find_base()), queue=DistQueue(dataflow.queue_config(G)))
     plain.connect(None)
-    want = plain.generate(problems, 10, 0, score_here=True)
+    assert plain.generate(groups, 0, score_here=True)["rows"] == 16
+    want = _rows(plain.queue, 16)
+    assert [r[:2] for r in want] == [(g, i) for g in groups for i in range(G)]
 
-    worker = DeviceWorker(0, plan, cfg, str(find_base()))
+    worker = DeviceWorker(0, plan, cfg, str(find_base()), queue=DistQueue(dataflow.queue_config(G)))
     worker.connect(None)
     assert worker.take_finished() == ([], False)  # no rollout running
     taken, offer = [], worker._offer
@@ -362,15 +429,13 @@ def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_pat
         assert open_ and len(got) in (0, 1)  # at least one sample, however long
         taken.extend(got)
     worker._offer = offer_then_steal
-    mine = worker.generate(problems, 10, 0, score_here=True, share=True)
+    out = worker.generate(groups, 0, score_here=True, share=True)
+    mine = out["rows"]
     assert taken and mine and worker.take_finished() == ([], False)  # the pool closes with the rollout
-    assert all(t.ref_logprobs is None for t in taken) and all(t.ref_logprobs is not None for t in mine)
-    worker.score_and_reference(taken)
-    got = sorted(taken + mine, key=lambda t: (t.group_id, t.metrics["sample"]))
-    assert [(t.group_id, t.metrics["sample"]) for t in got] == [(t.group_id, t.metrics["sample"]) for t in want]
-    for a, b in zip(got, want):
-        assert a.response_ids == b.response_ids and a.reward == b.reward
-        torch.testing.assert_close(torch.tensor(a.ref_logprobs), torch.tensor(b.ref_logprobs), rtol=0, atol=1e-5)
+    assert mine + len(taken) == 16 and len(worker.queue) == mine  # the rollout put only its own
+    assert all(t.ref_logprobs is None for t in taken)  # taken unscored: the peer's to score
+    worker._put(worker.score_and_reference(taken), scored=True)  # what a peer's `score_from` does
+    _same_rows(_rows(worker.queue, 16), want)
 
 
 def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_path):
@@ -409,34 +474,26 @@ def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_
 
 def test_colocated_rollout_with_shared_scoring_equals_one_without(ray_session, tmp_path):
     """Two devices, one with far more prompts (it keeps generating while the other is idle and
-    takes its finished samples): same samples, rewards and reference logprobs, in request order."""
+    takes its finished samples): the queue holds every sample once, with the same responses,
+    rewards and reference logprobs."""
     results = {}
-    for share in ("true", "false"):
-        cfg = _cfg(tmp_path / share, "colocated", **{"deploy.share_scoring": share})
-        trainer = RLTrainer(cfg, tmp_path / share / "run", find_base())
+    for share in (True, False):
+        cfg = _cfg(tmp_path / str(share), "colocated", **{"deploy.share_scoring": str(share).lower()})
+        trainer = RLTrainer(cfg, tmp_path / str(share) / "run", find_base())
         try:
-            proxy = trainer.devices.rollout
-            task = ArithmeticTask(cfg.task)
-            rng = random.Random(7)
-            problems = [task.sample(rng) for _ in range(9)]
-            workers = trainer.devices.workers
-            refs = {0: workers[0].generate.remote(problems[:8], 0, 0, True, share == "true"),
-                    1: workers[1].generate.remote(problems[8:], 8, 0, True, share == "true")}
-            if share == "true":
-                trajs = proxy._generate_sharing_scoring(refs)
+            devices = trainer.devices
+            calls = [(0, "generate", (list(range(8)), 0, True, share)), (1, "generate", ([8], 0, True, share))]
+            outs = devices._rollout(calls, share)
+            if share:
                 # device 1 (one prompt) is idle long before device 0 (eight) is done
-                assert proxy.peer_scored >= 8
-            else:
-                trajs = [t for chunk in trainer.devices.call(list(refs.values())) for t in chunk]
-            results[share] = trajs
+                assert devices.peer_scored >= 8
+            assert sum(o["rows"] for o in outs) + (devices.peer_scored if share else 0) == 36
+            assert len(devices.queue) == 36
+            results[share] = _rows(devices.queue, 36)
         finally:
             trainer.close()
-    on, off = results["true"], results["false"]
-    assert [(t.group_id, t.metrics["sample"]) for t in on] == [(g, i) for g in range(9) for i in range(4)]
-    assert [(t.group_id, t.metrics["sample"]) for t in off] == [(g, i) for g in range(9) for i in range(4)]
-    for a, b in zip(on, off):
-        assert a.response_ids == b.response_ids and a.reward == b.reward
-        torch.testing.assert_close(torch.tensor(a.ref_logprobs), torch.tensor(b.ref_logprobs), rtol=0, atol=1e-5)
+    assert [r[:2] for r in results[True]] == [(g, i) for g in range(9) for i in range(4)]
+    _same_rows(results[True], results[False])
 
 
 def test_a_peer_failing_after_a_worker_died_reports_the_dead_worker(ray_session, tmp_path):
@@ -456,9 +513,10 @@ def test_a_peer_failing_after_a_worker_died_reports_the_dead_worker(ray_session,
 
 
 def test_ppo_critic_on_two_devices_equals_one_process_and_resumes(ray_session, tmp_path):
-    """PPO's value model on the Ray train devices: its data-parallel update equals the
-    one-process update on the whole batch, a run trains it, and a checkpoint carries it."""
-    from rlfusion.runtime.stages import CriticStage
+    """PPO's value model on the Ray train devices: its data-parallel update (values, GAE
+    whitened over both devices' samples, the value loss) equals the one-process update on the
+    whole batch, a run trains it, and a checkpoint carries it."""
+    from rlfusion.runtime.stages import CriticStage, gae_advantages
     from rlfusion.runtime.trainer import resume
 
     base = find_base()
@@ -469,25 +527,27 @@ def test_ppo_critic_on_two_devices_equals_one_process_and_resumes(ray_session, t
     try:
         trajs = _sample(cfg, base, 3)
         for i, t in enumerate(trajs):
-            t.values = [0.0] * len(t.response_ids)
-            t.returns = [float(i % 2)] * len(t.response_ids)
+            t.reward = float(i % 2)
         model, _, _ = load_checkpoint(base)
         one = CriticStage(model, cfg.algo, cfg.optim)
-        want = one.update(copy.deepcopy(trajs))
-        got = trainer.critic.update(copy.deepcopy(trajs))
-        assert want and got == pytest.approx(want, rel=1e-5)
+        whole = copy.deepcopy(trajs)
+        one.values(whole)
+        gae_advantages(whole, cfg.algo)
+        want = one.update(whole)
+        got = _update(trainer, trajs)
+        assert want and {k: got[k] for k in want} == pytest.approx(want, rel=1e-5)
         replicas = [trainer.devices.call([w.critic_state.remote()])[0]["model"] for w in trainer.devices.workers]
         for name, p in one.model.state_dict().items():
             assert torch.equal(replicas[0][name], replicas[1][name]), name
             torch.testing.assert_close(replicas[0][name], p, rtol=0, atol=1e-6)
         metrics = trainer.run(progress=False)
         assert metrics.steps == 2
-        saved = trainer.critic.model.state_dict()
+        saved = trainer.devices.critic_state()["model"]
     finally:
         trainer.close()
     again = resume(tmp_path / "ppo", {"max_steps": 3})
     try:
-        restored = again.critic.model.state_dict()
+        restored = again.devices.critic_state()["model"]
         assert all(torch.equal(restored[k], saved[k]) for k in saved)
         assert "value_error" in again.train_step()
     finally:
@@ -512,3 +572,56 @@ def test_devices_that_cannot_be_placed_fail_fast_and_leave_nothing_behind(ray_se
     finally:
         if started:
             ray.shutdown()
+
+
+def _record_reads(worker) -> None:
+    """(Run inside a device worker.) Keep each batch its update reads, as that device got it."""
+    read = worker.reads.get_rows
+    worker.batches_read = []
+
+    def get_rows(consumer, row_ids, columns, timeout=None):
+        batch = read(consumer, row_ids, columns, timeout=timeout)
+        worker.batches_read.append((list(batch.row_ids), list(batch.group_ids), batch.columns))
+        return batch
+    worker.reads.get_rows = get_rows
+
+
+def _batches_read(worker) -> list:
+    return worker.batches_read
+
+
+@pytest.mark.parametrize("hierarchical, requests", [("true", 1), ("false", 2)])
+def test_tensor_parallel_ranks_read_the_same_batch_once_with_hierarchical_reads(ray_session, tmp_path,
+                                                                                 hierarchical, requests):
+    """`deploy.train_tp=2`: both ranks of the tensor-parallel group train on the same rows. With
+    `deploy.hierarchical_reads` one of them asks the queue and broadcasts the batch to the other
+    (one get request per update); without, each asks itself (two)."""
+    import ray.cloudpickle
+
+    base = find_base()
+    cfg = _cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "deploy.hierarchical_reads": hierarchical})
+    trainer = RLTrainer(cfg, tmp_path / "run", base)
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)  # the workers cannot import this test file
+    try:
+        devices = trainer.devices
+        assert devices.plan.train_dp == 1
+        trajs = _sample(cfg, base, 2)
+        for i, t in enumerate(trajs):
+            t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
+        devices.call([w.__ray_call__.remote(_record_reads) for w in devices.workers])
+        ids = _put(trainer, trajs)
+        before = devices.queue.stats.get_requests
+        devices.update([ids])
+        assert devices.queue.stats.get_requests - before == requests
+        seen = devices.call([w.__ray_call__.remote(_batches_read) for w in devices.workers])
+        assert len(seen[0]) == len(seen[1]) == 1
+        assert seen[0] == seen[1]  # identical batches on both ranks
+        row_ids, group_ids, columns = seen[0][0]
+        assert row_ids == ids and group_ids == [t.group_id for t in trajs]
+        assert sorted(columns) == sorted(dataflow.actor_reads(cfg))
+        assert columns["response_ids"] == [t.response_ids for t in trajs]
+        assert columns["advantage"] == [t.advantage for t in trajs]
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(module)
+        trainer.close()

@@ -382,8 +382,12 @@ class DeviceWorker:
     def update(self, row_ids: list[int]) -> dict[str, float]:
         """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
         parallel rank's rows; the rows are read from the queue by id."""
+        consumer = "actor"
+        tp_rank = self.plan.train.index(self.device) % self.plan.train_tp if self.device in self.plan.train else 0
+        if tp_rank and not isinstance(self.reads, GroupQueue):
+            consumer = f"actor/tp{tp_rank}"  # each TP rank reads the group's rows itself: a reader of its own
         with self._span("queue"):
-            batch = self.reads.get_rows("actor", row_ids, dataflow.actor_reads(self.cfg),
+            batch = self.reads.get_rows(consumer, row_ids, dataflow.actor_reads(self.cfg),
                                         timeout=self.cfg.deploy.queue_timeout_s)
         trajs = dataflow.to_trajectories(batch)
         metrics: dict[str, float] = {}
