@@ -277,12 +277,12 @@ def _nbytes(obj: Any) -> int:
 
 
 def _call(ref: Any) -> Any:
-    """`ray.get`, re-raising an actor's own error (ValueError, QueueFullError) as itself so the
+    """`ray.get`, re-raising an actor's own error (ValueError, QueueFullError, a read's timeout) as itself so the
     caller sees the one-line message, not a remote traceback."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (ValueError, QueueFullError)):
+        if isinstance(e.cause, (ValueError, TimeoutError)):  # QueueFullError is a TimeoutError
             raise e.cause from None
         raise
 

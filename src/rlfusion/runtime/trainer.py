@@ -152,8 +152,8 @@ class RLTrainer:
         batch = self.devices.queue.get("advantage", advantage_reads(cfg), n, policy="group", block=True,
                                        timeout=cfg.deploy.queue_timeout_s)
         if len(batch) != n:
-            raise RuntimeError(f"the advantage stage waited {cfg.deploy.queue_timeout_s:g} s for {n} scored rows "
-                               f"and the queue had {len(batch)} (deploy.queue_timeout_s)")
+            raise RunError(f"the advantage stage waited {cfg.deploy.queue_timeout_s:g} s for {n} scored rows "
+                           f"and the queue had {len(batch)} (deploy.queue_timeout_s)")
         rows = to_trajectories(batch)
         rows.sort(key=lambda r: (r.group_id, r.metrics["sample"]))
         metrics: dict[str, float] = {}
