@@ -175,9 +175,9 @@ def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
         key = f"{s.device}/{s.phase}"
         phases[key] = phases.get(key, 0.0) + s.duration_s
     rows = rec.last
-    prompts = tuple(r.metrics["num_tokens"] - r.metrics["response_len"] for r in rows)
+    prompts = tuple(r.num_tokens - r.response_len for r in rows)
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
-                        tuple(r.metrics["response_len"] for r in rows), sum(prompts),
+                        tuple(r.response_len for r in rows), sum(prompts),
                         round(m["update_tokens_per_s"] * m["time_update_s"]), phases, prompts)
 
 
@@ -211,7 +211,7 @@ class _BatchRecorder:
         def take_batch(update_version):
             batch, stats = inner(update_version)
             for t in batch:
-                self.lengths[(t.group_id, t.metrics["sample"])] = len(t.response_ids)
+                self.lengths[(t.group_id, t.sample)] = len(t.response_ids)
                 self.prompts[t.group_id] = len(t.prompt_ids)
             self.taken.append(batch)
             return batch, stats
@@ -230,9 +230,9 @@ class _BatchRecorder:
         partial: dict[tuple[int, int], int] = {}
         for g in self.book.groups.values():
             for t in g.done:
-                known[(g.group_id, t.metrics["sample"])] = len(t.response_ids)
+                known[(g.group_id, t.sample)] = len(t.response_ids)
             for t in g.open:
-                partial[(g.group_id, t.metrics["sample"])] = len(t.response_ids)
+                partial[(g.group_id, t.sample)] = len(t.response_ids)
             if g.done or g.open:
                 self.prompts[g.group_id] = len((g.done + g.open)[0].prompt_ids)
         pool = sorted(known.values())

@@ -42,8 +42,7 @@ def _samples(cfg: TrainConfig, num_prompts: int) -> list:
         [dataflow.group_problem(task, cfg.seed, g) for g in groups], groups, 0)
     for i, t in enumerate(trajs):
         t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
-        t.reward = t.metrics["correct"] = t.metrics["kl"] = 0.0
-        t.metrics["shaped_reward"], t.metrics["train"] = t.reward, 1
+        t.reward = t.correct = t.kl = 0.0
     return trajs
 
 

@@ -108,8 +108,6 @@ UPDATE_COLUMNS = dataflow.ROLLOUT.writes + ("reward", "correct", "ref_logprobs",
 
 def _put(trainer, trajs) -> list[int]:
     """`trajs` as rows of the trainer's queue, ready for an update; returns their row ids."""
-    for t in trajs:
-        t.metrics["shaped_reward"] = t.reward
     return trainer.devices.queue.put(dataflow.trajectory_columns(trajs, UPDATE_COLUMNS),
                                      group_ids=[t.group_id for t in trajs],
                                      versions=[min(t.versions, default=0) for t in trajs])

@@ -95,7 +95,7 @@ def test_fast_function_results_unchanged(timeout_s):
         stage.score(trajs)
         expected = [float(len(f"answer{i}") % 3 == 0) for i in range(len(trajs))]
         assert [t.reward for t in trajs] == expected
-        assert [t.metrics["correct"] for t in trajs] == expected
+        assert [t.correct for t in trajs] == expected
         assert all(type(t.reward) is float for t in trajs)
 
 
@@ -114,12 +114,12 @@ def test_overlong_penalty_still_applied():
     stage = _stage("reward_fns:length_reward", overlong_buffer=4)
     trajs = _trajs()
     stage.score(trajs)
-    assert [t.reward for t in trajs] == [t.metrics["correct"] for t in trajs]  # 7 tokens: below 16-4
+    assert [t.reward for t in trajs] == [t.correct for t in trajs]  # 7 tokens: below 16-4
     long = _trajs()
     for t in long:
         t.response_ids = [ord("a")] * 16
     stage.score(long)
-    assert all(math.isclose(t.reward, t.metrics["correct"] - 1.0) for t in long)
+    assert all(math.isclose(t.reward, t.correct - 1.0) for t in long)
 
 
 def test_reward_model_checks():

@@ -4,7 +4,6 @@ and both Ray deployment modes run under the bound."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import pickle
@@ -127,10 +126,10 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
         book.load_state_dict(book_state)
         plan = book.plan(version, update_version, lambda: _Problem(str(next(prompts))), reserved)
         assert len(book.groups) + reserved <= book.capacity  # admission control
-        prefix = {(gid, t.metrics["sample"]): list(t.versions) for gid, _, open_ in plan.items for t in open_}
+        prefix = {(gid, t.sample): list(t.versions) for gid, _, open_ in plan.items for t in open_}
         out = stage.run_groups(plan.items, version, plan.quota, plan.due, plan.drop)
         for t in out["finished"] + out["unfinished"]:  # a resumed sample keeps what it had
-            old = prefix.get((t.group_id, t.metrics["sample"]), [])
+            old = prefix.get((t.group_id, t.sample), [])
             assert t.versions[:len(old)] == old and all(v == version for v in t.versions[len(old):])
         before = {gid: p for gid, p, _ in plan.items}
         book.collect(plan, out)
@@ -143,9 +142,9 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
         by_group = {}
         for t in batch_:
             by_group.setdefault(t.group_id, []).append(t)
-            assert t.finish_reason == "stop" and len(t.response_ids) == stage.engine.lengths[f"{t.group_id}/{t.metrics['sample']}"]
+            assert t.finish_reason == "stop" and len(t.response_ids) == stage.engine.lengths[f"{t.group_id}/{t.sample}"]
         for gid, samples in by_group.items():
-            assert sorted(t.metrics["sample"] for t in samples) == list(range(group))  # whole group, once each
+            assert sorted(t.sample for t in samples) == list(range(group))  # whole group, once each
             trained_problems.append(samples[0].problem.prompt)
         trained_groups.extend(by_group)
 

@@ -177,7 +177,7 @@ def _direct_step(trainer: RLTrainer) -> dict[str, float]:
         device.reference.logprobs(trajs)
         if cfg.algo.kl_mode == "reward":
             for t in trajs:
-                t.metrics["kl"] = float(kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs),
+                t.kl = float(kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs),
                                                     cfg.algo.kl_kind).sum())
             metrics.update(apply_kl_reward_penalty(trajs, cfg.algo))
     kept = compute_advantages(trajs, cfg.algo, cfg.rollout.group_size)

@@ -261,7 +261,7 @@ def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
 
         def reward(ts):
             for i, t in enumerate(ts):  # a third of the samples right
-                t.reward = t.metrics["correct"] = float(i % 3 == 0)
+                t.reward = t.correct = float(i % 3 == 0)
 
         def reference(ts):
             for t in ts:
@@ -270,7 +270,7 @@ def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
         def advantages(ts):
             kept = {id(t) for t in compute_advantages(ts, algo, group)}
             for t in ts:
-                t.metrics["train"] = int(id(t) in kept)
+                t.train = id(t) in kept
 
         flow.run_stage("reward", ["problem", "response_ids"], ["reward", "correct"], n, reward)
         flow.run_stage("reference", ["prompt_ids", "response_ids"], ["ref_logprobs"], n, reference)

@@ -6,7 +6,7 @@ Legend: N packed tokens, S sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +17,8 @@ from rlfusion.rl.problem import Problem
 @dataclass
 class Trajectory:
     """One sample. Rollout fills the response fields; reward, reference and advantage stages
-    fill theirs. `versions[i]` is the policy version that generated `response_ids[i]`."""
+    fill theirs. `versions[i]` is the policy version that generated `response_ids[i]`; `sample`
+    is its index among the `group_size` samples of its prompt group."""
 
     group_id: int
     problem: Problem
@@ -35,7 +36,10 @@ class Trajectory:
     values: list[float] | None = None
     token_advantages: list[float] | None = None
     returns: list[float] | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    sample: int = 0
+    correct: float = 0.0  # the task's score, before any shaping (`reward` is shaped)
+    kl: float = 0.0  # summed per-token KL estimate against the reference policy
+    train: bool = True  # kept for the update (dynamic sampling may drop its group)
     row_id: int = -1  # its DistQueue row, once it has one
 
     @property

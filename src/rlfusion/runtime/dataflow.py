@@ -90,26 +90,41 @@ def group_problem(task: Any, seed: int, group_id: int) -> Problem:
     return task.sample(random.Random(f"{seed}/{group_id}"))
 
 
-_GETTERS: dict[str, Callable[[Trajectory], Any]] = {
-    "sample": lambda t: t.metrics["sample"],
-    "correct": lambda t: t.metrics["correct"],
-    "kl": lambda t: t.metrics["kl"],
-    "shaped_reward": lambda t: t.metrics["shaped_reward"],
-    "train": lambda t: int(t.metrics.get("train", 1)),
-    "num_tokens": lambda t: t.num_tokens,
+@dataclass
+class RowNumbers:
+    """What the controller's advantage stage knows of a sample: its numbers, never its tokens.
+    It sets `reward` (KL-shaped, when shaping is on), `advantage` and `train`."""
+
+    row_id: int
+    group_id: int
+    sample: int
+    reward: float
+    correct: float
+    num_tokens: int
+    response_len: int
+    truncated: bool
+    kl: float = 0.0
+    advantage: float = 0.0
+    train: bool = True
+
+
+_GETTERS: dict[str, Callable[[Any], Any]] = {
+    "train": lambda t: int(t.train),
+    "shaped_reward": lambda t: t.reward,
     "response_len": lambda t: len(t.response_ids),
     "truncated": lambda t: int(t.finish_reason == "length"),
 }
 
 
-def trajectory_columns(trajs: Sequence[Trajectory], names: Sequence[str]) -> dict[str, list[Any]]:
-    """The named fields of each trajectory, as queue columns."""
+def trajectory_columns(trajs: Sequence[Any], names: Sequence[str]) -> dict[str, list[Any]]:
+    """The named fields of each trajectory (or `RowNumbers`), as queue columns."""
     return {n: [_GETTERS[n](t) if n in _GETTERS else getattr(t, n) for t in trajs] for n in names}
 
 
 def to_trajectories(batch: Batch) -> list[Trajectory]:
     """`Trajectory` objects holding whatever columns `batch` carries (others keep their
-    defaults, empty for the rollout fields), in batch order."""
+    defaults, empty for the rollout fields), in batch order. A `shaped_reward` column becomes
+    the reward (what the update's loss sees)."""
     cols = batch.columns
     fields = {f.name for f in dataclasses.fields(Trajectory)}
     out = []
@@ -118,11 +133,17 @@ def to_trajectories(batch: Batch) -> list[Trajectory]:
         t = Trajectory(group_id=group, problem=kw.pop("problem", None), prompt_ids=kw.pop("prompt_ids", []),
                        response_ids=kw.pop("response_ids", []), behaviour_logprobs=kw.pop("behaviour_logprobs", []),
                        versions=kw.pop("versions", []), finish_reason=kw.pop("finish_reason", ""), **kw)
-        for extra in ("sample", "correct", "kl", "train", "num_tokens", "response_len", "truncated"):
-            if extra in cols:
-                t.metrics[extra] = cols[extra][i]
-        if "shaped_reward" in cols:  # the update's reward
+        if "shaped_reward" in cols:
             t.reward = cols["shaped_reward"][i]
+        t.train = bool(t.train)
         t.row_id = batch.row_ids[i]
         out.append(t)
     return out
+
+
+def to_numbers(batch: Batch) -> list[RowNumbers]:
+    """The advantage stage's read (`advantage_reads`) as `RowNumbers`, in batch order."""
+    c = batch.columns
+    return [RowNumbers(r, g, c["sample"][i], c["reward"][i], c["correct"][i], c["num_tokens"][i],
+                       c["response_len"][i], bool(c["truncated"][i]), c["kl"][i] if "kl" in c else 0.0)
+            for i, (r, g) in enumerate(zip(batch.row_ids, batch.group_ids))]

@@ -29,7 +29,7 @@ from rlfusion.runtime.workers import DeviceWorker
 
 class Devices:
     """Commands to the device workers of `plan`. `version` is the policy version (updates
-    so far): the one counter of the run. `driver_bytes` counts what the step's commands and
+    so far): the one counter of the run (each command that changes it carries it to the devices). `driver_bytes` counts what the step's commands and
     their answers carried across the controller (Ray backend; 0 in process)."""
 
     def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, queue: Any):
@@ -127,7 +127,7 @@ class Devices:
         """One full-batch step on the train devices: `shards[r]` are the row ids of data-parallel
         rank r (the devices of one tensor-parallel group share theirs). In separated mode the
         new weights then go to the rollout devices."""
-        calls = [(dev, "update", (shards[self.plan.dp_index(dev)],)) for dev in self.plan.train]
+        calls = [(dev, "update", (shards[self.plan.dp_index(dev)], self.version)) for dev in self.plan.train]
         metrics = self._run(calls)[0]
         self.version += 1
         self._sync_rollout_weights()
@@ -135,7 +135,7 @@ class Devices:
 
     def skip_update(self) -> None:
         """No sample carried signal: the policy is unchanged, its version moves on."""
-        self._run([(dev, "skip_update", ()) for dev in self.plan.train])
+        self._run([(dev, "skip_update", (self.version,)) for dev in self.plan.train])
         self.version += 1
 
     def _sync_rollout_weights(self) -> None:

@@ -56,7 +56,7 @@ class RolloutStage:
         """`group_ids[g]` is problem g's group; tokens are stamped with policy `version`.
         `on_finish(trajectory)`, if given, sees each sample the moment it finishes (the same
         engine steps run either way, so the samples do not depend on it). Returns the samples in
-        request order (group by group); `metrics["sample"]` is each one's index in its group."""
+        request order (group by group); `sample` is each one's index in its group."""
         if version is not None:
             self.engine.policy_version = version
         model = self.engine.runner.model
@@ -77,7 +77,7 @@ class RolloutStage:
                     k = index[c.request_id]
                     t = Trajectory(group_ids[k // G], problems[k // G], c.prompt_ids, c.output_ids,
                                    c.logprobs, c.versions, c.finish_reason)
-                    t.metrics["sample"] = k % G
+                    t.sample = k % G
                     done[k] = t
                     if on_finish is not None:
                         on_finish(t)
@@ -166,7 +166,7 @@ class _GroupRun:
         """A group with open samples resumes them; a group without starts `group_size` new ones."""
         for gid, problem, partial in groups:
             if partial:
-                requests = [Request(f"{gid}/{t.metrics['sample']}", list(t.prompt_ids), params,
+                requests = [Request(f"{gid}/{t.sample}", list(t.prompt_ids), params,
                                     list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
                             for t in partial]
                 self.resumed_tokens += sum(len(t.response_ids) for t in partial)
@@ -195,7 +195,7 @@ class _GroupRun:
             c = self.done.get(rid) or aborted[rid]
             gid, problem, i = self.owner[rid]
             t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
-            t.metrics["sample"] = i
+            t.sample = i
             generated += len(c.output_ids)
             (finished if rid in self.done else unfinished).append(t)
         return {"finished": finished, "unfinished": unfinished, "generated_tokens": generated}
@@ -254,7 +254,7 @@ class RewardStage:
                 raise RewardError(f"reward={self.name!r} did not return within {self.timeout_s:g} s ({where}); "
                                   f"raise reward_timeout_s= or fix the function") from None
         for t, score in zip(trajs, scores):
-            t.metrics["correct"] = score
+            t.correct = score
             t.reward = score
         if self.algo.overlong_buffer:
             lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
@@ -331,9 +331,9 @@ class ReferenceStage:
 
 
 def apply_kl_reward_penalty(trajs: list[Trajectory], algo: AlgoConfig) -> dict[str, float]:
-    """Each sample's reward minus `kl_coef` x its summed KL estimate (`metrics["kl"]`, written by
-    the reference stage), as in classic RLHF."""
-    kl = [t.metrics["kl"] for t in trajs]
+    """Each sample's reward minus `kl_coef` x its summed KL estimate (`kl`, written by the
+    reference stage), as in classic RLHF."""
+    kl = [t.kl for t in trajs]
     for t, k in zip(trajs, kl):
         t.reward -= algo.kl_coef * k
     return {"kl_seq_mean": sum(kl) / len(kl) if kl else 0.0}
@@ -359,7 +359,7 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
         return trajs
     # Filter on the task score, not the shaped reward: KL or overlong penalties make every
     # reward slightly different, which would keep groups that carry no real signal.
-    correct_GS = torch.tensor([t.metrics.get("correct", t.reward) for t in trajs]).view(-1, group_size)
+    correct_GS = torch.tensor([t.correct for t in trajs]).view(-1, group_size)
     keep_G = dynamic_sampling_mask(correct_GS).tolist()
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 

@@ -34,8 +34,8 @@ from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import run_state
-from rlfusion.runtime.dataflow import (ADVANTAGE, REFERENCE, REWARD, ROLLOUT, advantage_reads, group_problem,
-                                       to_trajectories, trajectory_columns)
+from rlfusion.runtime.dataflow import (ADVANTAGE, REFERENCE, REWARD, ROLLOUT, RowNumbers, advantage_reads,
+                                       group_problem, to_numbers, trajectory_columns)
 from rlfusion.runtime.devices import Devices, LocalDevices
 from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
@@ -121,9 +121,9 @@ class RLTrainer:
         t_adv = time.perf_counter()
         rows, metrics = self._advantages(n)
         t1 = time.perf_counter()
-        train = [r for r in rows if r.metrics["train"]]
+        train = [r for r in rows if r.train]
         if train:
-            parts = split_balanced([r.metrics["num_tokens"] for r in train], self.devices.plan.train_dp)
+            parts = split_balanced([r.num_tokens for r in train], self.devices.plan.train_dp)
             metrics.update(self.devices.update([[train[i].row_id for i in part] for part in parts]))
         else:
             self.devices.skip_update()  # nothing to learn from; the policy is unchanged
@@ -131,20 +131,20 @@ class RLTrainer:
         t_update = time.perf_counter() - t1
         metrics.update({
             "reward_mean": sum(r.reward for r in rows) / n,
-            "correct_mean": sum(r.metrics["correct"] for r in rows) / n,
+            "correct_mean": sum(r.correct for r in rows) / n,
             "kept_fraction": len(train) / n,
-            "response_length_mean": sum(r.metrics["response_len"] for r in rows) / n,
-            "response_length_max": max(r.metrics["response_len"] for r in rows),
-            "truncated_fraction": sum(r.metrics["truncated"] for r in rows) / n,
+            "response_length_mean": sum(r.response_len for r in rows) / n,
+            "response_length_max": max(r.response_len for r in rows),
+            "truncated_fraction": sum(r.truncated for r in rows) / n,
             "time_advantage_s": t1 - t_adv,
-            "update_tokens_per_s": sum(r.metrics["num_tokens"] for r in train) / max(t_update, 1e-9),
+            "update_tokens_per_s": sum(r.num_tokens for r in train) / max(t_update, 1e-9),
             "time_update_s": t_update,
         })
         if not self.devices.plan.colocated_actor:
             metrics["time_weight_sync_s"] = self.devices.last_sync_s
         return metrics, t1
 
-    def _advantages(self, n: int) -> tuple[list[Trajectory], dict[str, float]]:
+    def _advantages(self, n: int) -> tuple[list[RowNumbers], dict[str, float]]:
         """The controller's stage: the `n` scored rows' numbers (reward, score, lengths; never
         their tokens), KL reward shaping if any, advantages, and which rows the update keeps;
         `advantage` and `train` go back to the queue. Rows come in (group, sample) order."""
@@ -154,16 +154,14 @@ class RLTrainer:
         if len(batch) != n:
             raise RunError(f"the advantage stage waited {cfg.deploy.queue_timeout_s:g} s for {n} scored rows "
                            f"and the queue had {len(batch)} (deploy.queue_timeout_s)")
-        rows = to_trajectories(batch)
-        rows.sort(key=lambda r: (r.group_id, r.metrics["sample"]))
+        rows = to_numbers(batch)
+        rows.sort(key=lambda r: (r.group_id, r.sample))
         metrics: dict[str, float] = {}
         if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward":
             metrics.update(apply_kl_reward_penalty(rows, cfg.algo))
         kept = {id(r) for r in compute_advantages(rows, cfg.algo, cfg.rollout.group_size)}
         for r in rows:
-            r.metrics["train"] = int(id(r) in kept)
-        for r in rows:  # what the update's loss sees: GAE takes the shaped reward, others its advantage
-            r.metrics["shaped_reward"] = r.reward
+            r.train = id(r) in kept
         self.devices.queue.put(trajectory_columns(rows, ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
         return rows, metrics
 

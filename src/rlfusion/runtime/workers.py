@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from rlfusion.errors import RunError
 from rlfusion.evaluate import greedy_completions
 from rlfusion.fusion.offload import local_tensor
 from rlfusion.fusion.reshard import build_inference_model, release
@@ -358,8 +359,8 @@ class DeviceWorker:
             with self._span("queue"):
                 batch = self.queue.get(stage.name, stage.reads, count, block=True, timeout=timeout)
             if len(batch) != count:
-                raise RuntimeError(f"stage {stage.name!r} on device {self.device} waited {timeout:g} s for "
-                                   f"{count} rows and got {len(batch)} (deploy.queue_timeout_s)")
+                raise RunError(f"stage {stage.name!r} on device {self.device} waited {timeout:g} s for "
+                               f"{count} rows and got {len(batch)} (deploy.queue_timeout_s)")
             trajs = dataflow.to_trajectories(batch)
             (self._reward if stage is dataflow.REWARD else self._reference)(trajs)
             with self._span("queue"):
@@ -375,20 +376,25 @@ class DeviceWorker:
         kind = self.cfg.algo.kl_kind
         for t in trajs:  # the summed estimate KL reward shaping subtracts (metadata-sized)
             kl = kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs), kind)
-            t.metrics["kl"] = float(kl.sum())
+            t.kl = float(kl.sum())
 
     # ---- training ----
 
-    def update(self, row_ids: list[int]) -> dict[str, float]:
+    def update(self, row_ids: list[int], version: int) -> dict[str, float]:
         """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
-        parallel rank's rows; the rows are read from the queue by id."""
+        parallel rank's rows, from policy `version` (the controller's count of updates, which the
+        actor follows: its learning-rate schedule reads it); the rows are read from the queue by id."""
+        self.actor.version = version
         consumer = "actor"
         tp_rank = self.plan.train.index(self.device) % self.plan.train_tp if self.device in self.plan.train else 0
         if tp_rank and not isinstance(self.reads, GroupQueue):
             consumer = f"actor/tp{tp_rank}"  # each TP rank reads the group's rows itself: a reader of its own
         with self._span("queue"):
-            batch = self.reads.get_rows(consumer, row_ids, dataflow.actor_reads(self.cfg),
-                                        timeout=self.cfg.deploy.queue_timeout_s)
+            try:
+                batch = self.reads.get_rows(consumer, row_ids, dataflow.actor_reads(self.cfg),
+                                            timeout=self.cfg.deploy.queue_timeout_s)
+            except TimeoutError as e:
+                raise RunError(f"the update on device {self.device}: {e} (deploy.queue_timeout_s)") from None
         trajs = dataflow.to_trajectories(batch)
         metrics: dict[str, float] = {}
         with self.switch.train():
@@ -397,14 +403,12 @@ class DeviceWorker:
                     self.critic.values(trajs)
                     gae_advantages(trajs, self.cfg.algo, self.dp_group)
                     metrics.update(self.critic.update(trajs))
-            if any(t.metrics.get("train", 1) for t in trajs) or self.critic is not None:
-                metrics.update(self.actor.update([t for t in trajs if t.metrics.get("train", 1)]))
-            else:
-                self.actor.skip_update()
+            metrics.update(self.actor.update(trajs))  # (the controller sends only the rows it keeps)
         return metrics
 
-    def skip_update(self) -> None:
+    def skip_update(self, version: int) -> None:
         """No sample carried signal this step: the policy is unchanged, its version moves on."""
+        self.actor.version = version
         self.actor.skip_update()
 
     def sync_weights(self) -> int:
