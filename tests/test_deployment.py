@@ -97,7 +97,7 @@ def _sample(cfg, base, num_prompts: int):
         [task.sample(rng) for _ in range(num_prompts)], groups, 0)
     ReferenceStage(model, cfg.rollout.temperature, cfg.optim.microbatch_tokens).logprobs(trajs)
     for t in trajs:
-        t.metrics.update(correct=t.reward, shaped_reward=t.reward, train=1)
+        t.correct = t.reward
     return trajs
 
 
