@@ -212,3 +212,13 @@ def test_config_file_type_errors_name_the_key(tmp_path):
     path.write_text("[simulate]\nresponse_lengths = [3, 5]\ntrain_fraction = 1\n")
     cfg = load_rl_config(path)
     assert cfg.response_lengths == (3, 5) and cfg.train_fraction == 1
+
+
+def test_driver_cost_is_measured_on_the_controllers_own_stage():
+    """The calibration times what the controller does per step (the advantage stage on numbers
+    per row through a DistQueue), so it runs against the runtime's dataflow as it is."""
+    from rlfusion.measure.calibrate import measure_driver
+    from rlfusion.model.checkpoint import find_base, load_base
+
+    model, tokenizer, _ = load_base(find_base())
+    assert 0 < measure_driver(tokenizer, model.config.vocab_size, quick=True, n=64) < 0.01

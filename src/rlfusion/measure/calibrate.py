@@ -238,50 +238,41 @@ def _measure_switches(actor, reference, model, reps: int) -> tuple[float, float]
 
 
 def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
-    """Seconds per sample the driver spends on one synchronous update's batch between the
-    devices' phases, as `RLTrainer._learn` does it: the rollouts into a DistQueue, the reward,
-    reference and advantage stages, the update's read, plus pickling the batch to and from the
-    devices (what the Ray calls carry) — on `n` synthetic samples. The stages' device work is
-    left out (rewards and reference logprobs are filled in directly): it is timed on the
-    devices."""
+    """Seconds per sample the controller spends on one synchronous update's batch between the
+    devices' phases, as `RLTrainer._learn` does it: the advantage stage's read of each row's
+    numbers from a DistQueue, the advantages, their write back by row id, the update's row ids
+    (pickled, as the Ray calls carry them) and the retire — on `n` synthetic samples whose rows
+    the devices have put (their puts are device work, not timed here)."""
     import pickle
 
     from rlfusion.queue import DistQueue
-    from rlfusion.runtime.dataflow import QueueDataflow, queue_config
+    from rlfusion.runtime import dataflow
     from rlfusion.runtime.stages import compute_advantages
     from rlfusion.runtime.train_config import AlgoConfig
 
     algo, group = AlgoConfig(), 8
     base = synthetic_trajectories(tokenizer, n, vocab, seed=1)
+    for i, t in enumerate(base):  # a third of the samples right
+        t.reward = t.correct = float(i % 3 == 0)
+        t.sample = i % group
+    rows_put = dataflow.trajectory_columns(base, dataflow.ROLLOUT.writes + dataflow.REWARD.writes)
 
-    def one_update() -> None:
-        trajs = pickle.loads(pickle.dumps(base))  # the rollouts coming back from the devices
-        flow = QueueDataflow(DistQueue(queue_config(group)))
-        flow.put_rollouts(trajs)
+    def one_update() -> float:
+        queue = DistQueue(dataflow.queue_config(group))
+        queue.put(rows_put, group_ids=[t.group_id for t in base], versions=[0] * n)  # the devices' puts
+        start = time.perf_counter()
+        batch = queue.get("advantage", dataflow.ADVANTAGE.reads, n, policy="group")
+        rows = sorted(dataflow.to_numbers(batch), key=lambda r: (r.group_id, r.sample))
+        kept = {id(r) for r in compute_advantages(rows, algo, group)}
+        for r in rows:
+            r.train = id(r) in kept
+        queue.put(dataflow.trajectory_columns(rows, dataflow.ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
+        pickle.loads(pickle.dumps([r.row_id for r in rows if r.train]))  # the update's row ids going out
+        queue.retire([r.row_id for r in rows])
+        return time.perf_counter() - start
 
-        def reward(ts):
-            for i, t in enumerate(ts):  # a third of the samples right
-                t.reward = t.correct = float(i % 3 == 0)
-
-        def reference(ts):
-            for t in ts:
-                t.ref_logprobs = t.behaviour_logprobs
-
-        def advantages(ts):
-            kept = {id(t) for t in compute_advantages(ts, algo, group)}
-            for t in ts:
-                t.train = id(t) in kept
-
-        flow.run_stage("reward", ["problem", "response_ids"], ["reward", "correct"], n, reward)
-        flow.run_stage("reference", ["prompt_ids", "response_ids"], ["ref_logprobs"], n, reference)
-        flow.run_stage("advantage", ["reward", "correct", "response_ids"], ["advantage", "train"], n,
-                       advantages, policy="group")
-        batch, _ = flow.run_stage("actor", ["prompt_ids", "response_ids", "behaviour_logprobs", "train",
-                                            "advantage", "ref_logprobs"], [], n, lambda ts: None)
-        flow.retire_done("actor")
-        pickle.loads(pickle.dumps(batch))  # the update's shards going out
-
-    return _median_time(one_update, 3 if quick else 7) / n
+    one_update()  # warm-up
+    return statistics.median(one_update() for _ in range(3 if quick else 7)) / n
 
 
 # ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
@@ -445,8 +436,9 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
             "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes while "
             "both decode 64 rows, one every SYNC_EVERY engine steps (waiting for the other included)",
-            "driver_s_per_sample: RLTrainer._learn's queue stages on 256 synthetic samples "
-            "(the devices' own work left out) + pickling the batch in and out, per sample",
+            "driver_s_per_sample: RLTrainer._learn's advantage stage on 256 synthetic samples "
+            "(numbers per row read from and written to a DistQueue; the devices' own work left "
+            "out) + pickling the update's row ids, per sample",
             "concurrent_speed / lockstep_speed: 2 Ray actors, rollout+update workload, alone vs "
             "both at once (independent / meeting after the rollout and in the gradient all-reduce); "
             "probe_s: that workload alone (machine-speed mark)",
