@@ -14,6 +14,7 @@ The two differ only in how a command reaches a worker (`_start` / `_wait`).
 from __future__ import annotations
 
 import pickle
+from abc import ABC, abstractmethod
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.workers import DeviceWorker
 
 
-class Devices:
+class Devices(ABC):
     """Commands to the device workers of `plan`. `version` is the policy version (updates
     so far): the one counter of the run (each command that changes it carries it to the devices). `driver_bytes` counts what the step's commands and
     their answers carried across the controller (Ray backend; 0 in process)."""
@@ -45,11 +46,13 @@ class Devices:
 
     # ---- how a command reaches a worker (the backends differ only here) ----
 
+    @abstractmethod
     def _start(self, device: int, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+        """Begin `method(*args)` on `device`; a handle `_wait` resolves."""
 
+    @abstractmethod
     def _wait(self, handles: list[Any]) -> list[Any]:
-        raise NotImplementedError
+        """The answers of started commands, in order."""
 
     def _run(self, calls: list[tuple[int, str, tuple]], kind: str = "step") -> list[Any]:
         """Run `calls` (device, method, args) on their devices at once; their answers in order."""
