@@ -151,19 +151,22 @@ def predict_sync(case: Case, cal: Calibration) -> Prediction:
 # ---- measuring the real runs -----------------------------------------------------------------
 
 class _RecordingRollout:
-    """Remembers the per-row numbers (response length, prompt + response tokens) of the rows the
-    trainer's advantage stage read in the last step, in (group, sample) order: the samples
-    themselves stay on the devices."""
+    """Reads the per-row numbers (response length, prompt + response tokens) of the rows each
+    update takes, in (group, sample) order, as a reader of its own just before the update (a few
+    bytes per row; the samples themselves stay on the devices)."""
 
     def __init__(self, trainer):
         self.last: list = []
-        inner = trainer._advantages
+        devices = trainer.devices
+        inner = devices.update
 
-        def advantages(n):
-            rows, metrics = inner(n)
-            self.last = rows
-            return rows, metrics
-        trainer._advantages = advantages
+        def update(count):
+            batch = devices.queue.get("bench", ["sample", "num_tokens", "response_len"], count, policy="group",
+                                      block=True, timeout=trainer.cfg.deploy.queue_timeout_s)
+            c = batch.columns
+            self.last = sorted(zip(batch.group_ids, c["sample"], c["num_tokens"], c["response_len"]))
+            return inner(count)
+        devices.update = update
 
 
 def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
@@ -175,9 +178,9 @@ def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
         key = f"{s.device}/{s.phase}"
         phases[key] = phases.get(key, 0.0) + s.duration_s
     rows = rec.last
-    prompts = tuple(r.num_tokens - r.response_len for r in rows)
+    prompts = tuple(tokens - length for _, _, tokens, length in rows)
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
-                        tuple(r.response_len for r in rows), sum(prompts),
+                        tuple(length for *_, length in rows), sum(prompts),
                         round(m["update_tokens_per_s"] * m["time_update_s"]), phases, prompts)
 
 

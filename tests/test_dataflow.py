@@ -34,40 +34,36 @@ def _cfg(tmp_path, backend: str, **over) -> TrainConfig:
 
 
 def _samples(cfg: TrainConfig, num_prompts: int) -> list:
-    """Trajectories from the base policy (seeded), with fixed advantages, as queue rows take them."""
+    """Trajectories from the base policy (seeded), with fixed rewards, as queue rows take them."""
     model, tokenizer, _ = load_checkpoint(find_base())
     task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
     groups = list(range(1000, 1000 + num_prompts))
     trajs = RolloutStage(model, tokenizer, cfg.rollout, seed=3).generate(
         [dataflow.group_problem(task, cfg.seed, g) for g in groups], groups, 0)
     for i, t in enumerate(trajs):
-        t.advantage = [1.0, -1.0, 0.5, -0.5][i % 4]
-        t.reward = t.correct = t.kl = 0.0
+        t.reward = t.correct = [1.0, 0.0, 0.5, 0.0][i % 4]
     return trajs
 
 
 def _put(trainer: RLTrainer, trajs: list) -> list[int]:
-    names = dataflow.ROLLOUT.writes + dataflow.REWARD.writes + dataflow.ADVANTAGE.writes
+    names = dataflow.ROLLOUT.writes + dataflow.REWARD.writes
     return trainer.devices.queue.put(dataflow.trajectory_columns(trajs, names),
                                      group_ids=[t.group_id for t in trajs], versions=[0] * len(trajs))
 
 
 def test_ray_and_local_backends_take_the_same_update_from_the_same_rows(ray_session, tmp_path):
-    """The same rows, put into each run's queue and read back by the devices by row id: one
-    local device and two Ray devices (data parallel, each reading its half) end with the same
-    weights."""
+    """The same scored rows, put into each run's queue: one local device and two Ray devices
+    (the first computes the advantages and splits the rows, each reads its half by row id) end
+    with the same weights."""
     weights = {}
     for backend in ("local", "ray"):
         cfg = _cfg(tmp_path, backend)
         trainer = RLTrainer(cfg, tmp_path / backend, find_base())
         try:
             ids = _put(trainer, _samples(cfg, 4))
-            dp = trainer.devices.plan.train_dp
-            shards = [ids[r::dp] for r in range(dp)]
-            metrics = trainer.devices.update(shards)
+            metrics = trainer.devices.update(len(ids))  # advantages and the split on the first train device
             assert metrics["grad_norm"] > 0  # a real step ran
-            trainer.devices.queue.retire(ids)
-            assert len(trainer.devices.queue) == 0
+            assert len(trainer.devices.queue) == 0  # the rows retired
             trainer.sync_model()
             weights[backend] = copy.deepcopy(trainer.model.state_dict())
         finally:

@@ -39,10 +39,10 @@ def test_colocated_step_by_hand():
     assert _step_s(TWO, FLAT) == pytest.approx(expected)
 
 
-def test_driver_work_is_charged_per_trained_sample_between_reference_and_update():
-    # the same step plus 4 samples x 5 ms of driver work, on the critical path
-    with_driver = FLAT.replace(driver_s_per_sample=0.005)
-    assert _step_s(TWO, with_driver) == pytest.approx(_step_s(TWO, FLAT) + 4 * 0.005)
+def test_advantage_work_is_charged_per_trained_sample_between_reference_and_update():
+    # the same step plus 4 samples x 5 ms of the advantage stage, on the critical path
+    with_advantage = FLAT.replace(advantage_s_per_sample=0.005)
+    assert _step_s(TWO, with_advantage) == pytest.approx(_step_s(TWO, FLAT) + 4 * 0.005)
 
 
 def test_replayed_lengths_are_the_trained_tokens():
@@ -214,11 +214,11 @@ def test_config_file_type_errors_name_the_key(tmp_path):
     assert cfg.response_lengths == (3, 5) and cfg.train_fraction == 1
 
 
-def test_driver_cost_is_measured_on_the_controllers_own_stage():
-    """The calibration times what the controller does per step (the advantage stage on numbers
-    per row through a DistQueue), so it runs against the runtime's dataflow as it is."""
-    from rlfusion.measure.calibrate import measure_driver
+def test_advantage_cost_is_measured_on_the_runtimes_own_stage():
+    """The calibration times the advantage stage the first train device runs per update (numbers
+    per row through a DistQueue, the split), so it runs against the runtime's dataflow as it is."""
+    from rlfusion.measure.calibrate import measure_advantage
     from rlfusion.model.checkpoint import find_base, load_base
 
     model, tokenizer, _ = load_base(find_base())
-    assert 0 < measure_driver(tokenizer, model.config.vocab_size, quick=True, n=64) < 0.01
+    assert 0 < measure_advantage(tokenizer, model.config.vocab_size, quick=True, n=64) < 0.01

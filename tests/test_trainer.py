@@ -72,8 +72,8 @@ def test_run_folder_contents(base, tmp_path):
     assert json.loads((tmp_path / "r" / "config.json").read_text())["max_steps"] == 2
     events = json.loads((tmp_path / "r" / "timeline.json").read_text())["traceEvents"]
     # the local backend's one device does what a Ray device does: the switch, and evaluation too
-    assert {e["name"] for e in events if e.get("ph") == "X"} == {"rollout", "switch", "reward", "reference", "queue", "train",
-                                                                 "eval"}
+    assert {e["name"] for e in events if e.get("ph") == "X"} == {"rollout", "switch", "reward", "reference", "queue",
+                                                                 "advantage", "train", "eval"}
     rows = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "utilization_mean" in r]
     assert len(rows) == 2 and all(0.8 < r["utilization_device0"] <= 1.0 for r in rows), rows
     # after the first update (AdamW's state exists from then on) it goes to host and back every step

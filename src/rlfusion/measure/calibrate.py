@@ -237,20 +237,18 @@ def _measure_switches(actor, reference, model, reps: int) -> tuple[float, float]
     return _median_time(round_trip, reps) / 2, _median_time(reference_round_trip, reps)
 
 
-def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
-    """Seconds per sample the controller spends on one synchronous update's batch between the
-    devices' phases, as `RLTrainer._learn` does it: the advantage stage's read of each row's
-    numbers from a DistQueue, the advantages, their write back by row id, the update's row ids
-    (pickled, as the Ray calls carry them) and the retire — on `n` synthetic samples whose rows
-    the devices have put (their puts are device work, not timed here)."""
-    import pickle
-
+def measure_advantage(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
+    """Seconds per sample of one update's advantage stage, as the first train device runs it
+    between the rollout and the update (`stages.advantage_stage`): each row's numbers read from
+    a DistQueue, advantages written back by row id, the kept rows split over two data-parallel
+    ranks, and the rows retired after the update — on `n` synthetic samples whose rows the
+    rollout devices have put (their puts are rollout work, not timed here)."""
     from rlfusion.queue import DistQueue
     from rlfusion.runtime import dataflow
-    from rlfusion.runtime.stages import compute_advantages
-    from rlfusion.runtime.train_config import AlgoConfig
+    from rlfusion.runtime.stages import advantage_stage
+    from rlfusion.runtime.train_config import TrainConfig
 
-    algo, group = AlgoConfig(), 8
+    cfg, group = TrainConfig(), 8
     base = synthetic_trajectories(tokenizer, n, vocab, seed=1)
     for i, t in enumerate(base):  # a third of the samples right
         t.reward = t.correct = float(i % 3 == 0)
@@ -259,15 +257,9 @@ def measure_driver(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
 
     def one_update() -> float:
         queue = DistQueue(dataflow.queue_config(group))
-        queue.put(rows_put, group_ids=[t.group_id for t in base], versions=[0] * n)  # the devices' puts
+        queue.put(rows_put, group_ids=[t.group_id for t in base], versions=[0] * n)  # the rollout's puts
         start = time.perf_counter()
-        batch = queue.get("advantage", dataflow.ADVANTAGE.reads, n, policy="group")
-        rows = sorted(dataflow.to_numbers(batch), key=lambda r: (r.group_id, r.sample))
-        kept = {id(r) for r in compute_advantages(rows, algo, group)}
-        for r in rows:
-            r.train = id(r) in kept
-        queue.put(dataflow.trajectory_columns(rows, dataflow.ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
-        pickle.loads(pickle.dumps([r.row_id for r in rows if r.train]))  # the update's row ids going out
+        rows, _, _ = advantage_stage(queue, cfg, n, num_ranks=2)
         queue.retire([r.row_id for r in rows])
         return time.perf_counter() - start
 
@@ -408,9 +400,9 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"reference {train['reference_tokens_per_s_per_device']:,.0f} tok/s + "
         f"{train['reference_overhead_s'] * 1e3:.1f} ms, switch {train['switch_s'] * 1e3:.1f} ms, "
         f"reference switch {train['reference_switch_s'] * 1e3:.1f} ms")
-    driver = measure_driver(tokenizer, model.config.vocab_size, quick)
-    log(f"  driver: {driver * 1e6:.0f} us per sample between the devices' phases (queue stages, "
-        f"advantages, the batch pickled out and back)")
+    advantage = measure_advantage(tokenizer, model.config.vocab_size, quick)
+    log(f"  advantage stage: {advantage * 1e6:.0f} us per sample between the rollout and the update "
+        f"(each row's numbers through the queue, advantages, the data-parallel split)")
     pair = measure_pair(setup)
     bcast_s, idle_sum_s = pair.pop("_bcast_s"), pair.pop("_idle_sum_s")
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
@@ -424,7 +416,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"{together:.3f} s, in lock-step {lockstep:.3f} s -> concurrent speed "
         f"{contention['concurrent_speed']:.2f}, lock-step speed {contention['lockstep_speed']:.2f}")
     cal = Calibration(
-        **engine, **train, **pair, **contention, devices_per_engine=1, driver_s_per_sample=driver,
+        **engine, **train, **pair, **contention, devices_per_engine=1, advantage_s_per_sample=advantage,
         source=f"measured on this machine by rlfusion.measure.calibrate ({threads} thread(s) per "
                f"device, {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s)",
         source_notes=(
@@ -436,9 +428,9 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
             "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes while "
             "both decode 64 rows, one every SYNC_EVERY engine steps (waiting for the other included)",
-            "driver_s_per_sample: RLTrainer._learn's advantage stage on 256 synthetic samples "
-            "(numbers per row read from and written to a DistQueue; the devices' own work left "
-            "out) + pickling the update's row ids, per sample",
+            "advantage_s_per_sample: the first train device's advantage stage on 256 synthetic "
+            "samples (numbers per row read from and written to a DistQueue, the data-parallel "
+            "split, the retire), per sample",
             "concurrent_speed / lockstep_speed: 2 Ray actors, rollout+update workload, alone vs "
             "both at once (independent / meeting after the rollout and in the gradient all-reduce); "
             "probe_s: that workload alone (machine-speed mark)",

@@ -126,20 +126,17 @@ class Devices(ABC):
                     "generated_tokens": sum(o["generated_tokens"] for o in outs)}
         return wait
 
-    def update(self, shards: list[list[int]]) -> dict[str, float]:
-        """One full-batch step on the train devices: `shards[r]` are the row ids of data-parallel
-        rank r (the devices of one tensor-parallel group share theirs). In separated mode the
-        new weights then go to the rollout devices."""
-        calls = [(dev, "update", (shards[self.plan.dp_index(dev)], self.version)) for dev in self.plan.train]
-        metrics = self._run(calls)[0]
+    def update(self, count: int) -> dict[str, float]:
+        """One synchronous update on the train devices from the `count` scored rows waiting in
+        the queue (`DeviceWorker.update`: the advantage stage and the data-parallel split run on
+        the first train device); the policy version moves on whether or not a row was kept. In
+        separated mode new weights then go to the rollout devices. Returns the first train
+        device's answer: the batch's aggregates and the update's metrics."""
+        metrics = self._run([(dev, "update", (count, self.version)) for dev in self.plan.train])[0]
         self.version += 1
-        self._sync_rollout_weights()
+        if metrics["trained"]:
+            self._sync_rollout_weights()
         return metrics
-
-    def skip_update(self) -> None:
-        """No sample carried signal: the policy is unchanged, its version moves on."""
-        self._run([(dev, "skip_update", (self.version,)) for dev in self.plan.train])
-        self.version += 1
 
     def _sync_rollout_weights(self) -> None:
         if not self.plan.colocated_actor:

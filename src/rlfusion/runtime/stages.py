@@ -27,8 +27,10 @@ from rlfusion.rl.policy_loss import value_loss
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardModel, describe_reward,
                                 finite_score, snippet)
+from rlfusion.queue import split_balanced
 from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
                                    token_logprobs)
+from rlfusion.runtime import dataflow
 from rlfusion.runtime.replicas import group_sum, sum_over_replicas
 from rlfusion.runtime.stalesync import rollout_stops
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
@@ -362,6 +364,42 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
     correct_GS = torch.tensor([t.correct for t in trajs]).view(-1, group_size)
     keep_G = dynamic_sampling_mask(correct_GS).tolist()
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
+
+
+def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int) -> tuple[list[dataflow.RowNumbers],
+                                                                           list[list[int]], dict[str, float]]:
+    """The advantage stage of one update, on the first train device: the `count` scored rows'
+    numbers from the queue (reward, score, lengths, KL; never their tokens), KL reward shaping
+    if any, advantages, which rows the update keeps, written back by row id (`advantage`,
+    `shaped_reward`, `train`), and the kept rows split over `num_ranks` data-parallel ranks by
+    tokens. Returns the rows (in (group, sample) order), each rank's row ids, and the batch's
+    aggregates (what the controller records)."""
+    timeout = cfg.deploy.queue_timeout_s
+    batch = queue.get("advantage", dataflow.advantage_reads(cfg), count, policy="group", block=True, timeout=timeout)
+    if len(batch) != count:
+        raise RunError(f"the advantage stage waited {timeout:g} s for {count} scored rows and the queue had "
+                       f"{len(batch)} (deploy.queue_timeout_s)")
+    rows = dataflow.to_numbers(batch)
+    rows.sort(key=lambda r: (r.group_id, r.sample))
+    out: dict[str, float] = {}
+    if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward":
+        out.update(apply_kl_reward_penalty(rows, cfg.algo))
+    kept = {id(r) for r in compute_advantages(rows, cfg.algo, cfg.rollout.group_size)}
+    for r in rows:
+        r.train = id(r) in kept
+    queue.put(dataflow.trajectory_columns(rows, dataflow.ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
+    train = [r for r in rows if r.train]
+    shards = [[train[i].row_id for i in part] for part in split_balanced([r.num_tokens for r in train], num_ranks)]
+    out.update({
+        "reward_mean": sum(r.reward for r in rows) / count,
+        "correct_mean": sum(r.correct for r in rows) / count,
+        "kept_fraction": len(train) / count,
+        "response_length_mean": sum(r.response_len for r in rows) / count,
+        "response_length_max": max(r.response_len for r in rows),
+        "truncated_fraction": sum(r.truncated for r in rows) / count,
+        "update_tokens": sum(r.num_tokens for r in train),
+    })
+    return rows, shards, out
 
 
 def gae_advantages(trajs: list[Trajectory], algo: AlgoConfig, group: Any = None) -> None:

@@ -3,8 +3,9 @@ resume. It holds metadata only; the devices (`devices.Devices`) hold the models 
 samples, which move between them through the DistQueue.
 
     step k:  devices.rollout(group ids, v_k)     rows: problem, tokens, logprobs, reward, ref logprobs
-             advantages (here, on each row's numbers) ─► advantage, train
-             devices.update(row ids per data-parallel rank)  v_k → v_k+1; the rows retire
+             devices.update(n rows)   first train device: advantages on each row's numbers,
+                                      the kept rows split by tokens; every train device reads
+                                      its rows and steps, v_k → v_k+1; the rows retire
              metrics / periodic evaluation (on the devices) / checkpoint
 
 With StaleSync (`stalesync.enabled`) the rollout is partial and runs under the staleness bound
@@ -29,15 +30,13 @@ from rlfusion.evaluate import EvalResult, eval_max_new_tokens, summarize
 from rlfusion.model.checkpoint import load_base, save_checkpoint
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.obs.timeline import Timeline
-from rlfusion.queue import split_balanced
 from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import run_state
-from rlfusion.runtime.dataflow import (ADVANTAGE, REFERENCE, REWARD, ROLLOUT, RowNumbers, advantage_reads,
-                                       group_problem, to_numbers, trajectory_columns)
+from rlfusion.runtime.dataflow import REFERENCE, REWARD, ROLLOUT, group_problem, trajectory_columns
 from rlfusion.runtime.devices import Devices, LocalDevices
-from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages
+from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
@@ -115,55 +114,18 @@ class RLTrainer:
         return metrics
 
     def _learn(self, n: int) -> tuple[dict[str, float], float]:
-        """Advantages over the `n` rows in the queue (scored), then the update on the train
-        devices, which read the rows they are given; the rows then retire. Returns the metrics
-        and when the update began (perf_counter)."""
-        t_adv = time.perf_counter()
-        rows, metrics = self._advantages(n)
+        """The update from the `n` scored rows in the queue: advantages, the data-parallel split,
+        the step and the rows' retirement all run on the train devices (`Devices.update`); the
+        controller gets the batch's aggregates back. Returns the metrics and when the update
+        began (perf_counter)."""
         t1 = time.perf_counter()
-        train = [r for r in rows if r.train]
-        if train:
-            parts = split_balanced([r.num_tokens for r in train], self.devices.plan.train_dp)
-            metrics.update(self.devices.update([[train[i].row_id for i in part] for part in parts]))
-        else:
-            self.devices.skip_update()  # nothing to learn from; the policy is unchanged
-        self.devices.queue.retire([r.row_id for r in rows])
+        metrics = self.devices.update(n)
         t_update = time.perf_counter() - t1
-        metrics.update({
-            "reward_mean": sum(r.reward for r in rows) / n,
-            "correct_mean": sum(r.correct for r in rows) / n,
-            "kept_fraction": len(train) / n,
-            "response_length_mean": sum(r.response_len for r in rows) / n,
-            "response_length_max": max(r.response_len for r in rows),
-            "truncated_fraction": sum(r.truncated for r in rows) / n,
-            "time_advantage_s": t1 - t_adv,
-            "update_tokens_per_s": sum(r.num_tokens for r in train) / max(t_update, 1e-9),
-            "time_update_s": t_update,
-        })
+        metrics["update_tokens_per_s"] = metrics.pop("update_tokens") / max(t_update, 1e-9)
+        metrics["time_update_s"] = t_update
         if not self.devices.plan.colocated_actor:
             metrics["time_weight_sync_s"] = self.devices.last_sync_s
         return metrics, t1
-
-    def _advantages(self, n: int) -> tuple[list[RowNumbers], dict[str, float]]:
-        """The controller's stage: the `n` scored rows' numbers (reward, score, lengths; never
-        their tokens), KL reward shaping if any, advantages, and which rows the update keeps;
-        `advantage` and `train` go back to the queue. Rows come in (group, sample) order."""
-        cfg = self.cfg
-        batch = self.devices.queue.get("advantage", advantage_reads(cfg), n, policy="group", block=True,
-                                       timeout=cfg.deploy.queue_timeout_s)
-        if len(batch) != n:
-            raise RunError(f"the advantage stage waited {cfg.deploy.queue_timeout_s:g} s for {n} scored rows "
-                           f"and the queue had {len(batch)} (deploy.queue_timeout_s)")
-        rows = to_numbers(batch)
-        rows.sort(key=lambda r: (r.group_id, r.sample))
-        metrics: dict[str, float] = {}
-        if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward":
-            metrics.update(apply_kl_reward_penalty(rows, cfg.algo))
-        kept = {id(r) for r in compute_advantages(rows, cfg.algo, cfg.rollout.group_size)}
-        for r in rows:
-            r.train = id(r) in kept
-        self.devices.queue.put(trajectory_columns(rows, ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
-        return rows, metrics
 
     def _step_metrics(self, generated: int, t0: float, t_rollout: float) -> dict[str, float]:
         return {

@@ -6,8 +6,10 @@ the DistQueue (`dataflow.py` lists the columns each stage reads and writes):
     generate(group ids) rollout devices: sample each group's problem, generate, score and add
                         reference logprobs when reward and reference live here, put the rows
     score(count)        reward / reference devices (separated mode): read rows, write columns
-    update(row ids)     train devices: read their rows (one reader per tensor-parallel group,
-                        broadcast to the others), critic + GAE for PPO, one full-batch step
+    update(count)       train devices: the first runs the advantage stage and splits the kept
+                        rows over the data-parallel ranks; each reads its rows (one reader per
+                        tensor-parallel group, broadcast to the others), critic + GAE for PPO,
+                        one full-batch step; the first retires the rows
     evaluate(indices)   rollout devices: greedy held-out accuracy on their share
     sync_weights()      separated mode: bucketed broadcast of the new weights
 
@@ -52,7 +54,8 @@ from rlfusion.runtime import dataflow
 from rlfusion.runtime.actor import ActorStage
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.heap import freeze_long_lived
-from rlfusion.runtime.stages import CriticStage, ReferenceStage, RewardStage, RolloutStage, gae_advantages
+from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
+                                     gae_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
@@ -112,6 +115,7 @@ class DeviceWorker:
         self.actor: ActorStage | None = None
         self.critic: CriticStage | None = None  # PPO's value model, next to the actor
         self.dp_group: Any = None
+        self.train_group: Any = None  # every train device (more than one): the update's split goes over it
         self.switch = DeviceSwitch(device, self.policy, self.train_model,
                                    self.rollout.engine.runner.cache if self.rollout is not None else None,
                                    int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", self._span)
@@ -159,7 +163,7 @@ class DeviceWorker:
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
             self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
         if self.device in self.plan.train:
-            self.dp_group = train_group if len(self.plan.train) > 1 else None
+            self.train_group = self.dp_group = train_group if len(self.plan.train) > 1 else None
             if self.layout is not None:
                 self.dp_group = self._apply_layout()
             if self.cfg.algo.advantage == "gae":  # from the base weights, before any update
@@ -380,13 +384,43 @@ class DeviceWorker:
 
     # ---- training ----
 
-    def update(self, row_ids: list[int], version: int) -> dict[str, float]:
-        """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
-        parallel rank's rows, from policy `version` (the controller's count of updates, which the
-        actor follows: its learning-rate schedule reads it); the rows are read from the queue by id."""
+    def update(self, count: int, version: int) -> dict[str, float]:
+        """One synchronous update from the `count` scored rows waiting in the queue, from policy
+        `version` (the controller's count of updates, which the actor follows: its learning-rate
+        schedule reads it). The first train device runs the advantage stage (`stages.
+        advantage_stage`) and splits the kept rows over the data-parallel ranks by tokens; the
+        split goes to the other train devices over their group, each reads its rows by id (one
+        reader per tensor-parallel group) and trains, then the first retires the rows. With no
+        row kept the policy is unchanged and its version moves on. The first device answers the
+        batch's aggregates with the update's metrics (`trained`: whether the weights changed)."""
         self.actor.version = version
+        lead = self.device == self.plan.train[0]
+        summary: dict[str, float] = {}
+        shards: list[list[int]] = []
+        if lead:
+            with self._span("advantage"):
+                start = time.perf_counter()
+                rows, shards, summary = advantage_stage(self.queue, self.cfg, count, self.plan.train_dp)
+                summary["time_advantage_s"] = time.perf_counter() - start
+        if self.train_group is not None:  # the split, from the first train device to the others
+            box = [shards]
+            dist.broadcast_object_list(box, src=self.plan.train[0], group=self.train_group)
+            shards = box[0]
+        trained = any(shards)
+        metrics = self._train_on(shards[self.plan.dp_index(self.device)]) if trained else {}
+        if not trained:
+            self.actor.skip_update()
+        if not lead:
+            return metrics
+        with self._span("queue"):
+            self.queue.retire([r.row_id for r in rows])
+        return {**summary, **metrics, "trained": float(trained)}
+
+    def _train_on(self, row_ids: list[int]) -> dict[str, float]:
+        """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
+        parallel rank's rows, read from the queue by id."""
         consumer = "actor"
-        tp_rank = self.plan.train.index(self.device) % self.plan.train_tp if self.device in self.plan.train else 0
+        tp_rank = self.plan.train.index(self.device) % self.plan.train_tp
         if tp_rank and not isinstance(self.reads, GroupQueue):
             consumer = f"actor/tp{tp_rank}"  # each TP rank reads the group's rows itself: a reader of its own
         with self._span("queue"):
@@ -403,13 +437,8 @@ class DeviceWorker:
                     self.critic.values(trajs)
                     gae_advantages(trajs, self.cfg.algo, self.dp_group)
                     metrics.update(self.critic.update(trajs))
-            metrics.update(self.actor.update(trajs))  # (the controller sends only the rows it keeps)
+            metrics.update(self.actor.update(trajs))
         return metrics
-
-    def skip_update(self, version: int) -> None:
-        """No sample carried signal this step: the policy is unchanged, its version moves on."""
-        self.actor.version = version
-        self.actor.skip_update()
 
     def sync_weights(self) -> int:
         """Separated mode: the first train device broadcasts the new weights to the rollout

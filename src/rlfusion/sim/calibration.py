@@ -60,9 +60,9 @@ class Calibration:
     #                                 over the KV cache; every row attends over the longest
     #                                 context of the step); 0: context-independent
     decode_reference_context: int = 0  # the context length the decode table was measured at
-    driver_s_per_sample: float = 0.0  # the driver's work per trained sample between the devices'
-    #                                   phases (DistQueue stages, advantages, serializing the
-    #                                   batch out to and back from the devices), s
+    advantage_s_per_sample: float = 0.0  # the advantage stage's work per sample between the
+    #                                      rollout and the update, on the first train device
+    #                                      (reading each row's numbers, advantages, the split), s
     probe_s: float = 0.0  # seconds of a fixed reference workload on one idle device when these
     #                       numbers were measured (a machine-speed mark; 0 = not recorded)
     source: str = "unspecified"  # where the numbers come from
@@ -87,7 +87,7 @@ class Calibration:
         for key in ("prefill_ms_per_token", "prefill_fixed_ms", "train_step_overhead_s",
                     "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
                     "reference_overhead_s", "grad_sync_GB", "stop_sync_s", "decode_context_ms",
-                    "decode_reference_context", "driver_s_per_sample"):
+                    "decode_reference_context", "advantage_s_per_sample"):
             if getattr(self, key) < 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
 
@@ -154,7 +154,7 @@ class Calibration:
             reference_tokens_per_s_per_device=self.reference_tokens_per_s_per_device / f,
             reference_overhead_s=self.reference_overhead_s * f,
             switch_s=self.switch_s * f,
-            driver_s_per_sample=self.driver_s_per_sample * f,
+            advantage_s_per_sample=self.advantage_s_per_sample * f,
             reference_switch_s=None if self.reference_switch_s is None
             else self.reference_switch_s * f,
             probe_s=probe_s)

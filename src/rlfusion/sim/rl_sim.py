@@ -265,7 +265,7 @@ class _Sim:
         devices = self.train_devices()
         rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9)
-                   + len(batch) * cal.driver_s_per_sample)]
+                   + len(batch) * cal.advantage_s_per_sample)]
         if cfg.mode == "separated" and cfg.scorers == "train":
             phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
         if cfg.mode == "fully_shared" and cfg.reward_model:
