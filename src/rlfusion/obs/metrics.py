@@ -4,6 +4,9 @@ Owns the metrics file format — one JSON object per line, `{"step", "time", **s
 writer (`MetricsWriter`), its reader (`read_metrics`) and the rewind used on resume
 (`truncate_metrics`). It does not know which scalars a run logs or how they are computed.
 
+`NumberPacker` / `NumberUnpacker` carry a dict of named numbers between processes compactly:
+the values as float64, the names only when they change.
+
 Non-finite values (NaN, inf) are written as `null`, so every line stays strict JSON that any
 tool can parse, and are skipped in TensorBoard, whose charts would otherwise lose their scale.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
+from collections.abc import Mapping
 import os
 import tempfile
 import time
@@ -83,6 +88,38 @@ class MetricsWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class NumberPacker:
+    """One sender's named numbers (a report, an update's metrics) as (names, float64 values):
+    the names go only when they differ from the previous call's, so a stream of dicts with the
+    same keys costs 8 bytes per number. Its `NumberUnpacker` must see every packed call, in order."""
+
+    def __init__(self) -> None:
+        self.names: tuple[str, ...] | None = None
+
+    def pack(self, values: Mapping[str, float]) -> tuple[tuple[str, ...] | None, bytes]:
+        names = tuple(values)
+        header = None if names == self.names else names
+        self.names = names
+        return header, array("d", (float(v) for v in values.values())).tobytes()
+
+
+class NumberUnpacker:
+    """The receiving end of one `NumberPacker`."""
+
+    def __init__(self) -> None:
+        self.names: tuple[str, ...] = ()
+
+    def unpack(self, packed: tuple[tuple[str, ...] | None, bytes]) -> dict[str, float]:
+        header, data = packed
+        if header is not None:
+            self.names = header
+        values = array("d")
+        values.frombytes(data)
+        if len(values) != len(self.names):
+            raise ValueError(f"{len(values)} packed numbers for {len(self.names)} names: a packed call was lost")
+        return dict(zip(self.names, values.tolist()))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

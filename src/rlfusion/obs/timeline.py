@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+from array import array
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -181,6 +182,34 @@ class Timeline:
     def plot_gantt(self, path: Path, title: str = "Device timeline") -> Path:
         """Write a Gantt PNG: a row per device (a lane per role), bars colored by phase."""
         return plot_gantt(self.spans, path, title)
+
+
+def pack_spans(spans: list[tuple[str, float, float]]) -> tuple[tuple[str, ...], float, bytes, bytes] | None:
+    """(phase, wall start, wall end) spans in a compact form for crossing processes: each phase
+    as one byte (its index in `PHASES`, or after them among the names this call adds), starts and
+    ends as float32 seconds after the first start (sub-millisecond within an hour). None: no spans."""
+    if not spans:
+        return None
+    names = list(PHASES)
+    codes = bytearray()
+    for phase, _, _ in spans:
+        if phase not in names:
+            names.append(phase)
+        codes.append(names.index(phase))
+    base = spans[0][1]
+    times = array("f", (t - base for _, start, end in spans for t in (start, end)))
+    return tuple(names[len(PHASES):]), base, bytes(codes), times.tobytes()
+
+
+def unpack_spans(packed: tuple[tuple[str, ...], float, bytes, bytes] | None) -> list[tuple[str, float, float]]:
+    """The spans `pack_spans` packed."""
+    if packed is None:
+        return []
+    extra, base, codes, data = packed
+    names = PHASES + extra
+    times = array("f")
+    times.frombytes(data)
+    return [(names[c], base + times[2 * i], base + times[2 * i + 1]) for i, c in enumerate(codes)]
 
 
 def chrome_trace_events(spans: list[Span]) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rlfusion.obs.metrics import NumberUnpacker
+from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
 from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
@@ -43,6 +45,7 @@ class Devices(ABC):
         self.count_bytes = False
         self.driver_bytes = 0  # this step's commands and answers (see `take_driver_bytes`)
         self.state_bytes = 0  # checkpoints and weights pulled to the controller
+        self._unpackers: dict[tuple[int, str], NumberUnpacker] = {}  # the devices' packed answers
 
     # ---- how a command reaches a worker (the backends differ only here) ----
 
@@ -132,7 +135,8 @@ class Devices(ABC):
         the first train device); the policy version moves on whether or not a row was kept. In
         separated mode new weights then go to the rollout devices. Returns the first train
         device's answer: the batch's aggregates and the update's metrics."""
-        metrics = self._run([(dev, "update", (count, self.version)) for dev in self.plan.train])[0]
+        metrics = self._unpack(self.plan.train[0], "update", self._run(
+            [(dev, "update", (count, self.version)) for dev in self.plan.train])[0])
         self.version += 1
         if metrics["trained"]:
             self._sync_rollout_weights()
@@ -154,8 +158,25 @@ class Devices(ABC):
         return [r for out in self._run(calls) for r in out]
 
     def reports(self) -> dict[int, dict[str, Any]]:
-        """Each device's report since the last call (`DeviceWorker.report`)."""
-        return dict(enumerate(self._run([(d, "report", ()) for d in range(self.plan.num_devices)])))
+        """Each device's report since the last call (`DeviceWorker.report`): `spans` (phase,
+        wall start, wall end), `engine` (the rollout engine's counts; empty without one),
+        `memory` (`peaks` per phase, `zero_redundancy`, `offloads`, `restores`) and `queue_bytes`."""
+        out = {}
+        for d, (spans, numbers) in enumerate(self._run([(d, "report", ()) for d in range(self.plan.num_devices)])):
+            report: dict[str, Any] = {"spans": unpack_spans(spans), "engine": {}, "memory": {"peaks": {}}}
+            for name, value in self._unpack(d, "report", numbers).items():
+                *path, key = name.split("/")
+                node = report
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[key] = value
+            out[d] = report
+        return out
+
+    def _unpack(self, device: int, channel: str, packed: Any) -> dict[str, float]:
+        """A device's packed numbers (`NumberPacker`) on one of its channels."""
+        unpacker = self._unpackers.setdefault((device, channel), NumberUnpacker())
+        return unpacker.unpack(packed)
 
     # ---- state ----
 

@@ -39,6 +39,8 @@ from rlfusion.fusion.offload import local_tensor
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
+from rlfusion.obs.metrics import NumberPacker
+from rlfusion.obs.timeline import pack_spans
 from rlfusion.parallel.api import ParallelModel, lm_loss
 from rlfusion.parallel.data_parallel import apply_fsdp
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
@@ -132,6 +134,7 @@ class DeviceWorker:
         self._pool_changed = threading.Condition(self._pool_lock)  # an offer, or the pool's state moved on
         self._store = None  # device 0: the rendezvous store of the device world
         self._queue_bytes = 0  # bytes this device's queue client had moved at the last report
+        self._packers = {"update": NumberPacker(), "report": NumberPacker()}  # answers that recur each step
 
     # ---- wiring ----
 
@@ -384,7 +387,7 @@ class DeviceWorker:
 
     # ---- training ----
 
-    def update(self, count: int, version: int) -> dict[str, float]:
+    def update(self, count: int, version: int) -> Any:
         """One synchronous update from the `count` scored rows waiting in the queue, from policy
         `version` (the controller's count of updates, which the actor follows: its learning-rate
         schedule reads it). The first train device runs the advantage stage (`stages.
@@ -392,7 +395,8 @@ class DeviceWorker:
         split goes to the other train devices over their group, each reads its rows by id (one
         reader per tensor-parallel group) and trains, then the first retires the rows. With no
         row kept the policy is unchanged and its version moves on. The first device answers the
-        batch's aggregates with the update's metrics (`trained`: whether the weights changed)."""
+        batch's aggregates with the update's metrics (`trained`: whether the weights changed),
+        packed (`NumberPacker`); the others answer None."""
         self.actor.version = version
         lead = self.device == self.plan.train[0]
         summary: dict[str, float] = {}
@@ -411,10 +415,10 @@ class DeviceWorker:
         if not trained:
             self.actor.skip_update()
         if not lead:
-            return metrics
+            return None  # the first train device answers for all
         with self._span("queue"):
             self.queue.retire([r.row_id for r in rows])
-        return {**summary, **metrics, "trained": float(trained)}
+        return self._packers["update"].pack({**summary, **metrics, "trained": float(trained)})
 
     def _train_on(self, row_ids: list[int]) -> dict[str, float]:
         """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
@@ -552,18 +556,23 @@ class DeviceWorker:
 
     # ---- what the controller records per step ----
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> tuple[Any, Any]:
         """Since the last call: spans (phase, wall start, wall end), the rollout engine's pass
         counts and seconds with the partial rollouts' stop-rule sums, the memory ledger's
         per-phase peaks and zero-redundancy check, and the bytes this device moved through the
-        queue."""
+        queue — packed: the spans by `timeline.pack_spans`, the numbers by `NumberPacker` under
+        '/'-joined names (`devices.unpack_report` restores the nested form)."""
         spans, self.spans = self.spans, []
-        engine: dict[str, float] = {}
+        numbers: dict[str, float] = {}
         if self.rollout is not None:
             engine, self._stop_sync = {**self.rollout.engine.runner.take_stats(), **self._stop_sync}, _no_stop_sync()
+            numbers.update({f"engine/{k}": v for k, v in engine.items()})
+        memory = self.switch.memory()
+        numbers.update({f"memory/peaks/{phase}": v for phase, v in memory.pop("peaks").items()})
+        numbers.update({f"memory/{k}": v for k, v in memory.items()})
         moved = getattr(self.queue, "wire_bytes", 0)
-        queue_bytes, self._queue_bytes = moved - self._queue_bytes, moved
-        return {"spans": spans, "engine": engine, "memory": self.switch.memory(), "queue_bytes": queue_bytes}
+        numbers["queue_bytes"], self._queue_bytes = moved - self._queue_bytes, moved
+        return pack_spans(spans), self._packers["report"].pack(numbers)
 
     @contextmanager
     def _span(self, phase: str) -> Iterator[None]:
