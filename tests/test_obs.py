@@ -154,3 +154,21 @@ def test_write_summary_round_trip_with_null_for_nan(tmp_path):
     with pytest.raises(TypeError, match=r"summary\.bad"):
         write_summary(tmp_path / "run", {"bad": object()})
     assert json.loads(path.read_text()) == loaded  # a failed write leaves the old file
+
+
+def test_packed_numbers_send_their_names_only_when_they_change():
+    import pickle
+
+    from rlfusion.obs.metrics import NumberPacker, NumberUnpacker
+
+    packer, unpacker = NumberPacker(), NumberUnpacker()
+    first = packer.pack({"reward_mean": 0.5, "grad_norm": 1.25})
+    again = packer.pack({"reward_mean": 0.75, "grad_norm": 2.0})
+    assert first[0] == ("reward_mean", "grad_norm") and again[0] is None
+    assert len(pickle.dumps(again)) < len(pickle.dumps(first)) - 20
+    assert unpacker.unpack(first) == {"reward_mean": 0.5, "grad_norm": 1.25}
+    assert unpacker.unpack(again) == {"reward_mean": 0.75, "grad_norm": 2.0}
+    assert unpacker.unpack(packer.pack({"kl": 3})) == {"kl": 3.0}  # new names go again
+    packer.pack({"kl": 5, "lr": 1e-6})  # lost on the way, with the new names
+    with pytest.raises(ValueError, match="a packed call was lost"):
+        unpacker.unpack(packer.pack({"kl": 6, "lr": 2e-6}))

@@ -122,3 +122,17 @@ def test_merge_shifts_by_origin_and_round_trips_through_dicts():
     assert c.origin_wall_s == 100.0 and c.spans == a.spans
     with pytest.raises(ValueError, match="lacks"):
         a.add_dicts([{"device": "cpu:0", "phase": "train"}])
+
+
+def test_packed_spans_come_back_with_their_phases_and_times():
+    from rlfusion.obs.timeline import pack_spans, unpack_spans
+
+    t0 = 1.8e9  # wall-clock seconds
+    spans = [("switch", t0, t0 + 0.01), ("rollout", t0 + 0.01, t0 + 2.5), ("my-phase", t0 + 2.5, t0 + 3600.0)]
+    packed = pack_spans(spans)
+    assert packed[0] == ("my-phase",)  # only names outside PHASES travel
+    back = unpack_spans(packed)
+    assert [p for p, _, _ in back] == ["switch", "rollout", "my-phase"]
+    for (_, s, e), (_, s2, e2) in zip(spans, back):
+        assert abs(s - s2) < 1e-3 and abs(e - e2) < 1e-3  # sub-millisecond within an hour
+    assert unpack_spans(pack_spans([])) == []

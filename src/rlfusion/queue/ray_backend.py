@@ -100,54 +100,57 @@ class QueueControllerActor:
         self._drop([r for r in row_ids if self.controller.is_retired(r)])
         await self._notify()
 
-    async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,
-                      timeout: float | None) -> tuple[list[int], list[int], list[int]]:
-        """Row ids (with group ids and versions) for `consumer`, marked consumed by it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def _wait_until(self, done: Any, deadline: float | None) -> bool:
+        """Wait (woken by each commit and retire) until `done()` holds or `deadline` (monotonic)
+        passes; returns `done()`'s last answer. Call with the condition held."""
         cond = self._condition()
-        async with cond:
-            rows = self.controller.select(consumer, columns, count, policy)
-            while block and len(rows) < count:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(cond.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-                rows = self.controller.select(consumer, columns, count, policy)
-            self.controller.mark_consumed(consumer, rows)
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(cond.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    def _serve(self, consumer: str, rows: list[int]) -> tuple[list[int], list[int]]:
+        """Mark `rows` consumed by `consumer` and being read; their group ids and versions."""
+        self.controller.mark_consumed(consumer, rows)
         for r in rows:
             self.reading[r] = self.reading.get(r, 0) + 1
         self.stats.get_requests += 1
         self.stats.rows_served += len(rows)
         meta = [self.controller.rows[r] for r in rows]
-        return rows, [m.group_id for m in meta], [m.version for m in meta]
+        return [m.group_id for m in meta], [m.version for m in meta]
+
+    async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,
+                      timeout: float | None) -> tuple[list[int], list[int], list[int]]:
+        """Row ids (with group ids and versions) for `consumer`, marked consumed by it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        found: list[int] = []
+
+        def enough() -> bool:
+            found[:] = self.controller.select(consumer, columns, count, policy)
+            return not block or len(found) >= count
+        async with self._condition():
+            await self._wait_until(enough, deadline)
+            groups, versions = self._serve(consumer, found)
+        return found, groups, versions
 
     async def acquire_rows(self, consumer: str, row_ids: list[int], columns: list[str],
                            timeout: float | None) -> tuple[list[int], list[int]]:
         """`row_ids` for `consumer` once their `columns` are ready (woken by each commit),
         marked consumed by it; returns their group ids and versions."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        cond = self._condition()
-        async with cond:
+
+        def ready() -> bool:
             self.controller.check_rows(consumer, row_ids)
-            while not self.controller.rows_ready(row_ids, columns):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"rows for {consumer!r} not ready in {timeout:.3g}s")
-                try:
-                    await asyncio.wait_for(cond.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-                self.controller.check_rows(consumer, row_ids)
-            self.controller.mark_consumed(consumer, row_ids)
-        for r in row_ids:
-            self.reading[r] = self.reading.get(r, 0) + 1
-        self.stats.get_requests += 1
-        self.stats.rows_served += len(row_ids)
-        meta = [self.controller.rows[r] for r in row_ids]
-        return [m.group_id for m in meta], [m.version for m in meta]
+            return self.controller.rows_ready(row_ids, columns)
+        async with self._condition():
+            if not await self._wait_until(ready, deadline):
+                raise TimeoutError(f"rows for {consumer!r} not ready in {timeout:.3g}s")
+            return self._serve(consumer, row_ids)
 
     async def retire(self, row_ids: list[int]) -> list[int]:
         done = self.controller.retire(row_ids)
