@@ -31,9 +31,10 @@ from rlfusion.runtime.workers import DeviceWorker
 
 
 class Devices(ABC):
-    """Commands to the device workers of `plan`. `version` is the policy version (updates
-    so far): the one counter of the run (each command that changes it carries it to the devices). `driver_bytes` counts what the step's commands and
-    their answers carried across the controller (Ray backend; 0 in process)."""
+    """Commands to the device workers of `plan`. `version` is the policy version (updates so
+    far): the one counter of the run (each command that changes it carries it to the devices).
+    `driver_bytes` counts what the step's commands and their answers carried across the
+    controller (Ray backend; 0 in process)."""
 
     def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, queue: Any):
         self.cfg, self.plan, self.queue = cfg, plan, queue
@@ -44,7 +45,6 @@ class Devices(ABC):
         self.last_sync_s = 0.0  # separated: the broadcast, including waiting for a running rollout
         self.count_bytes = False
         self.driver_bytes = 0  # this step's commands and answers (see `take_driver_bytes`)
-        self.state_bytes = 0  # checkpoints and weights pulled to the controller
         self._unpackers: dict[tuple[int, str], NumberUnpacker] = {}  # the devices' packed answers
 
     # ---- how a command reaches a worker (the backends differ only here) ----
@@ -62,17 +62,15 @@ class Devices(ABC):
         return self._counted(self._wait([self._start(d, m, *self._counted(a, kind)) for d, m, a in calls]), kind)
 
     def _counted(self, obj: Any, kind: str) -> Any:
-        if self.count_bytes and kind != "setup":
-            nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-            if kind == "step":
-                self.driver_bytes += nbytes
-            else:
-                self.state_bytes += nbytes
+        """`obj`, its pickled size added to `driver_bytes` when it is a step's command or answer
+        (state and setup calls are not counted: sizing a checkpoint would pickle it twice)."""
+        if self.count_bytes and kind == "step":
+            self.driver_bytes += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         return obj
 
     def take_driver_bytes(self) -> int:
         """Bytes the controller sent and received since the last call: commands and answers,
-        plus its own queue traffic (the advantage stage's scalars)."""
+        plus its own queue traffic (none in a synchronous step; StaleSync puts the book's batch)."""
         out = self.driver_bytes + self.queue.wire_bytes + getattr(self.queue, "meta_bytes", 0)
         self.driver_bytes = 0
         self.queue.wire_bytes = 0
