@@ -19,7 +19,9 @@ Every mode's tracked memory peak per device (weights, gradients, optimizer state
 larger device) is printed for the train and rollout phases, and the bytes per step that crossed
 the controller (commands, answers, per-device reports, the advantage stage's per-row numbers)
 against the bytes that moved between the devices through the queue (`driver_bytes_share` =
-controller / (controller + queue)).
+controller / (controller + queue)). Last, the per-device speed two busy devices get relative to
+one alone (each phase's separated time, halved, over its colocated time per device): colocated
+splits the same work over two devices, so colocated / separated approaches about twice that speed.
 
     python bench/fusion.py            # 9 rounds (~2 min)
     python bench/fusion.py --quick    # 3 rounds
@@ -155,6 +157,17 @@ def main() -> None:
                     f"{max(x['peer_scored'] for x in rows[m])}" for m in MODES))
     print("KB per step across the controller | through the queue (median): " +
           "; ".join(f"{m} {med[m]['driver_kb']:.1f} | {med[m]['queue_kb']:.1f}" for m in MODES))
+    # what bounds colocated / separated here: the same work split over two devices runs at the
+    # per-device speed two busy processes get on this machine, not at the speed of one alone
+    speed = {ph: sum(med["separated"][f"{d}/{ph}"] for d in ("device0", "device1")) / 2 /
+             (sum(med["colocated"][f"{d}/{ph}"] for d in ("device0", "device1")) / 2)
+             for ph in ("rollout", "reference", "train")}
+    busy = {m: sum(med[m][f"{d}/{ph}"] for d in ("device0", "device1") for ph in PHASES) for m in ("separated", "colocated")}
+    print("per-device speed while both devices work, relative to one alone (separated phase time / 2 over "
+          "colocated): " + ", ".join(f"{ph} {v:.2f}" for ph, v in speed.items()))
+    print(f"busy seconds, separated (one device at a time) / colocated (per device): "
+          f"{busy['separated'] / (busy['colocated'] / 2):.2f} (colocated_vs_separated at full utilization, "
+          f"no overhead; 2.0 at speed 1)")
     print()
     total = {m: sum(x["tokens"] for x in rows[m]) / sum(x["step_s"] for x in rows[m]) for m in MODES}
     print(f"sum of tokens / sum of step times: colocated / separated {total['colocated'] / total['separated']:.2f}")
