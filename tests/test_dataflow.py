@@ -89,3 +89,20 @@ def test_a_step_whose_queue_write_fails_leaves_no_half_written_row(ray_session, 
         assert ray.get(queue.controller.get_stats.remote()).rows_served == 0
     finally:
         trainer.close()
+
+
+def test_a_failed_advantage_stage_stops_every_train_device(ray_session, tmp_path):
+    """The first train device's advantage stage waits for rows that never come: it fails with the
+    timeout named, and the other train device, waiting for the split, learns of it instead of
+    hanging; both then answer the next command."""
+    from rlfusion.errors import RunError
+
+    cfg = _cfg(tmp_path, "ray", **{"deploy.queue_timeout_s": 2})
+    trainer = RLTrainer(cfg, tmp_path / "run", find_base())
+    try:
+        _put(trainer, _samples(cfg, 2))  # 8 rows; the update asks for 16
+        with pytest.raises(RunError, match="waited 2 s for 16 scored rows and the queue had 8"):
+            trainer.devices.update(16)
+        assert set(trainer.devices.reports()) == {0, 1}
+    finally:
+        trainer.close()

@@ -400,16 +400,20 @@ class DeviceWorker:
         self.actor.version = version
         lead = self.device == self.plan.train[0]
         summary: dict[str, float] = {}
-        shards: list[list[int]] = []
-        if lead:
-            with self._span("advantage"):
-                start = time.perf_counter()
-                rows, shards, summary = advantage_stage(self.queue, self.cfg, count, self.plan.train_dp)
-                summary["time_advantage_s"] = time.perf_counter() - start
-        if self.train_group is not None:  # the split, from the first train device to the others
-            box = [shards]
-            dist.broadcast_object_list(box, src=self.plan.train[0], group=self.train_group)
-            shards = box[0]
+        shards: list[list[int]] | None = None
+        try:
+            if lead:
+                with self._span("advantage"):
+                    start = time.perf_counter()
+                    rows, shards, summary = advantage_stage(self.queue, self.cfg, count, self.plan.train_dp)
+                    summary["time_advantage_s"] = time.perf_counter() - start
+        finally:  # the split goes to the other train devices; None tells them the stage failed
+            if self.train_group is not None:
+                box = [shards]
+                dist.broadcast_object_list(box, src=self.plan.train[0], group=self.train_group)
+                shards = box[0]
+        if shards is None:  # (not the first: it raised) the first train device's error says why
+            return None
         trained = any(shards)
         metrics = self._train_on(shards[self.plan.dp_index(self.device)]) if trained else {}
         if not trained:
