@@ -222,3 +222,22 @@ def test_advantage_cost_is_measured_on_the_runtimes_own_stage():
 
     model, tokenizer, _ = load_base(find_base())
     assert 0 < measure_advantage(tokenizer, model.config.vocab_size, quick=True, n=64) < 0.01
+
+
+def test_colocation_bound_rises_with_device_concurrency():
+    """bench/colocation_bound.py's model: colocated / separated grows as two busy devices slow
+    each other down less, and stays below 2 (the rollout's tail runs on each device)."""
+    from rlfusion.sim.calibration import cpu_default
+
+    bound = load_bench("colocation_bound")
+    cal = cpu_default()
+    sim = RLSimConfig(devices_per_supernode=2, prompts_per_step=8, group_size=4, max_staleness=0,
+                      max_num_seqs=16, max_new_tokens=64, response_lengths=tuple(range(4, 64, 2)),
+                      prompt_len=15, num_steps=3)
+
+    def ratio(speed: float, scale: float) -> float:
+        c = bound.with_fixed_cost(cal.replace(concurrent_speed=speed, lockstep_speed=speed), scale)
+        return bound.step_s(sim.replace(mode="separated"), c) / bound.step_s(sim.replace(mode="colocated"), c)
+    assert bound.with_fixed_cost(cal, 1.0) == cal
+    assert ratio(0.7, 1.0) < ratio(0.9, 1.0) < ratio(1.0, 1.0) < 2.0
+    assert ratio(1.0, 0.1) < 2.0
