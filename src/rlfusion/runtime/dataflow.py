@@ -5,13 +5,14 @@ a stage adds, and which columns each stage reads and writes.
                                 finish_reason sample num_tokens response_len truncated
     reward     (device)  get(problem, response_ids)                 ─put─► reward correct
     reference  (device)  get(prompt_ids, response_ids, behaviour_logprobs) ─put─► ref_logprobs kl
-    advantage  (driver)  get(reward correct kl sample num_tokens response_len truncated)
-                                                      ─put─► advantage shaped_reward train
+    advantage  (first train device)  get(reward correct kl sample num_tokens response_len
+                                         truncated) ─put─► advantage shaped_reward train
     actor      (device)  get_rows(prompt_ids response_ids behaviour_logprobs advantage|shaped_reward
-                                  [ref_logprobs]) ─► update; the controller then retires the rows
+                                  [ref_logprobs]) ─► update; the first train device then retires
+                                  the rows
 
-Everything the controller reads or writes is a number per row; token-length columns move only
-between devices. A stage reads only the columns it needs and writes only the ones it produces.
+The controller reads and writes no row: every stage runs on the devices. A stage reads only the
+columns it needs and writes only the ones it produces.
 `Trajectory` is the stages' working form of a row: `to_trajectories` and `trajectory_columns`
 translate.
 """
@@ -67,7 +68,7 @@ ADVANTAGE = Stage("advantage", ("reward", "correct", "sample", "num_tokens", "re
 
 
 def advantage_reads(cfg: Any) -> tuple[str, ...]:
-    """What the controller's advantage stage reads: with KL reward shaping also each row's KL."""
+    """What the advantage stage reads: with KL reward shaping also each row's KL."""
     return ADVANTAGE.reads + (("kl",) if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward" else ())
 
 
@@ -92,8 +93,8 @@ def group_problem(task: Any, seed: int, group_id: int) -> Problem:
 
 @dataclass
 class RowNumbers:
-    """What the controller's advantage stage knows of a sample: its numbers, never its tokens.
-    It sets `reward` (KL-shaped, when shaping is on), `advantage` and `train`."""
+    """What the advantage stage knows of a sample: its numbers, never its tokens. It sets
+    `reward` (KL-shaped, when shaping is on), `advantage` and `train`."""
 
     row_id: int
     group_id: int

@@ -1,6 +1,6 @@
 """The controller's one interface to the device workers: `Devices`. The controller calls it
 explicitly — rollout, score, update, weight sync, evaluate, state, per-step reports — and it
-sends each command to the devices whose roles run it, with group ids or row ids, never samples:
+sends each command to the devices whose roles run it, with group ids and row counts, never samples:
 the samples move between the devices through the DistQueue.
 
     LocalDevices   one `DeviceWorker` in the controller's process (`deploy.backend=local`),
