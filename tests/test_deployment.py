@@ -296,6 +296,30 @@ def test_separated_mode_syncs_weights_and_learns_steps(ray_session, tmp_path):
         trainer.close()
 
 
+def test_fully_shared_takes_the_steps_colocated_takes(ray_session, tmp_path):
+    """Fully shared differs from colocated only in where the reference weights wait (host, brought
+    in for each reference pass), so its run takes the same steps: the same samples, rewards and
+    weights (up to the reference pass's float noise when shared scoring splits the batch
+    differently). With the colocated run's learning (tests/test_e2e_learning.py) this shows the
+    fully shared run learns."""
+    weights, metrics = {}, {}
+    for mode in ("colocated", "fully_shared"):
+        trainer = RLTrainer(_cfg(tmp_path, mode), tmp_path / mode, find_base())
+        try:
+            metrics[mode] = [trainer.train_step() for _ in range(2)]
+            weights[mode] = _worker_params(trainer, 0)
+        finally:
+            trainer.close()
+    for a, b in zip(metrics["colocated"], metrics["fully_shared"]):
+        assert (a["generated_tokens"], a["reward_mean"], a["kept_fraction"]) == \
+            (b["generated_tokens"], b["reward_mean"], b["kept_fraction"])
+        # the reference weights stay on host outside its passes
+        assert a["memory_peak_rollout_mb"] > b["memory_peak_rollout_mb"]
+        assert a["memory_peak_train_mb"] > b["memory_peak_train_mb"]
+    for name, w in weights["colocated"].items():
+        torch.testing.assert_close(weights["fully_shared"][name], w, rtol=0, atol=1e-6, msg=name)
+
+
 def test_killed_worker_names_its_device_and_roles(ray_session, tmp_path):
     trainer = RLTrainer(_cfg(tmp_path, "separated"), tmp_path / "run", find_base())
     try:
