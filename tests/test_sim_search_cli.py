@@ -70,3 +70,16 @@ def test_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_plan_measures_this_machine_and_plans_on_it(tmp_path, capsys):
+    """`rlfusion plan --measure-cpu PATH`: the machine's spec is measured, written, and planned on."""
+    from rlfusion.sim.hardware import load_cluster
+
+    parser = argparse.ArgumentParser()
+    register_plan_command(parser.add_subparsers())
+    path = tmp_path / "cpu.json"
+    args = parser.parse_args(["plan", "--model", "tiny", "--measure-cpu", str(path), "--seq", "256",
+                              "--global-batch", "8", "--top", "1"])
+    args.func(args)
+    assert load_cluster(path).kind == "cpu" and "cpu" in capsys.readouterr().out

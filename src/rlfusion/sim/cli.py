@@ -36,7 +36,10 @@ def register_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="model preset")
     parser.add_argument("--cluster", default="910b:6144",
                         help="KIND:NUM_CHIPS, KIND in 910b, cm384, h100, h200, cpu, or a "
-                             "spec .json written by measure_cpu")
+                             "spec .json written by --measure-cpu")
+    parser.add_argument("--measure-cpu", metavar="PATH", default=None,
+                        help="time this machine's matmuls and memory bandwidth (about a second), "
+                             "write its cluster spec to PATH and plan on it (instead of --cluster)")
     parser.add_argument("--seq", type=_positive_int, default=8192, help="sequence length")
     parser.add_argument("--global-batch", type=_positive_int, default=1536,
                         help="sequences per optimizer step")
@@ -46,7 +49,12 @@ def register_plan_command(subparsers) -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    cluster = parse_cluster(args.cluster, flag="--cluster")
+    if args.measure_cpu:
+        from rlfusion.sim.cpu_bench import measure_cpu
+
+        cluster = measure_cpu(args.measure_cpu)
+    else:
+        cluster = parse_cluster(args.cluster, flag="--cluster")
     job = TrainJob(get_preset(args.model), seq_len=args.seq, global_batch=args.global_batch)
     result = search_plans(job, cluster)
     print(format_plan_report(job, cluster.kind, cluster.num_chips, result, args.top,
