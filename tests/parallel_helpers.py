@@ -143,7 +143,7 @@ def sharded_grad_norm() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from rlfusion.runtime.replicas import clip_grad_norm
+    from rlfusion.parallel.data_parallel import clip_grad_norm
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(0)

@@ -195,6 +195,18 @@ def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_star
     # off-policy minibatches (a proximal no-grad pass first) and the routers' bias update
     ({"deploy.train_fsdp": "true", "algo.minibatches": 2, "algo.ppo_epochs": 2,
       "optim.router_bias_update": "true"}, None),
+    # pipeline stages: 1F1B on two devices (the loss's per-token inputs reach the last stage
+    # beside the rows), with 64-token micro-batches (several per step), interleaved (two model
+    # chunks per stage), off-policy minibatches (a forward-only pipeline pass for the proximal
+    # logprobs) with the routers' bias update (padding tokens are not counted)
+    ({"deploy.train_pp": 2}, None),
+    ({"deploy.train_pp": 2, "optim.microbatch_tokens": 64}, None),
+    ({"deploy.train_pp": 2, "deploy.train_vpp": 2}, None),
+    ({"deploy.train_pp": 2, "algo.minibatches": 2, "algo.ppo_epochs": 2,
+      "optim.router_bias_update": "true"}, None),
+    # four devices: pipeline x tensor parallel, pipeline x expert parallel (data parallel 2)
+    ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_tp": 2}, None),
+    ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2}, None),
 ])
 def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path, layout, pick):
     """`deploy.train_tp=2` / `train_ep=2` / `train_fsdp=true`: the actor trains on TP shards
@@ -204,7 +216,7 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
     after it, within the zero-redundancy bound; checkpoints hold whole tensors and load back
     into the shards."""
     base = find_base()
-    cfg = _cfg(tmp_path, "colocated", **layout, **{"deploy.bucket_mb": 0.25})
+    cfg = _cfg(tmp_path, "colocated", **{**layout, "deploy.bucket_mb": 0.25})
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
         model, _, _ = load_checkpoint(base)

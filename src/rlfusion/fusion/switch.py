@@ -36,7 +36,8 @@ from rlfusion.fusion.reshard import infer_to_train, train_to_infer
 
 class DeviceSwitch:
     """One device's switch. `policy` is what the engine generates from, `train_model` what the
-    optimizer updates (the same module unless the actor trains in a layout, `pm`); `cache` is
+    optimizer updates (the same module unless the actor trains in a layout, `pm`, whose
+    parameters are then the trained ones); `cache` is
     the engine's KV cache (None on a device without rollout); `span(phase)` records a span of
     the device's timeline."""
 
@@ -169,11 +170,12 @@ class DeviceSwitch:
         counted)."""
         led = self.ledger
         led.track("weights", list(self.policy.parameters()))
-        if self.train_model is not self.policy:  # the actor's shards in its training layout
-            led.track("weights", list(self.train_model.parameters()), name="train")
+        train = list(self.pm.parameters() if self.pm is not None else self.train_model.parameters())
+        if self.pm is not None:  # the actor's shards (its stages) in its training layout
+            led.track("weights", train, name="train")
         if self.optimizer is not None:
             led.track("optimizer", optimizer_tensors(self.optimizer))
-            led.track("grads", [p.grad for p in self.train_model.parameters() if p.grad is not None])
+            led.track("grads", [p.grad for p in train if p.grad is not None])
             led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
         if self.cache is not None:
             led.set("kv_cache", self.cache.nbytes)

@@ -28,7 +28,7 @@ from rlfusion.parallel.data_parallel import apply_fsdp, shard_batch
 from rlfusion.parallel.expert_parallel import CommCounter, ExpertParallelExperts
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import ParallelMesh, build_mesh
-from rlfusion.parallel.pipeline import build_schedule, split_model, stage_indices
+from rlfusion.parallel.pipeline import PaddedRouting, build_schedule, split_model, stage_indices
 from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -44,9 +44,26 @@ class ParallelModel:
         self.n_microbatches, self.loss_fn, self.device = n_microbatches, loss_fn, device
         self.experts = [m for c in chunks for m in c.modules() if isinstance(m, ExpertParallelExperts)]
         self._schedule, self._schedule_shape = None, None
+        self._loss_now: Callable = loss_fn  # what the schedule's loss calls (`pipeline_pass` sets it)
+        self._routing = PaddedRouting(chunks) if mesh.layout.pp > 1 else None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the plain model's names (a pipeline chunk keeps them)."""
+        return [item for chunk in self.chunks for item in chunk.named_parameters()]
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's part of the plain model's state dict (its shards, its stages)."""
+        return {k: v for chunk in self.chunks for k, v in chunk.state_dict(keep_vars=keep_vars).items()}
+
+    def routers(self) -> list[Router]:
+        return [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, Router)]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.mesh.coord("pp") == self.layout.pp - 1
 
     def train(self, mode: bool = True) -> "ParallelModel":
         for chunk in self.chunks:
@@ -75,9 +92,34 @@ class ParallelModel:
             experts.sync_grads()
         return float(local) / self.layout.dp
 
+    def pipeline_pass(self, tokens_BT: torch.Tensor, side_BTK: torch.Tensor, loss_fn: Callable,
+                      n_microbatches: int, valid_BT: torch.Tensor, backward: bool = True) -> None:
+        """One pass of the pipeline schedule over this data-parallel rank's rows, padded to one
+        shape: `tokens_BT` enter the first stage; `side_BTK` (the per-token inputs the loss
+        reads: targets, masks, advantages, old logprobs...) is split into micro-batches like
+        the rows and reaches `loss_fn(logits_bTV, side_bTK)` on the last stage, whose losses are
+        summed, not averaged (a loss normalized by the global batch); with `backward`
+        gradients accumulate (1F1B or interleaved 1F1B), else the pass is forward only.
+        `valid_BT` marks real tokens: only they count in the routers' load. Every rank of the
+        pipeline passes the same shapes (the first and last stage read the tensors)."""
+        self._ensure_schedule(tokens_BT.shape, n_microbatches)
+        self._loss_now = loss_fn
+        self._routing.set_valid(list(valid_BT.tensor_split(n_microbatches)))
+        self._schedule.scale_grads = False
+        pp_index, pp = self.mesh.coord("pp"), self.layout.pp
+        args = (tokens_BT,) if pp_index == 0 else ()
+        target = side_BTK if pp_index == pp - 1 else None
+        run = self._schedule.step if backward else self._schedule.eval
+        try:
+            run(*args, target=target, return_outputs=False)
+        finally:
+            self._routing.set_valid(None)
+            self._loss_now = self.loss_fn
+
     def _pipeline_step(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         pp_index, pp = self.mesh.coord("pp"), self.layout.pp
-        self._ensure_schedule(tokens_BT.shape)
+        self._ensure_schedule(tokens_BT.shape, self.n_microbatches)
+        self._schedule.scale_grads = True  # the mean loss of each micro-batch: their mean
         losses: list[torch.Tensor] = []
         if pp_index == 0:
             self._schedule.step(tokens_BT, target=targets_BT if pp == 1 else None, losses=losses)
@@ -90,19 +132,21 @@ class ParallelModel:
         dist.all_reduce(local, group=self.mesh.group("pp"))  # only the last stage has it
         return local
 
-    def _ensure_schedule(self, shape_BT: torch.Size) -> None:
+    def _ensure_schedule(self, shape_BT: torch.Size, n: int) -> None:
         B, T = shape_BT
-        n, pp = self.n_microbatches, self.layout.pp
+        pp = self.layout.pp
         if B % n:
             raise ValueError(f"rows per data-parallel rank {B} must be divisible by "
                              f"n_microbatches={n}")
-        if self._schedule_shape == (B, T):
+        if n < pp or n % pp:
+            raise ValueError(f"n_microbatches={n} is invalid: must be a multiple of layout.pp={pp}")
+        if self._schedule_shape == (B, T, n):
             return
         self._schedule = build_schedule(
             self.chunks, stage_indices(pp, self.layout.vpp, self.mesh.coord("pp")),
             self.layout.num_stages, self.mesh.group("pp"), self.device, (B // n, T),
-            self.config.d_model, self.config.vocab_size, n, self.loss_fn)
-        self._schedule_shape = (B, T)
+            self.config.d_model, self.config.vocab_size, n, lambda out, target: self._loss_now(out, target))
+        self._schedule_shape = (B, T, n)
 
     @torch.no_grad()
     def update_router_bias(self) -> None:
@@ -157,8 +201,14 @@ class ParallelModel:
 
 
 def parallelize(model: MoETransformer, layout: ParallelLayout, *, n_microbatches: int = 1,
-                loss_fn: Callable = lm_loss, device_type: str = "cpu") -> ParallelModel:
-    """Apply `layout` to `model` (modified in place; with pp > 1 only this rank's chunks live on)."""
+                loss_fn: Callable = lm_loss, device_type: str = "cpu", fsdp: bool = True,
+                sum_gradients: bool = False) -> ParallelModel:
+    """Apply `layout` to `model` (modified in place; with pp > 1 only this rank's chunks live on).
+
+    Data parallelism (dp > 1) shards with FSDP2, averaging gradients (`sum_gradients`: summing
+    them, for a loss normalized by the global batch); with `fsdp=False` each data-parallel rank
+    keeps a whole replica of its stage and the caller sums the gradients (`data_parallel.
+    sum_over_replicas`)."""
     cfg = model.config
     if layout.pp > 1 and (n_microbatches < layout.pp or n_microbatches % layout.pp):
         raise ValueError(f"n_microbatches={n_microbatches} is invalid: must be a multiple of "
@@ -172,8 +222,8 @@ def parallelize(model: MoETransformer, layout: ParallelLayout, *, n_microbatches
                 apply_tensor_parallel(block, mesh.device_mesh["tp"])
             if block.is_moe and layout.ep > 1:
                 block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
-        if layout.dp > 1:
-            apply_fsdp(chunk, mesh.device_mesh["dp"])
+        if layout.dp > 1 and fsdp:
+            apply_fsdp(chunk, mesh.device_mesh["dp"], sum_gradients=sum_gradients)
     device = torch.device(device_type) if device_type == "cpu" else torch.device(
         device_type, torch.accelerator.current_device_index())
     return ParallelModel(mesh, chunks, cfg, n_microbatches, loss_fn, device)

@@ -54,6 +54,58 @@ def split_model(model: MoETransformer, pp: int, vpp: int, pp_index: int) -> list
             for s in stage_indices(pp, vpp, pp_index)]
 
 
+class PaddedRouting:
+    """Router load counts of padded micro-batches count real tokens only.
+
+    A pipeline runs rows padded to one shape, and every padding token is routed like a real one
+    (causal attention keeps it from changing the real tokens' outputs, but the routers'
+    `tokens_per_expert`, which the aux-loss-free bias update and expert balancing read, would
+    count it). Hooks on each chunk's routers, from outside the model file, recount each forward
+    over the real tokens of the micro-batch it runs: a chunk runs its micro-batches in order, so
+    a per-chunk counter names the micro-batch. `set_valid` gives the pass's masks."""
+
+    def __init__(self, chunks: list[nn.Module]):
+        from rlfusion.model.moe import Router
+
+        self.valid: list[torch.Tensor] | None = None  # per micro-batch, [b, T] bool
+        self._seen = [0] * len(chunks)
+        self._handles = []
+        for c, chunk in enumerate(chunks):
+            self._handles.append(chunk.register_forward_pre_hook(self._chunk_hook(c)))
+            for router in (m for m in chunk.modules() if isinstance(m, Router)):
+                self._handles.append(router.register_forward_pre_hook(self._before))
+                self._handles.append(router.register_forward_hook(self._after(c)))
+        self._saved: dict[int, torch.Tensor] = {}
+
+    def set_valid(self, valid: list[torch.Tensor] | None) -> None:
+        self.valid, self._seen = valid, [0] * len(self._seen)
+
+    def _chunk_hook(self, c: int):
+        def hook(module, args):
+            self._seen[c] += 1
+        return hook
+
+    def _before(self, router, args) -> None:
+        if self.valid is not None:
+            self._saved[id(router)] = router.tokens_per_expert.clone()
+
+    def _after(self, c: int):
+        def hook(router, args, output) -> None:
+            from rlfusion.parallel.recompute import is_recomputing
+
+            before = self._saved.pop(id(router), None)
+            if before is None or not (router.training and torch.is_grad_enabled()) or is_recomputing():
+                return  # (a replay in backward restores the counts itself)
+            valid_N = self.valid[self._seen[c] - 1].reshape(-1).to(output[0].device)
+            counts_E = torch.bincount(output[0][valid_N].flatten(), minlength=router.num_experts)
+            router.tokens_per_expert.copy_(before + counts_E.float())
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def build_schedule(chunks: list[nn.Module], stages: list[int], num_stages: int, group,
                    device: torch.device, micro_BT: tuple[int, int], d_model: int, vocab: int,
                    n_microbatches: int, loss_fn: Callable):

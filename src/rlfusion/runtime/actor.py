@@ -1,6 +1,10 @@
 """The trained policy, `ActorStage`: PPO-style updates on packed, token-budgeted micro-batches,
 as one replica of a data-parallel group and, with a training layout, as a shard of the model
-(`deploy.train_tp` / `train_ep` / `train_fsdp`).
+(`deploy.train_tp` / `train_ep` / `train_fsdp`) or as the stages of a pipeline
+(`deploy.train_pp` / `train_vpp`: padded micro-batches through 1F1B or interleaved 1F1B, the
+loss's per-token inputs carried to the last stage beside the rows).
+
+Legend: N tokens (packed), B rows, T padded tokens per row, V vocab, K per-token loss inputs.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import torch
 import torch.distributed as dist
 
 from rlfusion.errors import RunError
-from rlfusion.model.kv_cache import PackedSeqs
 from rlfusion.model.transformer import MoETransformer
+from rlfusion.parallel.data_parallel import (clip_grad_norm, filler_pass, group_sum, lockstep_count,
+                                             lockstep_shape, sum_over_replicas)
 from rlfusion.rl.kl import kl_loss
 from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
 from rlfusion.rl.trajectory import Trajectory, pack, split_by_token_budget, token_logprobs
-from rlfusion.runtime.replicas import clip_grad_norm, group_sum, sum_over_replicas
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
+
+# columns of the pipeline's per-token loss inputs (`_padded`)
+TARGET, MASK, ADVANTAGE, BEHAVIOUR, PROXIMAL, REFERENCE = range(6)
 
 
 class NonFiniteLossError(RunError):
@@ -31,13 +38,18 @@ class ActorStage:
     With a `dp_group` each rank holds a full replica (or, with a training layout, its shard of
     the model) and its share of the samples: loss normalizers are the global token and sequence
     counts and gradients are summed over the group before clipping, so every rank takes the
-    full-batch step and the replicas stay equal."""
+    full-batch step and the replicas stay equal. In a pipeline (`layout.layout.pp > 1`) `model`
+    is None: this rank holds `layout.chunks`, the stages it runs."""
 
-    def __init__(self, model: MoETransformer, algo: AlgoConfig, optim: OptimConfig,
+    def __init__(self, model: MoETransformer | None, algo: AlgoConfig, optim: OptimConfig,
                  temperature: float, total_updates: int = 0, dp_group: Any = None, layout: Any = None,
                  dp_sharded: bool = False):
         self.model, self.algo, self.optim_cfg, self.temperature = model, algo, optim, temperature
         self.dp_group = dp_group
+        self.pm = layout
+        self.pipeline = layout is not None and layout.layout.pp > 1
+        self.stage_group = layout.mesh.group("pp") if self.pipeline else None
+        self.params = list(layout.parameters() if self.pipeline else model.parameters())
         # `layout`: the `ParallelModel` when `model` is split over a training layout. Its routed
         # experts' shards are summed over their expert-data-parallel group (not the dp group),
         # and its forward passes are collectives (expert all-to-all) across data-parallel ranks,
@@ -51,14 +63,21 @@ class ActorStage:
         self.dp_sharded = dp_sharded
         self.lockstep = (bool(experts) or dp_sharded) and dp_group is not None
         self.total_updates = total_updates  # horizon of the lr decay; 0 = constant
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr,
                                            betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
         self.version = 0
 
+    def routers(self) -> list:
+        return self.pm.routers() if self.pipeline else self.model.routers()
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in (self.pm.chunks if self.pipeline else [self.model]):
+            chunk.train(mode)
+
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One or more optimizer steps on `trajs`; returns averaged metrics."""
-        self.model.train()
+        self.train()
         on_policy = self.algo.ppo_epochs == 1 and self.algo.minibatches == 1
         if not on_policy:
             self._set_proximal(trajs)
@@ -84,9 +103,11 @@ class ActorStage:
 
     @torch.no_grad()
     def _set_proximal(self, trajs: list[Trajectory]) -> None:
+        if self.pipeline:
+            return self._pipeline_pass(trajs, None, 0, 0, backward=False)
         for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
             if micro is None:
-                self._filler_pass(backward=False)
+                filler_pass(self.model, backward=False)
                 continue
             batch = pack(micro)
             logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
@@ -111,44 +132,38 @@ class ActorStage:
         num_tokens, num_seqs = self._global_counts(trajs)
         if num_tokens == 0:
             return None
-        metrics: dict[str, float] = {}
-        bad_loss = None
-        for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
-            if micro is None or bad_loss is not None:  # only keeps in step with the other ranks
-                self._filler_pass(backward=True)
-                continue
-            loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
-            if not math.isfinite(loss.item()):
-                bad_loss = loss.item()
-                if not self.lockstep:
-                    break  # with a DP group the peers learn of it below instead of hanging in the sum
-                (loss * 0.0).backward()  # its backward is a collective too
-                continue
-            loss.backward()
-            for k, v in m.items():  # token-weighted average over micro-batches
-                metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+        if self.pipeline:
+            metrics, bad_loss = self._pipeline_pass(trajs, on_policy, num_tokens, num_seqs, backward=True)
+        else:
+            metrics, bad_loss = self._packed_backward(trajs, on_policy, num_tokens, num_seqs)
         # an expert shard that no token reached still takes its (zero-gradient) step, as one
         # process's stacked experts do, so every rank's optimizer state covers the same tensors
-        for p in self.model.parameters():
+        for p in self.params:
             if p.grad is None and id(p) in self.expert_params:
                 p.grad = torch.zeros_like(p)
-        if self.dp_group is not None and self._any_rank(bad_loss is not None) and bad_loss is None:
+        if self._any_rank(bad_loss is not None) and bad_loss is None:
             bad_loss = float("nan")  # another rank's loss
         if bad_loss is not None:
             raise NonFiniteLossError(f"loss became {bad_loss} at policy version {self.version}")
         if self.dp_group is not None:
             metrics = self._sync(metrics)
-        grad_norm = clip_grad_norm(list(self.model.parameters()), self.optim_cfg.grad_clip,
-                                    self.expert_params, self.ep_group)
+        if self.pipeline:  # the loss (and its metrics) lives on the last stage
+            parts: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(self.stage_group))]
+            dist.all_gather_object(parts, metrics, group=self.stage_group)
+            metrics = parts[-1]
+        grad_norm = clip_grad_norm(self.params, self.optim_cfg.grad_clip, self.expert_params, self.ep_group,
+                                   self.stage_group)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
         if self.optim_cfg.router_bias_update:
             if self.dp_group is not None:  # every replica sees the load of the whole batch
                 self._sum_router_loads()
-            self.model.update_router_bias()
+            rate = (self.pm.config if self.pipeline else self.model.config).bias_update_rate
+            for router in self.routers():
+                router.update_bias(rate)
         else:
-            for router in self.model.routers():
+            for router in self.routers():
                 router.tokens_per_expert.zero_()
         metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = lr
@@ -159,12 +174,15 @@ class ActorStage:
         return tokens, seqs
 
     def _any_rank(self, flag: bool) -> bool:
+        """Whether any train rank (data parallel, and every pipeline stage) raised `flag`."""
         t = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        for group in (self.dp_group, self.stage_group):
+            if group is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return bool(t.item())
 
     def _sum_router_loads(self) -> None:
-        routers = self.model.routers()
+        routers = self.routers()
         if not routers:
             return
         flat = torch.cat([r.tokens_per_expert for r in routers])
@@ -173,7 +191,7 @@ class ActorStage:
             r.tokens_per_expert.copy_(load)
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
-        params = list(self.model.parameters())
+        params = self.params
         replicated = [] if self.dp_sharded else [p for p in params if id(p) not in self.expert_params]
         metrics = sum_over_replicas(replicated, metrics, self.dp_group)
         for p in params:
@@ -186,20 +204,28 @@ class ActorStage:
         passes are collectives across those ranks (expert parallelism); else as they are."""
         if not self.lockstep:
             return micros
-        most = torch.tensor([len(micros)], dtype=torch.int64)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return micros + [None] * (int(most) - len(micros))
+        return micros + [None] * (lockstep_count(len(micros), self.dp_group) - len(micros))
 
-    def _filler_pass(self, backward: bool) -> None:
-        """A forward (and backward) over one token that contributes nothing: it joins the
-        collectives of the other ranks' pass. The routers' load counts are left as they were."""
-        routers = self.model.routers()
-        counts = [r.tokens_per_expert.clone() for r in routers]
-        out = self.model(torch.zeros(1, 1, dtype=torch.long), packed=PackedSeqs.from_lengths([1]))
-        if backward:
-            (out.float().sum() * 0.0).backward()
-        for r, c in zip(routers, counts):
-            r.tokens_per_expert.copy_(c)
+    # ---- packed micro-batches (no pipeline) ----
+
+    def _packed_backward(self, trajs, on_policy, num_tokens, num_seqs) -> tuple[dict[str, float], float | None]:
+        metrics: dict[str, float] = {}
+        bad_loss = None
+        for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
+            if micro is None or bad_loss is not None:  # only keeps in step with the other ranks
+                filler_pass(self.model, backward=True)
+                continue
+            loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
+            if not math.isfinite(loss.item()):
+                bad_loss = loss.item()
+                if not self.lockstep:
+                    break  # with a DP group the peers learn of it below instead of hanging in the sum
+                (loss * 0.0).backward()  # its backward is a collective too
+                continue
+            loss.backward()
+            for k, v in m.items():  # token-weighted average over micro-batches
+                metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+        return metrics, bad_loss
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
         batch = pack(micro)
@@ -210,21 +236,102 @@ class ActorStage:
         else:
             proximal = torch.zeros_like(logprobs_N)
             proximal[mask.bool()] = torch.tensor([x for t in micro for x in t.proximal_logprobs])
+        loss, metrics = self._loss(logprobs_N, logits_NV, proximal, batch.behaviour_logprobs_N,
+                                   batch.advantages_N, mask, batch.seq_idx_N, batch.ref_logprobs_N,
+                                   num_tokens, num_seqs)
+        loss = loss + self.model.aux_loss() * (float(mask.sum()) / num_tokens)
+        return loss, metrics
+
+    def _loss(self, logprobs_N, logits_NV, proximal_N, behaviour_N, advantages_N, mask_N, seq_idx_N,
+              ref_N, num_tokens, num_seqs):
+        """The policy loss with its KL and entropy terms, normalized by the global batch."""
         loss, metrics = ppo_policy_loss(
-            logprobs_N, proximal, batch.behaviour_logprobs_N, batch.advantages_N, mask,
-            batch.seq_idx_N, clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
+            logprobs_N, proximal_N, behaviour_N, advantages_N, mask_N,
+            seq_idx_N, clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
             agg=self.algo.loss_agg, behaviour_weight_cap=self.algo.behaviour_weight_cap,
             num_tokens=num_tokens, num_seqs=num_seqs)
-        if self.algo.kl_coef and self.algo.kl_mode == "loss" and batch.ref_logprobs_N is not None:
-            kl, m = kl_loss(logprobs_N, batch.ref_logprobs_N, mask, self.algo.kl_coef,
+        if self.algo.kl_coef and self.algo.kl_mode == "loss" and ref_N is not None:
+            kl, m = kl_loss(logprobs_N, ref_N, mask_N, self.algo.kl_coef,
                             self.algo.kl_kind, num_tokens=num_tokens)
             loss, metrics = loss + kl, {**metrics, **m}
         if self.algo.entropy_coef:
-            ent, m = entropy_bonus(entropy_from_logits(logits_NV), mask, self.algo.entropy_coef,
+            ent, m = entropy_bonus(entropy_from_logits(logits_NV), mask_N, self.algo.entropy_coef,
                                    num_tokens=num_tokens)
             loss, metrics = loss + ent, {**metrics, **m}
-        loss = loss + self.model.aux_loss() * (float(mask.sum()) / num_tokens)
         return loss, metrics
+
+    # ---- the pipeline: padded micro-batches, the loss on the last stage ----
+
+    def _pipeline_pass(self, trajs, on_policy, num_tokens, num_seqs, backward: bool):
+        """One schedule pass over this data-parallel rank's rows (every stage reads the same
+        rows): backward, the loss's gradients (returns its metrics, token-weighted, and a
+        non-finite loss's value, on the last stage); forward only (`backward=False`), the
+        proximal logprobs of multi-step updates, kept on the last stage, the one that reads
+        them. Every data-parallel rank pads to the same shape and micro-batch count, so their
+        passes' collectives (expert all-to-all, FSDP) pair up."""
+        tokens_BT, side_BTK, valid_BT, n = self._padded(trajs)
+        b, T = tokens_BT.shape[0] // n, tokens_BT.shape[1]
+        rows_N = torch.arange(b).repeat_interleave(T)
+        metrics: dict[str, float] = {}
+        bad: list[float] = []
+        micro = iter(range(n))
+
+        def loss_fn(logits_bTV: torch.Tensor, side_bTK: torch.Tensor) -> torch.Tensor:
+            first = next(micro) * b
+            logits_NV = logits_bTV.flatten(0, 1).float()
+            if self.temperature != 1.0:
+                logits_NV = logits_NV / self.temperature
+            side_NK = side_bTK.flatten(0, 1)
+            logprobs_N = logits_NV.log_softmax(-1).gather(-1, side_NK[:, TARGET].long().unsqueeze(-1)).squeeze(-1)
+            mask_N = side_NK[:, MASK]
+            if not backward:  # the proximal policy's logprobs of each row's response
+                for i, t in enumerate(trajs[first:first + b]):
+                    t.proximal_logprobs = logprobs_N.view(b, T)[i][mask_N.view(b, T)[i].bool()].tolist()
+                return logprobs_N.sum() * 0.0
+            proximal_N = logprobs_N.detach() if on_policy else side_NK[:, PROXIMAL]
+            ref_N = side_NK[:, REFERENCE] if side_NK.shape[1] > REFERENCE else None
+            loss, m = self._loss(logprobs_N, logits_NV, proximal_N, side_NK[:, BEHAVIOUR], side_NK[:, ADVANTAGE],
+                                 mask_N, rows_N, ref_N, num_tokens, num_seqs)
+            if not math.isfinite(loss.item()):
+                bad.append(loss.item())
+                return loss.nan_to_num() * 0.0  # its backward still runs: the stages wait for it
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v * float(mask_N.sum()) / num_tokens
+            return loss
+
+        self.pm.pipeline_pass(tokens_BT, side_BTK, loss_fn, n, valid_BT, backward=backward)
+        return metrics, (bad[0] if bad else None)
+
+    def _padded(self, trajs: list[Trajectory]):
+        """This rank's rows right-padded to `[B, T]` tokens and `[B, T, K]` loss inputs (row i's
+        position t predicts its token t + 1; the mask is 1 on response targets), and the number
+        of micro-batches: `optim.microbatch_tokens` tokens each, a multiple of the pipeline
+        depth, the same on every data-parallel rank (the largest shape of any)."""
+        rows, longest = lockstep_shape(len(trajs), max((t.num_tokens for t in trajs), default=1), self.dp_group)
+        T = min(-(-longest // 16) * 16, self.pm.config.max_seq_len)  # fewer distinct schedule shapes
+        pp = self.pm.layout.pp
+        per_micro = max(1, self.optim_cfg.microbatch_tokens // T)
+        n = -(-max(1, -(-rows // per_micro)) // pp) * pp
+        B = n * -(-rows // n)
+        has_ref = bool(trajs) and all(t.ref_logprobs is not None for t in trajs)
+        K = REFERENCE + 1 if has_ref else REFERENCE
+        tokens_BT = torch.zeros(B, T, dtype=torch.long)
+        side_BTK = torch.zeros(B, T, K)
+        for i, t in enumerate(trajs):
+            ids, P, R = t.prompt_ids + t.response_ids, len(t.prompt_ids), len(t.response_ids)
+            tokens_BT[i, :len(ids)] = torch.tensor(ids)
+            side_BTK[i, :len(ids) - 1, TARGET] = torch.tensor(ids[1:], dtype=torch.float32)
+            span = slice(P - 1, P - 1 + R)
+            side_BTK[i, span, MASK] = 1.0
+            side_BTK[i, span, ADVANTAGE] = torch.tensor(t.token_advantages or [t.advantage] * R)
+            side_BTK[i, span, BEHAVIOUR] = torch.tensor(t.behaviour_logprobs)
+            if t.proximal_logprobs is not None:
+                side_BTK[i, span, PROXIMAL] = torch.tensor(t.proximal_logprobs)
+            if has_ref:
+                side_BTK[i, span, REFERENCE] = torch.tensor(t.ref_logprobs)
+        lengths = torch.tensor([t.num_tokens for t in trajs] + [0] * (B - len(trajs)))
+        valid_BT = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+        return tokens_BT, side_BTK, valid_BT, n
 
 
 def _chunks(items: list, n: int) -> list[list]:

@@ -57,6 +57,11 @@ class DeployConfig:
     # (fusion/reshard.py), freed after
     train_tp: int = 1
     train_ep: int = 1
+    # pipeline stages of the actor's training layout (1F1B; with train_vpp > 1, interleaved
+    # 1F1B with that many model chunks per stage): train devices = train_pp x data parallel x
+    # train_tp, the pipeline's micro-batches are optim.microbatch_tokens each
+    train_pp: int = 1
+    train_vpp: int = 1
     # shard the actor's parameters, gradients and optimizer state over its data-parallel train
     # devices (FSDP2, ZeRO-3; the routed experts of an expert-parallel layout stay out of it)
     # instead of a full replica on each; every rollout still runs on a full replica per device
@@ -78,6 +83,9 @@ class DeployConfig:
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
             "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),
             "train_ep": (self.train_ep >= 1, "must be >= 1 (1 = every device holds every expert)"),
+            "train_pp": (self.train_pp >= 1, "must be >= 1 (1 = no pipeline)"),
+            "train_vpp": (self.train_vpp >= 1 and (self.train_vpp == 1 or self.train_pp > 1),
+                          "must be >= 1, and 1 unless train_pp > 1 (model chunks per pipeline stage)"),
             "queue_timeout_s": (self.queue_timeout_s > 0, "must be > 0 (seconds)"),
         }, self)
         if self.train_layout and (self.mode == "separated" or self.backend != "ray"):
@@ -97,12 +105,14 @@ class DeployConfig:
     @property
     def train_layout(self) -> bool:
         """The actor trains split over a layout instead of as full replicas."""
-        return self.train_tp > 1 or self.train_ep > 1 or self.train_fsdp
+        return self.train_tp > 1 or self.train_ep > 1 or self.train_pp > 1 or self.train_fsdp
 
     @property
     def layout_name(self) -> str:
         """The training layout's settings, as a user sets them (for error messages)."""
         return (f"deploy.train_tp={self.train_tp} / train_ep={self.train_ep}"
+                + (f" / train_pp={self.train_pp}" if self.train_pp > 1 else "")
+                + (f" / train_vpp={self.train_vpp}" if self.train_vpp > 1 else "")
                 + (" / train_fsdp=true" if self.train_fsdp else ""))
 
     @property
@@ -130,9 +140,11 @@ class DeploymentPlan:
     train: tuple[int, ...]
     reference: tuple[int, ...]
     reward: tuple[int, ...]
-    train_tp: int = 1  # the actor's training layout (`deploy.train_tp`, `train_ep`, `train_fsdp`)
+    train_tp: int = 1  # the actor's training layout (`deploy.train_tp`, `train_ep`, `train_pp`, ...)
     train_ep: int = 1
     train_fsdp: bool = False
+    train_pp: int = 1
+    train_vpp: int = 1
 
     @classmethod
     def build(cls, cfg: DeployConfig, overlap: bool = False) -> "DeploymentPlan":
@@ -145,14 +157,17 @@ class DeploymentPlan:
             return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
         actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
         plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
-                   train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp)
+                   train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
+                   train_pp=cfg.train_pp, train_vpp=cfg.train_vpp)
         train = len(plan.train)
         if cfg.train_layout and train != n:
             raise ValueError(f"{cfg.layout_name} is invalid with {n} devices in "
                              f"mode '{cfg.mode}': the training layout spans every device, so reference and reward may "
                              "not have their own (use mode 'fully_shared', or colocated on at most 2 devices)")
-        if train % cfg.train_tp:
-            raise ValueError(f"deploy.train_tp={cfg.train_tp} is invalid: it must divide the {train} train devices "
+        if train % (cfg.train_tp * cfg.train_pp):
+            key, value = ("train_tp", cfg.train_tp) if train % cfg.train_tp else ("train_pp", cfg.train_pp)
+            raise ValueError(f"deploy.{key}={value} is invalid: train_pp x train_tp = "
+                             f"{cfg.train_pp * cfg.train_tp} must divide the {train} train devices "
                              f"(allowed: {', '.join(str(d) for d in range(1, train + 1) if train % d == 0)})")
         if cfg.train_fsdp and plan.train_dp < 2:
             raise ValueError(f"deploy.train_fsdp=true is invalid with {train} train devices and "
@@ -161,17 +176,32 @@ class DeploymentPlan:
         return plan
 
     def dp_index(self, device: int) -> int:
-        """The data-parallel rank of a train device: its tensor-parallel group (`train_tp`
-        consecutive train devices) sees the same samples."""
-        return self.train.index(device) // self.train_tp
+        """The data-parallel rank of a train device. Train devices are ordered pipeline stage
+        first, then data parallel, then tensor parallel (`parallel.layout`), so the devices with
+        one data-parallel index, its model-parallel group (the `train_tp` consecutive devices of
+        each of the `train_pp` stages), see the same samples."""
+        return self.train.index(device) % (self.train_dp * self.train_tp) // self.train_tp
+
+    def model_parallel_group(self, dp_index: int) -> list[int]:
+        """The train devices that hold one copy of the model between them (every pipeline stage
+        and tensor-parallel rank of data-parallel rank `dp_index`), first the one that reads."""
+        dp, tp = self.train_dp, self.train_tp
+        return [self.train[(p * dp + dp_index) * tp + t] for p in range(self.train_pp) for t in range(tp)]
 
     @property
     def train_dp(self) -> int:
-        return len(self.train) // self.train_tp
+        return len(self.train) // (self.train_tp * self.train_pp)
+
+    def parallel_layout(self):
+        """The actor's training layout as `parallel.ParallelLayout` (over the train devices)."""
+        from rlfusion.parallel.layout import ParallelLayout
+
+        return ParallelLayout(dp=self.train_dp, tp=self.train_tp, pp=self.train_pp, vpp=self.train_vpp,
+                              ep=self.train_ep)
 
     @property
     def train_layout(self) -> bool:
-        return self.train_tp > 1 or self.train_ep > 1 or self.train_fsdp
+        return self.train_tp > 1 or self.train_ep > 1 or self.train_pp > 1 or self.train_fsdp
 
     @property
     def colocated_actor(self) -> bool:
@@ -185,5 +215,7 @@ class DeploymentPlan:
                                            for d in range(self.num_devices))
         if self.train_layout:
             dp = f"fsdp{self.train_dp}" if self.train_fsdp else f"dp{self.train_dp}"
-            out += f"; the actor trains as tp{self.train_tp} x ep{self.train_ep} x {dp}, generates on full replicas"
+            pp = (f"pp{self.train_pp}" + (f" (vpp{self.train_vpp})" if self.train_vpp > 1 else "") + " x "
+                  if self.train_pp > 1 else "")
+            out += f"; the actor trains as {pp}tp{self.train_tp} x ep{self.train_ep} x {dp}, generates on full replicas"
         return out

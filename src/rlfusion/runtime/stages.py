@@ -31,7 +31,7 @@ from rlfusion.queue import split_balanced
 from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
                                    token_logprobs)
 from rlfusion.runtime import dataflow
-from rlfusion.runtime.replicas import group_sum, sum_over_replicas
+from rlfusion.parallel.data_parallel import group_sum, sum_over_replicas
 from rlfusion.runtime.stalesync import rollout_stops
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
 

@@ -362,14 +362,12 @@ def write_run_config(run_dir: Path, cfg: TrainConfig) -> None:
 
 def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> None:
     """Refuse a training layout this run cannot use, before any worker starts."""
-    from rlfusion.parallel.layout import ParallelLayout
-
     if cfg.algo.advantage == "gae":
         raise ValueError(f"{cfg.deploy.layout_name} is invalid with "
                          "algo.advantage=gae: the critic trains full replicas only (use deploy.train_tp=1, "
                          "train_ep=1 and train_fsdp=false, or a group advantage such as grpo)")
     try:
-        ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep).validate(len(plan.train), model_cfg)
+        plan.parallel_layout().validate(len(plan.train), model_cfg)
     except ValueError as e:
         raise ValueError(f"{cfg.deploy.layout_name} does not fit the model: "
                          f"{e}") from None

@@ -13,8 +13,8 @@ the DistQueue (`dataflow.py` lists the columns each stage reads and writes):
     evaluate(indices)   rollout devices: greedy held-out accuracy on their share
     sync_weights()      separated mode: bucketed broadcast of the new weights
 
-Where the actor trains in a layout (`deploy.train_tp` / `train_ep` / `train_fsdp`) its shards
-are applied here (`_apply_layout`); everything that moves between training and generation
+Where the actor trains in a layout (`deploy.train_tp` / `train_ep` / `train_pp` / `train_fsdp`)
+`parallel.parallelize` applies it here (`_apply_layout`); everything that moves between training and generation
 (optimizer offload, KV cache, the replica, the reference weights, the weight broadcast) is
 `fusion.switch.DeviceSwitch`, which also keeps the device's memory ledger.
 """
@@ -41,12 +41,8 @@ from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
 from rlfusion.obs.metrics import NumberPacker
 from rlfusion.obs.timeline import pack_spans
-from rlfusion.parallel.api import ParallelModel, lm_loss
-from rlfusion.parallel.data_parallel import apply_fsdp
+from rlfusion.parallel.api import ParallelModel, parallelize
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
-from rlfusion.parallel.layout import ParallelLayout
-from rlfusion.parallel.mesh import build_mesh
-from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
 from rlfusion.queue.hierarchical import GroupQueue
 from rlfusion.rl.kl import kl_estimate
 from rlfusion.rl.rewards import load_reward_fn
@@ -95,8 +91,9 @@ class DeviceWorker:
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
         # one model, unless the actor trains in a layout: then its shards (applied in `connect`)
         # and a full replica, filled from them before every rollout
-        self.layout = (ParallelLayout(dp=plan.train_dp, tp=plan.train_tp, ep=plan.train_ep)
-                       if plan.train_layout and device in plan.train else None)
+        self.layout = plan.parallel_layout() if plan.train_layout and device in plan.train else None
+        # a checkpoint's optimizer state is keyed by the plain model's parameter order
+        self._param_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self.train_model = model
         self.policy = model if self.layout is None else build_inference_model(model.config)
         self.pm: ParallelModel | None = None
@@ -186,31 +183,32 @@ class DeviceWorker:
         freeze_long_lived()
 
     def _apply_layout(self) -> Any:
-        """Split the actor over its training layout: TP over `train_tp` consecutive train devices
-        (attention heads, dense and shared-expert FFN columns), routed experts over `train_ep`
-        devices, data parallel across the TP groups. Data parallel keeps a replica of the rest on
-        each (`ActorStage` sums the replicas' gradients), or with `train_fsdp` shards it over them
-        (FSDP2: parameters gathered per block for each pass, gradients reduce-scattered as sums,
-        since the loss is normalized by the global batch); expert shards are summed over their
-        expert-data-parallel group either way. With `deploy.hierarchical_reads` one device of
-        each TP group reads the update's rows and broadcasts them to the others. Returns the
-        data-parallel group (None with one TP group). Collective: every device joins."""
-        mesh = build_mesh(self.layout, self.train_model.config)
-        for block in self.train_model.layers:
-            if self.layout.tp > 1:
-                apply_tensor_parallel(block, mesh.device_mesh["tp"])
-            if block.is_moe and self.layout.ep > 1:
-                block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
-        if self.plan.train_fsdp:
-            apply_fsdp(self.train_model, mesh.device_mesh["dp"], sum_gradients=True)
-        self.pm = ParallelModel(mesh, [self.train_model], self.train_model.config, 1, lm_loss, torch.device("cpu"))
+        """Split the actor over its training layout with `parallel.parallelize`: pipeline stages
+        over `train_pp` groups of train devices (1F1B, or interleaved with `train_vpp` chunks
+        each), TP over `train_tp` consecutive devices of a stage (attention heads, dense and
+        shared-expert FFN columns), routed experts over `train_ep` devices, data parallel
+        across the rest. Data parallel keeps a replica of the rest on each (`ActorStage` sums
+        the replicas' gradients), or with `train_fsdp` shards it over them (FSDP2: parameters
+        gathered per block for each pass, gradients reduce-scattered as sums, since the loss is
+        normalized by the global batch); expert shards are summed over their expert-data-
+        parallel group either way. Every device of a model-parallel group (the stages and TP
+        ranks of one data-parallel rank) trains on the same rows — the last stage needs the
+        loss's per-token inputs, the first the tokens; with `deploy.hierarchical_reads` its
+        first device reads them and broadcasts them to the others. Returns the data-parallel
+        group (None with one). Collective: every device joins."""
+        self.pm = parallelize(self.train_model, self.layout, n_microbatches=self.layout.pp,
+                              fsdp=self.plan.train_fsdp, sum_gradients=True)
+        if self.layout.pp > 1:  # this device's stages are all it keeps of the model
+            self.train_model = self.switch.train_model = None
         self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
-        if self.layout.tp > 1 and self.cfg.deploy.hierarchical_reads:
-            group = mesh.group("tp")
-            reader = min(dist.get_process_group_ranks(group))
-            self.reads = GroupQueue(self.queue if self.device == reader else None, self.queue.schema, group,
-                                    reader=reader, writer=reader)
-        return mesh.group("dp") if self.layout.dp > 1 else None
+        plan = self.plan
+        mp = [plan.model_parallel_group(d) for d in range(plan.train_dp)]
+        if len(mp[0]) > 1 and self.cfg.deploy.hierarchical_reads:
+            groups = [dist.new_group(ranks) for ranks in mp]  # every device creates every group
+            mine = mp[plan.dp_index(self.device)]
+            self.reads = GroupQueue(self.queue if self.device == mine[0] else None, self.queue.schema,
+                                    groups[plan.dp_index(self.device)], reader=mine[0], writer=mine[0])
+        return self.pm.mesh.group("dp") if self.layout.dp > 1 else None
 
     def ping(self) -> int:
         return self.device
@@ -428,9 +426,9 @@ class DeviceWorker:
         """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
         parallel rank's rows, read from the queue by id."""
         consumer = "actor"
-        tp_rank = self.plan.train.index(self.device) % self.plan.train_tp
-        if tp_rank and not isinstance(self.reads, GroupQueue):
-            consumer = f"actor/tp{tp_rank}"  # each TP rank reads the group's rows itself: a reader of its own
+        position = self.plan.model_parallel_group(self.plan.dp_index(self.device)).index(self.device)
+        if position and not isinstance(self.reads, GroupQueue):
+            consumer = f"actor/mp{position}"  # each device of a model-parallel group reads its rows: a reader of its own
         with self._span("queue"):
             try:
                 batch = self.reads.get_rows(consumer, row_ids, dataflow.actor_reads(self.cfg),
@@ -490,14 +488,20 @@ class DeviceWorker:
         this, and one with `keep=False` drops each gathered tensor at once and returns None)."""
         self.switch.enter_train()  # offloaded for a rollout whose update was skipped
         optimizer = self.actor.optimizer.state_dict()
-        if self.pm is not None:
-            params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
+        if self.pm is not None:  # keyed by the plain model's parameter order, as a replica's
+            names = [name for name, _ in self.pm.named_parameters()]
+            pipeline = self.layout.pp > 1
             whole = {}
             for i, st in sorted(optimizer["state"].items()):
-                gathered = {k: self._whole(v, params[i]) for k, v in st.items()}  # collective
-                if keep:
-                    whole[i] = gathered
-            optimizer = {**optimizer, "state": whole}
+                gathered = {k: self._whole(v, self.actor.params[i]) for k, v in st.items()}  # collective
+                if keep or pipeline:  # (a stage's part travels to the others)
+                    whole[self._param_index[names[i]]] = gathered
+            if pipeline:
+                parts: list = [None] * self.layout.pp
+                dist.all_gather_object(parts, whole, group=self.pm.mesh.group("pp"))
+                whole = dict(sorted(kv for part in parts for kv in part.items()))
+            groups = [{**g, "params": list(range(len(self._param_index)))} for g in optimizer["param_groups"]]
+            optimizer = {"state": whole, "param_groups": groups}
         weights = self.weights(keep)
         return {"model": weights, "optimizer": optimizer, "version": self.actor.version} if keep else None
 
@@ -527,18 +531,23 @@ class DeviceWorker:
     def load_state(self, state: dict[str, Any]) -> None:
         if self.pm is None:
             self.policy.load_state_dict(state["model"])
-        else:  # each device keeps its shard of the whole tensors; the replica is filled per rollout
+        else:  # each device keeps its shard (its stages) of the whole tensors; the replica is filled per rollout
             with torch.no_grad():
-                for name, t in self.train_model.state_dict(keep_vars=True).items():
+                for name, t in self.pm.state_dict(keep_vars=True).items():
                     local_tensor(t).copy_(local_tensor(self._part(state["model"][name], t)))
         if self.actor is not None:
             self.switch.enter_train()
             optimizer = state["optimizer"]
-            if self.pm is not None:  # whole optimizer states → this device's shards
-                params = [p for group in self.actor.optimizer.param_groups for p in group["params"]]
-                optimizer = {**optimizer, "state": {
-                    i: {k: self._part(v, params[int(i)]) if k != "step" else v for k, v in st.items()}
-                    for i, st in optimizer["state"].items()}}
+            if self.pm is not None:  # whole optimizer states → this device's shards and stages
+                saved = {int(i): st for i, st in optimizer["state"].items()}
+                mine: dict[int, Any] = {}
+                for i, (name, p) in enumerate(self.pm.named_parameters()):
+                    st = saved.get(self._param_index[name])
+                    if st is not None:
+                        mine[i] = {k: self._part(v, p) if k != "step" else v for k, v in st.items()}
+                local = self.actor.optimizer.state_dict()["param_groups"]
+                optimizer = {"state": mine, "param_groups": [{**g, "params": own["params"]} for g, own
+                                                             in zip(optimizer["param_groups"], local)]}
             # own storages (a state read from disk may not be resizable, and offloading resizes them)
             optimizer = {**optimizer, "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                     for k, v in st.items()} for i, st in optimizer["state"].items()}}

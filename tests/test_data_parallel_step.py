@@ -1,4 +1,4 @@
-"""Gradient clipping over a training layout's shards (`runtime/replicas.clip_grad_norm`)."""
+"""Gradient clipping over a training layout's shards (`parallel/data_parallel.clip_grad_norm`)."""
 
 from __future__ import annotations
 
