@@ -133,6 +133,16 @@ def _shards(trainer, kept) -> list[list]:
     return [[kept[i] for i in part] for part in parts]
 
 
+def _assert_same_adam_step(got: torch.Tensor, want: torch.Tensor, atol: float, lr_sum: float, name: str) -> None:
+    """Weights after the same Adam step(s), within `atol`. An element whose gradient is float
+    noise (~1e-10: a sum in another order may even flip its sign) still takes Adam's full first
+    step, m/sqrt(v) = ±1, so it may differ by up to twice the step sizes; at most 1% may."""
+    diff = (got - want).abs()
+    off = diff > atol
+    assert not (diff > 2 * lr_sum * 1.01 + atol).any(), (name, float(diff.max()))
+    assert int(off.sum()) <= max(1, off.numel() // 100), (name, int(off.sum()), off.numel())
+
+
 def _update(trainer, trajs) -> dict[str, float]:
     """One update of the train devices on exactly `trajs` (through the queue, as in a step:
     advantages and the split on the first train device, the rows retire afterwards)."""
@@ -237,9 +247,10 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         gathered = trainer.devices.on_train_devices("weights")  # from both devices' shards
         # several optimizer steps (minibatches x epochs): Adam's normalized steps carry the float
         # noise of a different summation order a little further
-        atol = 1e-5 * (1 if cfg.algo.minibatches * cfg.algo.ppo_epochs == 1 else 4)
+        steps = cfg.algo.minibatches * cfg.algo.ppo_epochs
         for name, p in model.state_dict().items():
-            torch.testing.assert_close(gathered[name], p, rtol=0, atol=atol)
+            _assert_same_adam_step(gathered[name], p, atol=1e-5 * (1 if steps == 1 else 4),
+                                   lr_sum=sum(reference.lr_at(v) for v in range(steps)), name=name)
 
         m = trainer.train_step()  # rollout on the replica, then a TP update
         assert m["zero_redundancy_ok"] == 1.0 and m["time_switch_s"] > 0
