@@ -4,6 +4,7 @@ weight sync in separated mode, and a clear error when a worker dies."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import sys
 import time
@@ -217,6 +218,16 @@ def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_star
     # four devices: pipeline x tensor parallel, pipeline x expert parallel (data parallel 2)
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_tp": 2}, None),
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2}, None),
+    # activations recomputed or swapped (the reference keeps them all): whole layers with
+    # expert parallelism (the replay repeats the all-to-alls), swap with FSDP, each layer's
+    # attention in a pipeline, the planner's choice under a budget with TP
+    ({"deploy.train_ep": 2, "optim.recompute": "full"}, None),
+    ({"deploy.train_fsdp": "true", "optim.recompute": "swap"}, None),
+    ({"deploy.train_pp": 2, "optim.recompute": "selective"}, None),
+    ({"deploy.train_tp": 2, "optim.recompute": "plan", "optim.activation_budget_mb": 0.5}, None),
+    # expert balancing: experts migrate after the first update (margin 0: whenever the planned
+    # placement differs); a second update runs in the migrated placement
+    ({"deploy.train_ep": 2, "optim.expert_balance": "true", "optim.expert_balance_margin": 0.0}, "twice"),
 ])
 def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, tmp_path, layout, pick):
     """`deploy.train_tp=2` / `train_ep=2` / `train_fsdp=true`: the actor trains on TP shards
@@ -240,14 +251,22 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         kept = _advantaged(cfg, trajs)
         if pick:  # one rank's share takes two micro-batches, the other's one
             assert sorted(len(split_by_token_budget(s, 64)) for s in _shards(trainer, kept)) == [1, 2]
-        reference = ActorStage(model, cfg.algo, cfg.optim, cfg.rollout.temperature, total_updates=cfg.max_steps)
+        plain = dataclasses.replace(cfg.optim, recompute="none", expert_balance=False)
+        reference = ActorStage(model, cfg.algo, plain, cfg.rollout.temperature, total_updates=cfg.max_steps)
         want = reference.update(kept)
         got = _update(trainer, trajs)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        if cfg.optim.recompute != "none" and not cfg.deploy.train_pp > 1:
+            assert got["activation_mb"] > 0
+        if pick == "twice":
+            assert got["expert_migrated_layers"] >= 1
+            want = reference.update(copy.deepcopy(kept))
+            got = _update(trainer, trajs)  # in the migrated placement
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
         gathered = trainer.devices.on_train_devices("weights")  # from both devices' shards
         # several optimizer steps (minibatches x epochs): Adam's normalized steps carry the float
         # noise of a different summation order a little further
-        steps = cfg.algo.minibatches * cfg.algo.ppo_epochs
+        steps = cfg.algo.minibatches * cfg.algo.ppo_epochs * (2 if pick == "twice" else 1)
         for name, p in model.state_dict().items():
             _assert_same_adam_step(gathered[name], p, atol=1e-5 * (1 if steps == 1 else 4),
                                    lr_sum=sum(reference.lr_at(v) for v in range(steps)), name=name)

@@ -219,8 +219,14 @@ def _gather_slot(out: torch.Tensor, t: torch.Tensor, experts: ExpertParallelExpe
     local_LDF = t.detach().to(out.dtype).contiguous()
     temp = local_LDF.nbytes if local_LDF.data_ptr() != t.data_ptr() else 0
     if wants is not None:  # + the rows packed for sending
+        if experts.expert_to_slot_E is not None:
+            raise ValueError("experts migrated by expert balancing cannot be resharded to a replica that "
+                             "splits its experts too (the replica's rows are logical experts)")
         return _redistribute_experts(out, local_LDF, experts, wants), temp + local_LDF.nbytes
     dist.all_gather_single(out, local_LDF, group=experts.ep.group)
+    if experts.expert_to_slot_E is not None:  # slot order → the replica's logical expert order
+        out.copy_(out[experts.expert_to_slot_E.to(out.device)])
+        temp += out.nbytes
     return out.nbytes - local_LDF.nbytes, temp
 
 

@@ -79,11 +79,13 @@ class LoadPredictor:
     def __init__(self, ema_decay: float, group: dist.ProcessGroup | None = None):
         self.ema_decay, self.group = ema_decay, group
         self.pred_ME: torch.Tensor | None = None
+        self.last_ME: torch.Tensor | None = None  # the last interval's counts, summed over replicas
 
     def update(self, counts_ME: torch.Tensor) -> torch.Tensor:
         counts_ME = counts_ME.double().clone()
         if self.group is not None:
             dist.all_reduce(counts_ME, group=self.group)
+        self.last_ME = counts_ME
         if self.pred_ME is None:
             self.pred_ME = counts_ME
         else:
@@ -223,11 +225,13 @@ def migrate_experts(module: ExpertParallelExperts, new: list[int], optimizer=Non
 
 @dataclass
 class LayerBalance:
-    """Predicted max/mean rank load of one MoE layer before and after this interval's decision."""
+    """Predicted max/mean rank load of one MoE layer before and after this interval's decision,
+    and the max/mean rank load this interval measured (in the placement it ran with)."""
 
     before: float
     after: float
     migrated: bool
+    measured: float = 1.0
 
 
 @dataclass
@@ -273,7 +277,8 @@ class ExpertBalancer:
             if move:
                 report.bytes_moved += migrate_experts(module, proposed, optimizer)
                 self.placements[m] = proposed
-            report.layers.append(LayerBalance(before, after if move else before, move))
+            measured = imbalance(self.predictor.last_ME[m], current, P)
+            report.layers.append(LayerBalance(before, after if move else before, move, measured))
         return report
 
     def close(self) -> None:

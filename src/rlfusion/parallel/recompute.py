@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import statistics
 import threading
 import time
@@ -49,6 +50,12 @@ def is_recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
+def _param_ptrs(model: nn.Module) -> set[int]:
+    """Storages of the parameters (a layout's shards: their local tensors)."""
+    return {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in model.parameters()}
+
+
 # ---- measuring saved tensors ---------------------------------------------------------------
 
 class SavedTensorMeter:
@@ -57,7 +64,7 @@ class SavedTensorMeter:
     checkpointed module keeps alive are counted too (`add`)."""
 
     def __init__(self, model: nn.Module):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs = _param_ptrs(model)
         self.seen: dict[int, int] = {}
         self.stack: list[str] = []
         self.by_module: dict[str, int] = defaultdict(int)
@@ -67,6 +74,8 @@ class SavedTensorMeter:
         return sum(self.seen.values())
 
     def add(self, t: torch.Tensor) -> None:
+        if hasattr(t, "to_local"):  # a DTensor (a TP layout): its shard is what this rank keeps
+            t = t.to_local()
         key = t.untyped_storage().data_ptr()
         if key in self.param_ptrs or key in self.seen:
             return
@@ -94,7 +103,7 @@ class HostPool:
     saved by several ops (one input to q, k and v projections) moves once."""
 
     def __init__(self, model: nn.Module, ledger: Any = None):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs = _param_ptrs(model)
         self.bytes_out = 0
         self.ledger = ledger  # a `fusion.memory.MemoryLedger`: host "activations" follow bytes_out
         self._moved: dict[int, tuple[weakref.ref, tuple]] = {}
@@ -109,8 +118,8 @@ class HostPool:
             self.ledger.set("activations", self.bytes_out, location="host", name="swap")
 
     def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self.param_ptrs:
-            return t  # weights stay where they are; only activations swap
+        if hasattr(t, "to_local") or t.untyped_storage().data_ptr() in self.param_ptrs:
+            return t  # weights stay where they are; only plain activations swap (a DTensor's stay)
         hit = self._moved.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
@@ -195,6 +204,36 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, pool: HostPool | None = None)
         m.forward = functools.partial(_swapped, pool, m.forward)
         touched.append(m)
     return AppliedPlan(touched)
+
+
+_LAYER = re.compile(r"layers\.\d+")
+
+
+def fixed_plan(model: nn.Module, mode: str) -> MemoryPlan:
+    """The plans that need no measurement: "selective" recomputes each layer's attention,
+    "full" each whole layer, "swap" swaps each layer's saved tensors; "none" keeps everything.
+    `model` is a plain model or a pipeline chunk (both name their layers `layers.<i>`)."""
+    layers = tuple(n for n, _ in model.named_modules() if _LAYER.fullmatch(n))
+    plans = {"none": MemoryPlan(), "selective": MemoryPlan(recompute=tuple(f"{n}.attn" for n in layers)),
+             "full": MemoryPlan(recompute=layers), "swap": MemoryPlan(swap=layers)}
+    if mode not in plans:
+        raise ValueError(f"recompute mode {mode!r} is invalid: allowed: {', '.join(plans)}")
+    return plans[mode]
+
+
+def measured_plan(model: nn.Module, forward_fn, budget_bytes: float) -> MemoryPlan:
+    """The planner's choice for `model`: each candidate module's saved bytes and forward time
+    measured on `forward_fn()` (a training forward of a representative micro-batch), then the
+    cheapest recompute/swap mix that fits `budget_bytes`. The profiling passes leave the
+    routers' load counts as they were."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    counts = [r.tokens_per_expert.clone() for r in routers]
+    try:
+        profiles, total = profile_modules(model, forward_fn, candidate_names(model))
+    finally:
+        for r, c in zip(routers, counts):
+            r.tokens_per_expert.copy_(c)
+    return plan_memory(profiles, total, budget_bytes, measure_copy_bandwidth())
 
 
 # ---- profiling -----------------------------------------------------------------------------

@@ -14,11 +14,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from rlfusion.errors import RunError
 from rlfusion.model.transformer import MoETransformer
+from rlfusion.parallel.balance import BalanceConfig, ExpertBalancer
 from rlfusion.parallel.data_parallel import (clip_grad_norm, filler_pass, group_sum, lockstep_count,
                                              lockstep_shape, sum_over_replicas)
+from rlfusion.parallel.recompute import HostPool, SavedTensorMeter, apply_plan, fixed_plan, measured_plan
 from rlfusion.rl.kl import kl_loss
 from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
 from rlfusion.rl.trajectory import Trajectory, pack, split_by_token_budget, token_logprobs
@@ -67,6 +70,17 @@ class ActorStage:
                                            betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
         self.version = 0
+        # activations: recompute / swap (`optim.recompute`), measured per micro-batch
+        self.modules = nn.ModuleList(layout.chunks if self.pipeline else [model])
+        self.pool = HostPool(self.modules) if optim.recompute in ("swap", "plan") else None
+        self.plan = None  # the planner's choice, made on the first update (`optim.recompute=plan`)
+        if optim.recompute not in ("none", "plan"):
+            for module in self.modules:
+                apply_plan(module, fixed_plan(module, optim.recompute), self.pool)
+        self._activations = [0, 0]  # the largest micro-batch's saved bytes on the device, in host memory
+        # expert load prediction + migration (`optim.expert_balance`)
+        self.balancer = (ExpertBalancer(layout, BalanceConfig(margin=optim.expert_balance_margin))
+                         if optim.expert_balance else None)
 
     def routers(self) -> list:
         return self.pm.routers() if self.pipeline else self.model.routers()
@@ -156,6 +170,16 @@ class ActorStage:
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
+        if self.balancer is not None:  # the load this update measured → migrate for the next one
+            report = self.balancer.step(self.optimizer)
+            metrics["expert_load_max_over_mean"] = max(layer.measured for layer in report.layers)
+            metrics["expert_migrated_layers"] = float(sum(layer.migrated for layer in report.layers))
+            metrics["expert_migrated_mb"] = report.bytes_moved / 2**20
+        if not self.pipeline:
+            metrics["activation_mb"] = self._activations[0] / 2**20
+            if self.pool is not None:
+                metrics["activation_host_mb"] = self._activations[1] / 2**20
+            self._activations = [0, 0]
         if self.optim_cfg.router_bias_update:
             if self.dp_group is not None:  # every replica sees the load of the whole batch
                 self._sum_router_loads()
@@ -211,11 +235,19 @@ class ActorStage:
     def _packed_backward(self, trajs, on_policy, num_tokens, num_seqs) -> tuple[dict[str, float], float | None]:
         metrics: dict[str, float] = {}
         bad_loss = None
-        for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
+        micros = split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []
+        if self.optim_cfg.recompute == "plan" and self.plan is None:
+            self._make_plan(micros)
+        for micro in self._lockstep(micros):
             if micro is None or bad_loss is not None:  # only keeps in step with the other ranks
                 filler_pass(self.model, backward=True)
                 continue
-            loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
+            if self.pool is not None:
+                self.pool.reset()
+            with SavedTensorMeter(self.modules) as meter:
+                loss, m = self._micro_loss(micro, on_policy, num_tokens, num_seqs)
+            self._activations = [max(self._activations[0], meter.total_bytes),
+                                 max(self._activations[1], self.pool.bytes_out if self.pool else 0)]
             if not math.isfinite(loss.item()):
                 bad_loss = loss.item()
                 if not self.lockstep:
@@ -226,6 +258,28 @@ class ActorStage:
             for k, v in m.items():  # token-weighted average over micro-batches
                 metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
         return metrics, bad_loss
+
+    def _make_plan(self, micros: list) -> None:
+        """`optim.recompute=plan`: measure each layer's and module's saved bytes and forward time
+        on the largest micro-batch (the same on every data-parallel rank: the most tokens any
+        has, so their collectives pair up) and apply the planner's choice for the budget."""
+        most = lockstep_count(max((sum(t.num_tokens for t in m) for m in micros), default=0), self.dp_group)
+        largest = max(micros, key=lambda m: sum(t.num_tokens for t in m), default=None)
+        if largest is None or sum(t.num_tokens for t in largest) < most:  # another rank's is larger
+            forward = lambda: filler_pass(self.model, backward=False)  # noqa: E731  (joins its collectives)
+        else:
+            forward = lambda: token_logprobs(self.model, pack(largest), self.temperature)  # noqa: E731
+        plan = measured_plan(self.model, forward, self.optim_cfg.activation_budget_mb * 2**20)
+        # one plan for every rank: a recomputed module replays its collectives (expert
+        # all-to-all, TP) in backward, which a rank that keeps it would not join
+        group = None if self.pm is not None else self.dp_group  # a layout spans the whole world
+        if self.pm is not None or self.dp_group is not None:
+            box = [plan]
+            src = 0 if group is None else min(dist.get_process_group_ranks(group))
+            dist.broadcast_object_list(box, src=src, group=group)
+            plan = box[0]
+        self.plan = plan
+        apply_plan(self.model, plan, self.pool)
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
         batch = pack(micro)

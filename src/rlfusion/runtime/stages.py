@@ -27,11 +27,11 @@ from rlfusion.rl.policy_loss import value_loss
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardModel, describe_reward,
                                 finite_score, snippet)
-from rlfusion.queue import split_balanced
 from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
                                    token_logprobs)
 from rlfusion.runtime import dataflow
-from rlfusion.parallel.data_parallel import group_sum, sum_over_replicas
+from rlfusion.parallel.data_parallel import group_sum, shard_rows, sum_over_replicas
+from rlfusion.parallel.seq_balance import SeqCost
 from rlfusion.runtime.stalesync import rollout_stops
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
 
@@ -366,13 +366,13 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 
 
-def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int) -> tuple[list[dataflow.RowNumbers],
-                                                                           list[list[int]], dict[str, float]]:
+def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int, cost: SeqCost | None = None
+                    ) -> tuple[list[dataflow.RowNumbers], list[list[int]], dict[str, float]]:
     """The advantage stage of one update, on the first train device: the `count` scored rows'
     numbers from the queue (reward, score, lengths, KL; never their tokens), KL reward shaping
     if any, advantages, which rows the update keeps, written back by row id (`advantage`,
     `shaped_reward`, `train`), and the kept rows split over `num_ranks` data-parallel ranks by
-    tokens. Returns the rows (in (group, sample) order), each rank's row ids, and the batch's
+    tokens, or with `cost` by its a·tokens + b·tokens² (`optim.dp_balance=cost`). Returns the rows (in (group, sample) order), each rank's row ids, and the batch's
     aggregates (what the controller records)."""
     timeout = cfg.deploy.queue_timeout_s
     batch = queue.get("advantage", dataflow.advantage_reads(cfg), count, policy="group", block=True, timeout=timeout)
@@ -389,7 +389,7 @@ def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int) -> tuple[l
         r.train = id(r) in kept
     queue.put(dataflow.trajectory_columns(rows, dataflow.ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
     train = [r for r in rows if r.train]
-    shards = [[train[i].row_id for i in part] for part in split_balanced([r.num_tokens for r in train], num_ranks)]
+    shards = [[train[i].row_id for i in part] for part in shard_rows([r.num_tokens for r in train], num_ranks, cost)]
     out.update({
         "reward_mean": sum(r.reward for r in rows) / count,
         "correct_mean": sum(r.correct for r in rows) / count,

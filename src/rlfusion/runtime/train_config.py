@@ -92,6 +92,10 @@ class AlgoConfig:
         }, self)
 
 
+RECOMPUTE = ("none", "selective", "full", "swap", "plan")
+DP_BALANCE = ("tokens", "cost")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-4
@@ -107,6 +111,24 @@ class OptimConfig:
     # Aux-loss-free expert-bias updates during RL. Off by default: a bias step re-routes tokens
     # between rollout and update for no reward-driven reason.
     router_bias_update: bool = False
+    # activations of the actor's forward kept for backward: "none" keeps them all; "selective"
+    # recomputes each layer's attention in backward; "full" each whole layer (only its input is
+    # kept); "swap" moves each layer's saved tensors to host memory and back; "plan" lets the
+    # memory planner choose per layer and module, measured on the first update, the cheapest
+    # mix that fits `activation_budget_mb` per micro-batch
+    recompute: str = "none"
+    activation_budget_mb: float = 0.0
+    # expert load balancing (deploy.train_ep > 1): each update's routed-token counts feed an EMA
+    # prediction of the next one's; a layer whose predicted max/mean load per expert-parallel
+    # rank drops by at least `expert_balance_margin` has its experts migrated (weights and
+    # optimizer state) to the placement that balances it; rollouts generate from the same
+    # weights, in logical expert order
+    expert_balance: bool = False
+    expert_balance_margin: float = 0.05
+    # how the update's rows are split over data-parallel ranks: "tokens" (equal tokens) or
+    # "cost" (equal a*tokens + b*tokens^2, attention's quadratic term included, from the model
+    # shape: a long sequence costs more than the same tokens in short ones)
+    dp_balance: str = "tokens"
 
     def __post_init__(self) -> None:
         check_fields("optim", {
@@ -118,6 +140,13 @@ class OptimConfig:
             "microbatch_tokens": (self.microbatch_tokens >= 64, "must be >= 64"),
             "warmup_steps": (self.warmup_steps >= 0, "must be >= 0"),
             "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
+            "recompute": (self.recompute in RECOMPUTE, f"allowed: {', '.join(RECOMPUTE)}"),
+            "activation_budget_mb": (self.activation_budget_mb > 0 if self.recompute == "plan"
+                                     else self.activation_budget_mb >= 0,
+                                     "must be > 0 with optim.recompute=plan (the planner fits activations "
+                                     "into it), else >= 0"),
+            "expert_balance_margin": (0 <= self.expert_balance_margin < 1, "must be in [0, 1)"),
+            "dp_balance": (self.dp_balance in DP_BALANCE, f"allowed: {', '.join(DP_BALANCE)}"),
         }, self)
 
 
@@ -166,10 +195,20 @@ class TrainConfig:
             "collapse_patience": (self.collapse_patience >= 0, "must be >= 0 (0 = off)"),
         }, self)
         self._check_eval_problems()
+        self._check_training_options()
         t = self.stalesync.rollout_finish_threshold
         if t > 1 and t > self.rollout.prompts_per_step:
             raise ValueError(f"stalesync.rollout_finish_threshold={t:g} is invalid: a count must be at most "
                              f"rollout.prompts_per_step={self.rollout.prompts_per_step} (or use a fraction in (0, 1])")
+
+    def _check_training_options(self) -> None:
+        """Options of the actor's update that need a particular training layout."""
+        if self.optim.expert_balance and self.deploy.train_ep < 2:
+            raise ValueError(f"optim.expert_balance=true is invalid with deploy.train_ep={self.deploy.train_ep}: "
+                             "it migrates experts between expert-parallel devices (set deploy.train_ep >= 2)")
+        if self.optim.recompute == "plan" and self.deploy.train_pp > 1:
+            raise ValueError(f"optim.recompute=plan is invalid with deploy.train_pp={self.deploy.train_pp}: "
+                             "the planner measures a whole model's forward (use none, selective, full or swap)")
 
     def _check_eval_problems(self) -> None:
         """Evaluation draws from the held-out set: the built-in task's `task.num_heldout`

@@ -43,6 +43,7 @@ from rlfusion.obs.metrics import NumberPacker
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.parallel.api import ParallelModel, parallelize
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
+from rlfusion.parallel.seq_balance import SeqCost
 from rlfusion.queue.hierarchical import GroupQueue
 from rlfusion.rl.kl import kl_estimate
 from rlfusion.rl.rewards import load_reward_fn
@@ -94,6 +95,8 @@ class DeviceWorker:
         self.layout = plan.parallel_layout() if plan.train_layout and device in plan.train else None
         # a checkpoint's optimizer state is keyed by the plain model's parameter order
         self._param_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        # how the update's rows are split over data-parallel ranks (`optim.dp_balance`)
+        self._split_cost = SeqCost.from_config(model.config) if cfg.optim.dp_balance == "cost" else None
         self.train_model = model
         self.policy = model if self.layout is None else build_inference_model(model.config)
         self.pm: ParallelModel | None = None
@@ -389,7 +392,8 @@ class DeviceWorker:
         """One synchronous update from the `count` scored rows waiting in the queue, from policy
         `version` (the controller's count of updates, which the actor follows: its learning-rate
         schedule reads it). The first train device runs the advantage stage (`stages.
-        advantage_stage`) and splits the kept rows over the data-parallel ranks by tokens; the
+        advantage_stage`) and splits the kept rows over the data-parallel ranks (by tokens, or
+        by cost with `optim.dp_balance=cost`); the
         split goes to the other train devices over their group, each reads its rows by id (one
         reader per tensor-parallel group) and trains, then the first retires the rows. With no
         row kept the policy is unchanged and its version moves on. The first device answers the
@@ -403,7 +407,8 @@ class DeviceWorker:
             if lead:
                 with self._span("advantage"):
                     start = time.perf_counter()
-                    rows, shards, summary = advantage_stage(self.queue, self.cfg, count, self.plan.train_dp)
+                    rows, shards, summary = advantage_stage(self.queue, self.cfg, count, self.plan.train_dp,
+                                                            self._split_cost)
                     summary["time_advantage_s"] = time.perf_counter() - start
         finally:  # the split goes to the other train devices; None tells them the stage failed
             if self.train_group is not None:
@@ -524,8 +529,10 @@ class DeviceWorker:
             return distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         experts = self._experts_of.get(id(param))
         if experts is not None and whole.shape[1:] == param.shape[1:] and whole.shape[0] != param.shape[0]:
-            assert experts.expert_to_slot_E is None, "expert placement moved: experts are not in logical order"
-            return whole[experts.first_expert:experts.first_expert + experts.num_local]
+            slots = slice(experts.first_expert, experts.first_expert + experts.num_local)
+            if experts.expert_to_slot_E is None:
+                return whole[slots]
+            return whole[experts.expert_to_slot_E.argsort()[slots]]  # the logical experts in this device's slots
         return whole
 
     def load_state(self, state: dict[str, Any]) -> None:
