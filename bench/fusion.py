@@ -10,9 +10,10 @@ the colocated modes the engine generates from the very tensors the optimizer upd
 weights move: the switch offloads the optimizer state and allocates the KV cache (and back).
 Switch time counts both kinds (transfer and switch spans, the busier device).
 
-Three more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
+Four more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
 `deploy.train_ep=2`: routed experts split over the two devices; `deploy.train_fsdp=true`:
-parameters, gradients and optimizer state sharded over them, FSDP2): their switch gathers the
+parameters, gradients and optimizer state sharded over them, FSDP2; `deploy.train_pp=2`: two
+pipeline stages, 1F1B over padded micro-batches of `optim.microbatch_tokens`): their switch gathers the
 shards into a full replica per device in buckets before every rollout (fusion/reshard.py) and
 frees it after. They run after the three modes in each round and take no part in the targets.
 Every mode's tracked memory peak per device (weights, gradients, optimizer state, KV cache; the
@@ -43,9 +44,10 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
 DEPLOY_MODES = ("separated", "colocated", "fully_shared")
-MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2", "colocated_fsdp2")
+MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2", "colocated_fsdp2", "colocated_pp2")
 LAYOUTS = {"colocated_tp2": ("colocated", ["deploy.train_tp=2"]), "colocated_ep2": ("colocated", ["deploy.train_ep=2"]),
-           "colocated_fsdp2": ("colocated", ["deploy.train_fsdp=true"])}
+           "colocated_fsdp2": ("colocated", ["deploy.train_fsdp=true"]),
+           "colocated_pp2": ("colocated", ["deploy.train_pp=2"])}
 PHASES = ("rollout", "reference", "reward", "train", "switch", "transfer")
 
 

@@ -1,0 +1,134 @@
+"""The actor's training options in RL runs on 2 devices: what recompute/swap saves and costs,
+and what expert balancing does to a skewed router.
+
+1. Recompute (`optim.recompute`): one colocated run per mode (none, selective, full, swap), the
+   same batches (same seed). Each step of every mode runs in turn after a warm-up step (rounds
+   interleave the modes, so they share the machine's load); per update, the actor's tracked
+   activation memory per device (`activation_mb`: bytes the largest micro-batch keeps for
+   backward on the device; swap's host copies are `activation_host_mb`) and the update's time.
+   Saving = 1 - activation_mb / none's; cost = update time / none's, the median of the rounds'
+   ratios.
+2. Expert balancing (`optim.expert_balance`): the shipped base with its routers' expert bias
+   raised by `HOT_BIAS` on experts 0-3, all of which sit on expert-parallel device 0 of
+   `deploy.train_ep=2` (the balance bench's hot-experts trace, in a real RL run). Per update,
+   the measured max/mean routed-token load per device in the placement the update ran with
+   (`expert_load_max_over_mean`), with balancing on and off (off: margin 0.99, so the load is
+   measured but no layer ever migrates); the first update runs in the built placement either
+   way, later ones, with balancing, in the migrated one.
+
+    python bench/rl_options.py           # 5 rounds, 8 balancing updates (~6 min)
+    python bench/rl_options.py --quick   # 2 rounds, 4 updates
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import ray
+import torch
+
+from rlfusion.config import load_config
+from rlfusion.model.checkpoint import find_base, load_checkpoint, save_checkpoint
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.trainer import RLTrainer
+
+RECOMPUTE = ("none", "selective", "full", "swap")
+HOT_BIAS = 0.1  # added to the routing score (softmax probability ~1/8) of each hot expert
+
+
+def trainer(out: Path, name: str, base: Path, *items: str) -> RLTrainer:
+    cfg = load_config(TrainConfig, None, ["deploy.mode=colocated", "deploy.backend=ray", "deploy.num_devices=2",
+                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *items])
+    return RLTrainer(cfg, out / name, base)
+
+
+def skewed_base(out: Path) -> Path:
+    model, tokenizer, extra = load_checkpoint(find_base())
+    with torch.no_grad():
+        for router in model.routers():
+            router.expert_bias[:4] += HOT_BIAS
+    return save_checkpoint(out / "skewed-base", model, tokenizer, extra)
+
+
+def recompute(out: Path, rounds: int) -> dict[str, dict[str, float]]:
+    runs = {m: trainer(out, f"recompute_{m}", find_base(), f"optim.recompute={m}") for m in RECOMPUTE}
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in RECOMPUTE}
+    try:
+        for m in RECOMPUTE:
+            runs[m].train_step()  # warm-up
+        for r in range(rounds):
+            for m in RECOMPUTE:
+                x = runs[m].train_step()
+                rows[m].append({"act": x["activation_mb"], "host": x.get("activation_host_mb", 0.0),
+                                "update_s": x["time_update_s"]})
+            print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['act']:.1f} MB {rows[m][-1]['update_s']:.2f} s"
+                                                 for m in RECOMPUTE), flush=True)
+    finally:
+        for t in runs.values():
+            t.close()
+    out_rows = {}
+    for m in RECOMPUTE:
+        out_rows[m] = {
+            "act": statistics.median(x["act"] for x in rows[m]),
+            "host": statistics.median(x["host"] for x in rows[m]),
+            "saving": statistics.median(1 - x["act"] / n["act"] for x, n in zip(rows[m], rows["none"])),
+            "cost": statistics.median(x["update_s"] / n["update_s"] for x, n in zip(rows[m], rows["none"])),
+        }
+    return out_rows
+
+
+def balancing(out: Path, updates: int) -> dict[bool, list[float]]:
+    base = skewed_base(out)
+    loads: dict[bool, list[float]] = {}
+    for on in (False, True):
+        # off: the balancer measures and predicts but never migrates (no improvement reaches the margin)
+        t = trainer(out, f"balance_{on}", base, "deploy.train_ep=2", "optim.expert_balance=true",
+                    f"optim.expert_balance_margin={0.05 if on else 0.99}")
+        try:
+            loads[on] = []
+            for _ in range(updates):
+                x = t.train_step()
+                loads[on].append(x.get("expert_load_max_over_mean", float("nan")))
+        finally:
+            t.close()
+        print(f"expert_balance={on}: measured max/mean per update " + ", ".join(f"{v:.2f}" for v in loads[on]),
+              flush=True)
+    return loads
+
+
+def measured_imbalance(loads: list[float]) -> float:
+    """The median over the updates after the first (the first always runs in the built placement)."""
+    return statistics.median(loads[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    quick = parser.parse_args().quick
+    rounds, updates = (2, 4) if quick else (5, 8)
+    ray.init(num_cpus=2 * (len(RECOMPUTE) + 2), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        rc = recompute(out, rounds)
+        loads = balancing(out, updates)
+    ray.shutdown()
+    print(f"\n## recompute / swap: 2 devices colocated, default batch, median of {rounds} interleaved rounds")
+    print("| optim.recompute | activation MB / device | host MB | saving vs none | update time vs none |")
+    print("|---|---|---|---|---|")
+    for m in RECOMPUTE:
+        x = rc[m]
+        print(f"| {m} | {x['act']:.1f} | {x['host']:.1f} | {x['saving']:.0%} | {x['cost']:.2f}x |")
+    print(f"\n## expert balancing, deploy.train_ep=2, experts 0-3 hot (bias +{HOT_BIAS}), {updates} updates")
+    for on in (False, True):
+        print(f"expert_balance={str(on).lower()}: first update {loads[on][0]:.2f}, later median "
+              f"{measured_imbalance(loads[on]):.2f}")
+    print()
+    print(f"target recompute_full_activation_saving: {rc['full']['saving']:.2f} (goal >= 0.70)")
+    print(f"target expert_balance_max_over_mean: {measured_imbalance(loads[True]):.2f} (goal <= 1.10)")
+
+
+if __name__ == "__main__":
+    main()
