@@ -13,6 +13,8 @@ import pytest
 import ray
 import torch
 
+from rlfusion.engine.engine import EngineConfig, LLMEngine
+from rlfusion.evaluate import greedy_completions
 from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.model.checkpoint import load_checkpoint
@@ -240,7 +242,7 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
     cfg = _cfg(tmp_path, "colocated", **{**layout, "deploy.bucket_mb": 0.25})
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     try:
-        model, _, _ = load_checkpoint(base)
+        model, tokenizer, _ = load_checkpoint(base)
         trajs = _sample(cfg, base, 4)
         if pick:  # one group of the three longest samples and the shortest
             by_length = sorted(trajs, key=lambda t: t.num_tokens)
@@ -270,6 +272,14 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         for name, p in model.state_dict().items():
             _assert_same_adam_step(gathered[name], p, atol=1e-5 * (1 if steps == 1 else 4),
                                    lr_sum=sum(reference.lr_at(v) for v in range(steps)), name=name)
+        # the rollout replica the switch fills from the layout generates what a replica of the
+        # one-process weights does (greedy, held-out problems split over the devices)
+        heldout, indices = ArithmeticTask(cfg.task).heldout(), list(range(8))
+        engine = LLMEngine(copy.deepcopy(model), EngineConfig(max_num_seqs=8, seed=0))
+        completions = greedy_completions(engine, tokenizer, [heldout[i] for i in indices], 40)
+        assert trainer.devices.evaluate(indices, 40) == [
+            (float(ArithmeticTask(cfg.task).reward(tokenizer.decode(c.output_ids), heldout[i])), len(c.output_ids))
+            for c, i in zip(completions, indices)]
 
         m = trainer.train_step()  # rollout on the replica, then a TP update
         assert m["zero_redundancy_ok"] == 1.0 and m["time_switch_s"] > 0
