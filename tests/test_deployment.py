@@ -66,6 +66,9 @@ def test_separated_scorers_sit_next_to_rollout_or_train(scorers, overlap, on_tra
     ({"mode": "separated", "num_devices": 2, "train_tp": 2}, "training layout needs"),
     ({"mode": "separated", "num_devices": 2, "train_fsdp": True}, "train_fsdp=true is invalid with mode"),
     ({"backend": "local", "train_fsdp": True}, "training layout needs backend 'ray'"),
+    ({"train_pp": 0}, "deploy.train_pp"),
+    ({"train_vpp": 2}, "deploy.train_vpp=2 is invalid: must be >= 1, and 1 unless train_pp > 1"),
+    ({"mode": "separated", "num_devices": 2, "train_pp": 2}, "train_pp=2 is invalid with mode 'separated'"),
 ])
 def test_bad_deploy_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -178,6 +181,7 @@ def _worker_params(trainer, device):
     ({"mode": "colocated", "num_devices": 3, "train_tp": 2}, "spans every device"),
     ({"num_devices": 2, "train_tp": 2, "train_fsdp": True}, "data-parallel devices .* must be >= 2"),
     ({"mode": "colocated", "num_devices": 3, "train_fsdp": True}, "train_fsdp=true is invalid with 3 devices"),
+    ({"mode": "fully_shared", "num_devices": 6, "train_pp": 4}, "train_pp=4 is invalid: train_pp x train_tp = 4 must divide the 6"),
 ])
 def test_bad_train_layout(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -191,6 +195,33 @@ def test_train_layout_that_does_not_fit_the_model_is_refused_before_workers_star
     with pytest.raises(ValueError, match="algo.advantage=gae"):
         RLTrainer(_cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "algo.advantage": "gae"}),
                   tmp_path / "run", find_base())
+    # 4 layers cannot be cut into pp x vpp = 8 pipeline stages
+    with pytest.raises(ValueError, match=r"train_pp=2 / train_vpp=4 does not fit the model: .*pp\*vpp = 8 exceeds"):
+        RLTrainer(_cfg(tmp_path, "colocated", **{"deploy.train_pp": 2, "deploy.train_vpp": 4}),
+                  tmp_path / "run", find_base())
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"optim.expert_balance": "true"}, "optim.expert_balance=true is invalid with deploy.train_ep=1"),
+    ({"optim.recompute": "plan", "optim.activation_budget_mb": 1, "deploy.train_pp": 2},
+     "optim.recompute=plan is invalid with deploy.train_pp=2"),
+    ({"optim.recompute": "plan"}, "optim.activation_budget_mb=0.0 is invalid: must be > 0 with optim.recompute=plan"),
+    ({"optim.recompute": "some"}, "optim.recompute='some' is invalid: allowed: none, selective, full, swap, plan"),
+    ({"optim.dp_balance": "flops"}, "optim.dp_balance='flops' is invalid: allowed: tokens, cost"),
+])
+def test_training_options_that_cannot_apply_are_refused(tmp_path, over, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tmp_path, "colocated", **over)
+
+
+def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
+    """Train devices are ordered (pp, dp, tp): the devices of one data-parallel rank, across
+    stages and TP ranks, see the same rows."""
+    plan = DeploymentPlan.build(DeployConfig(backend="ray", mode="fully_shared", num_devices=8, train_pp=2, train_tp=2))
+    assert plan.train_dp == 2
+    assert [plan.dp_index(d) for d in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert plan.model_parallel_group(1) == [2, 3, 6, 7]
+    assert "pp2 x tp2 x ep1 x dp2" in plan.describe()
 
 
 @pytest.mark.parametrize("layout, pick", [
