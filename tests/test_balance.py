@@ -155,19 +155,6 @@ def test_cost_split_beats_contiguous_and_token_split_on_a_long_tail():
     assert report.cost <= report.tokens
 
 
-def test_split_batch_by_cost_wraps_queue_batches():
-    from rlfusion.queue.client import Batch
-    from rlfusion.parallel.seq_balance import SeqCost, split_batch_by_cost
-    lengths = [3, 40, 5, 5, 6, 38]
-    batch = Batch(list(range(6)), [0] * 6, [0] * 6,
-                  {"prompt": [[1] * 2] * 6, "response": [[1] * (n - 2) for n in lengths]})
-    parts = split_batch_by_cost(batch, 2, ["prompt", "response"], SeqCost(a=1.0, b=1.0))
-    assert sorted(i for p in parts for i in p.row_ids) == list(range(6))
-    assert {1, 5} not in [set(p.row_ids) & {1, 5} for p in parts]  # the two long ones split
-    with pytest.raises(ValueError, match="length column 'x'"):
-        split_batch_by_cost(batch, 2, ["x"], SeqCost())
-
-
 def test_seq_cost_fit_recovers_a_and_b():
     from rlfusion.parallel.seq_balance import SeqCost
     lengths = [10, 50, 100, 200, 400]

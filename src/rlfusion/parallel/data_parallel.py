@@ -2,7 +2,7 @@
 critic and pre-training alike.
 
 - Which rows a rank trains on: `shard_rows` (a batch of variable-length sequences, balanced by
-  tokens or by the a·tokens + b·len² cost of `seq_balance.SeqCost`) and `shard_batch` (equal
+  tokens or by a cost such as the a·tokens + b·len² of `seq_balance.SeqCost`) and `shard_batch` (equal
   contiguous rows of a dense batch).
 - Sharded replicas: FSDP2 (`fully_shard`) over the `dp` mesh axis, averaging or summing.
   Expert-parallel parameters are left out of FSDP: they differ between the ranks of an EP group,
@@ -19,7 +19,7 @@ critic and pre-training alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from rlfusion.model.kv_cache import PackedSeqs
 from rlfusion.model.transformer import Block
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
-from rlfusion.parallel.seq_balance import SeqCost
 from rlfusion.queue.packing import split_balanced
 
 
@@ -53,7 +52,7 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, sum_gradients: bool = Fal
                 sub.set_force_sum_reduction_for_comms(True)
 
 
-def shard_rows(lengths: Sequence[int], num_ranks: int, cost: SeqCost | None = None) -> list[list[int]]:
+def shard_rows(lengths: Sequence[int], num_ranks: int, cost: Callable[[int], float] | None = None) -> list[list[int]]:
     """Indices of the sequences each data-parallel rank trains on (ascending per rank): longest
     first onto the lightest rank, weighing each sequence by its tokens, or with `cost` by
     `cost(tokens)` (attention's quadratic term makes one long sequence dearer than the same

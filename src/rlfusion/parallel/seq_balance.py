@@ -3,13 +3,12 @@ rank's estimated step cost, not just its token count, is near equal.
 
 A sequence of `n` tokens costs `a·n` (GEMMs: projections, MLP, experts) plus `b·n²` (causal
 attention scores and values), so a rank with one long sequence is slower than a rank with the
-same tokens in short ones. The split reuses the queue's greedy `split_balanced` (longest first
-onto the lightest rank) with costs in place of lengths, and wraps `Batch.split_balanced`'s
-length-column convention, so DistQueue's length-balanced sampling gains a cost function
-without any change to `queue/`.
+same tokens in short ones. `data_parallel.shard_rows` splits by this cost when given one (the
+RL update does with `optim.dp_balance=cost`).
 
-Owns the cost model and the cost-balanced split. It does not know how rows reach ranks (the
-queue and `ParallelModel.shard_batch`) or how the model computes attention.
+Owns the cost model (from the model shape, or fitted to measured times) and the comparison of
+splits the balance bench prints. It does not know how rows reach ranks or how the model
+computes attention.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from rlfusion.model.config import ModelConfig
-from rlfusion.queue.client import Batch
-from rlfusion.queue.packing import split_balanced
 
 
 @dataclass(frozen=True)
@@ -60,11 +57,6 @@ class SeqCost:
         return cls(a, b) if a + b > 0 else cls()
 
 
-def split_by_cost(lengths: Sequence[int], num_ranks: int, cost: SeqCost) -> list[list[int]]:
-    """Indices per rank (ascending), balancing summed `cost(length)`."""
-    return split_balanced([cost(n) for n in lengths], num_ranks)
-
-
 def contiguous_split(num_seqs: int, num_ranks: int) -> list[list[int]]:
     """The baseline: equal-count contiguous chunks, as `shard_batch` cuts rows."""
     if num_ranks < 1:
@@ -83,22 +75,6 @@ def max_over_mean(costs: Sequence[float]) -> float:
     return max(costs) / mean if mean > 0 else 1.0
 
 
-def batch_lengths(batch: Batch, length_columns: Sequence[str]) -> list[int]:
-    """Per-row tokens as `Batch.split_balanced` counts them (summed lengths of the columns)."""
-    for c in length_columns:
-        if c not in batch.columns:
-            raise ValueError(f"length column {c!r} is not in this batch (it has "
-                             f"{sorted(batch.columns)})")
-    return [sum(len(batch.columns[c][i]) for c in length_columns) for i in range(len(batch))]
-
-
-def split_batch_by_cost(batch: Batch, num_ranks: int, length_columns: Sequence[str],
-                        cost: SeqCost) -> list[Batch]:
-    """`Batch.split_balanced` with a cost function: one sub-batch per DP rank."""
-    parts = split_by_cost(batch_lengths(batch, length_columns), num_ranks, cost)
-    return [batch.select(part) for part in parts]
-
-
 @dataclass
 class SeqBalanceReport:
     """max/mean per-rank cost of the contiguous split, the token-balanced split and the
@@ -110,6 +86,8 @@ class SeqBalanceReport:
 
 
 def compare_splits(lengths: Sequence[int], num_ranks: int, cost: SeqCost) -> SeqBalanceReport:
-    splits = (contiguous_split(len(lengths), num_ranks), split_balanced(lengths, num_ranks),
-              split_by_cost(lengths, num_ranks, cost))
+    from rlfusion.parallel.data_parallel import shard_rows
+
+    splits = (contiguous_split(len(lengths), num_ranks), shard_rows(lengths, num_ranks),
+              shard_rows(lengths, num_ranks, cost))
     return SeqBalanceReport(*(max_over_mean(rank_costs(lengths, s, cost)) for s in splits))
