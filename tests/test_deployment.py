@@ -719,16 +719,19 @@ def _batches_read(worker) -> list:
     return worker.batches_read
 
 
+@pytest.mark.parametrize("layout", ["deploy.train_tp", "deploy.train_pp"])
 @pytest.mark.parametrize("hierarchical, requests", [("true", 1), ("false", 2)])
-def test_tensor_parallel_ranks_read_the_same_batch_once_with_hierarchical_reads(ray_session, tmp_path,
+def test_model_parallel_devices_read_the_same_batch_once_with_hierarchical_reads(ray_session, tmp_path, layout,
                                                                                  hierarchical, requests):
-    """`deploy.train_tp=2`: both ranks of the tensor-parallel group train on the same rows. With
-    `deploy.hierarchical_reads` one of them asks the queue and broadcasts the batch to the other
-    (one get request per update); without, each asks itself (two)."""
+    """`deploy.train_tp=2` / `train_pp=2`: both devices of the model-parallel group (the two TP
+    ranks, or the two pipeline stages: the first needs the tokens, the last the loss's
+    per-token inputs) train on the same rows. With `deploy.hierarchical_reads` one of them asks
+    the queue and broadcasts the batch to the other (one get request per update); without,
+    each asks itself (two)."""
     import ray.cloudpickle
 
     base = find_base()
-    cfg = _cfg(tmp_path, "colocated", **{"deploy.train_tp": 2, "deploy.hierarchical_reads": hierarchical})
+    cfg = _cfg(tmp_path, "colocated", **{layout: 2, "deploy.hierarchical_reads": hierarchical})
     trainer = RLTrainer(cfg, tmp_path / "run", base)
     module = sys.modules[__name__]
     ray.cloudpickle.register_pickle_by_value(module)  # the workers cannot import this test file
