@@ -142,17 +142,18 @@ class DeviceSwitch:
 
     # ---- separated: the new weights go from the train devices to the rollout devices ----
 
-    def broadcast_weights(self, src: int, group: Any, joins: bool) -> int:
+    def broadcast_weights(self, src: int, group: Any, joins: bool, state: dict | None = None) -> int:
         """Every parameter and persistent buffer (the routers' expert biases) from global rank
         `src` to the other members of `group`, packed into buckets of `bucket_bytes`; returns
-        bytes sent or received (0 on a device that is not a member: `joins` False)."""
+        bytes sent or received (0 on a device that is not a member: `joins` False). `state`:
+        what `src` sends instead of its policy's weights (a training layout's, gathered)."""
         if not joins:
             return 0
         # meet first, outside the span: with StaleSync's overlap the train device gets here while
         # the rollout device is still generating, and waiting is idle time, not transfer
         dist.barrier(group=group)
         with self.span("transfer"):
-            state = self.policy.state_dict()
+            state = state if state is not None else self.policy.state_dict()
             moved = 0
             with torch.no_grad():
                 for bucket in plan_buckets(specs_of(state), self.bucket_bytes):

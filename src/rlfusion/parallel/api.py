@@ -202,18 +202,22 @@ class ParallelModel:
 
 def parallelize(model: MoETransformer, layout: ParallelLayout, *, n_microbatches: int = 1,
                 loss_fn: Callable = lm_loss, device_type: str = "cpu", fsdp: bool = True,
-                sum_gradients: bool = False) -> ParallelModel:
+                sum_gradients: bool = False, ranks: list[int] | None = None) -> ParallelModel:
     """Apply `layout` to `model` (modified in place; with pp > 1 only this rank's chunks live on).
 
     Data parallelism (dp > 1) shards with FSDP2, averaging gradients (`sum_gradients`: summing
     them, for a loss normalized by the global batch); with `fsdp=False` each data-parallel rank
     keeps a whole replica of its stage and the caller sums the gradients (`data_parallel.
-    sum_over_replicas`)."""
+    sum_over_replicas`). `ranks`: the global ranks the layout spans (default: the world); the
+    ranks outside it must call `mesh.build_mesh(layout, cfg, ranks=ranks)` at the same point,
+    since process groups are created by every rank."""
     cfg = model.config
     if layout.pp > 1 and (n_microbatches < layout.pp or n_microbatches % layout.pp):
         raise ValueError(f"n_microbatches={n_microbatches} is invalid: must be a multiple of "
                          f"layout.pp={layout.pp} (1F1B keeps pp micro-batches in flight)")
-    mesh = build_mesh(layout, cfg, device_type)  # validates before creating any group
+    mesh = build_mesh(layout, cfg, device_type, ranks)  # validates before creating any group
+    if mesh is None:
+        raise ValueError(f"rank {dist.get_rank()} is not one of the layout's ranks {ranks}")
     chunks: list[nn.Module] = ([model] if layout.pp == 1 else
                                split_model(model, layout.pp, layout.vpp, mesh.coord("pp")))
     for chunk in chunks:

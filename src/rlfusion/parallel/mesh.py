@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -57,20 +58,22 @@ def node_of(rank: int, ranks_per_node: int) -> int:
     return rank // ranks_per_node if ranks_per_node else 0
 
 
-def _groups(rank: int, rank_lists: list[list[int]], ranks_per_node: int) -> A2AGroup | None:
-    """Create one group per list (on every rank); return the one holding `rank`."""
+def _groups(rank: int, rank_lists: list[list[int]], ranks_per_node: int, pos: dict[int, int]) -> A2AGroup | None:
+    """Create one group per list of global ranks (on every rank); return the one holding
+    `rank`. `pos`: each member's position in the layout's world (nodes count from it)."""
     mine = None
     for ranks in rank_lists:
         group = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
-            me = node_of(rank, ranks_per_node)
+            me = node_of(pos[rank], ranks_per_node)
             mine = A2AGroup(group, ranks, ranks.index(rank),
-                            [node_of(r, ranks_per_node) != me for r in ranks])
+                            [node_of(pos[r], ranks_per_node) != me for r in ranks])
     return mine
 
 
 def expert_rank_lists(layout: ParallelLayout) -> dict[str, list[list[int]]]:
-    """Global rank lists of every EP, EDP, rail and node group (pure; no communication)."""
+    """Rank lists (positions in the layout's world) of every EP, EDP, rail and node group
+    (pure; no communication)."""
     grid, ep, rpn = layout.dp * layout.tp, layout.ep, layout.ranks_per_node
     out: dict[str, list[list[int]]] = {"ep": [], "edp": [], "rail": [], "node": []}
     for stage in range(layout.pp):
@@ -86,15 +89,30 @@ def expert_rank_lists(layout: ParallelLayout) -> dict[str, list[list[int]]]:
     return out
 
 
-def build_mesh(layout: ParallelLayout, cfg: ModelConfig, device_type: str = "cpu") -> ParallelMesh:
-    """Validate `layout` against the world and `cfg`, then create all groups."""
-    layout.validate(dist.get_world_size(), cfg)
+def build_mesh(layout: ParallelLayout, cfg: ModelConfig, device_type: str = "cpu",
+               ranks: list[int] | None = None) -> ParallelMesh | None:
+    """Validate `layout` against its ranks and `cfg`, then create all groups. `ranks`: the
+    global ranks the layout spans, in layout order (default: the whole world). Every rank of
+    the world calls this (c10d creates groups collectively); one outside `ranks` gets None."""
+    if ranks is None:
+        layout.validate(dist.get_world_size(), cfg)
+        device_mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp),
+                                       mesh_dim_names=("pp", "dp", "tp"))
+        ranks = list(range(dist.get_world_size()))
+    else:
+        layout.validate(len(ranks), cfg)
+        device_mesh = DeviceMesh(device_type, torch.tensor(ranks).view(layout.pp, layout.dp, layout.tp),
+                                 mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()
-    device_mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp),
-                                   mesh_dim_names=("pp", "dp", "tp"))
     lists, rpn = expert_rank_lists(layout), layout.ranks_per_node
-    ep = _groups(rank, lists["ep"], rpn)
-    edp = _groups(rank, lists["edp"], rpn)
-    rail = _groups(rank, lists["rail"], rpn) if lists["rail"] else None
-    node = _groups(rank, lists["node"], rpn) if lists["node"] else None
+    # node boundaries are positions in the layout's world (ranks_per_node consecutive members)
+    pos = {g: i for i, g in enumerate(ranks)}
+    glob = {kind: [[ranks[i] for i in group] for group in groups] for kind, groups in lists.items()}
+    mine = pos.get(rank)
+    ep = _groups(rank, glob["ep"], rpn, pos)
+    edp = _groups(rank, glob["edp"], rpn, pos)
+    rail = _groups(rank, glob["rail"], rpn, pos) if lists["rail"] else None
+    node = _groups(rank, glob["node"], rpn, pos) if lists["node"] else None
+    if mine is None:
+        return None
     return ParallelMesh(layout, device_mesh, rank, ep, edp.group, rail, node)

@@ -52,9 +52,10 @@ class DeployConfig:
     # the actor's training layout over the train devices: tensor-parallel degree (the rest data
     # parallel) and expert-parallel degree (routed experts split over that many devices, a
     # multiple of train_tp). 1 and 1 (and no train_fsdp) = a full replica per device. Otherwise
-    # (colocated / fully_shared) the actor trains on its shards and every rollout runs on a full
+    # the actor trains on its shards; colocated / fully shared, every rollout runs on a full
     # replica per device, filled from them in buckets of `bucket_mb` before it
-    # (fusion/reshard.py), freed after
+    # (fusion/reshard.py), freed after; separated, the shards are gathered after each update
+    # and broadcast to the rollout devices
     train_tp: int = 1
     train_ep: int = 1
     # pipeline stages of the actor's training layout (1F1B; with train_vpp > 1, interleaved
@@ -88,10 +89,9 @@ class DeployConfig:
                           "must be >= 1, and 1 unless train_pp > 1 (model chunks per pipeline stage)"),
             "queue_timeout_s": (self.queue_timeout_s > 0, "must be > 0 (seconds)"),
         }, self)
-        if self.train_layout and (self.mode == "separated" or self.backend != "ray"):
-            raise ValueError(f"{self.layout_name} is invalid with mode "
-                             f"'{self.mode}' and backend '{self.backend}': a training layout needs backend 'ray' and "
-                             "mode 'colocated' or 'fully_shared' (the actor's devices both train and generate)")
+        if self.train_layout and self.backend != "ray":
+            raise ValueError(f"{self.layout_name} is invalid with backend '{self.backend}': a training "
+                             "layout spans several devices, which needs backend 'ray'")
         if self.scorers != "auto" and self.mode != "separated":
             raise ValueError(f"deploy.scorers={self.scorers} is invalid with mode '{self.mode}': it places "
                              "reference and reward in mode 'separated' only (keep 'auto')")
@@ -154,26 +154,33 @@ class DeploymentPlan:
             k = (n + 1) // 2
             on_train = cfg.scorers == "train" or (cfg.scorers == "auto" and overlap)
             scorers = devices[k:] if on_train else devices[:k]
-            return cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers)
+            plan = cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers,
+                       train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
+                       train_pp=cfg.train_pp, train_vpp=cfg.train_vpp)
+            return plan._checked(cfg)
         actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
         plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
                    train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
                    train_pp=cfg.train_pp, train_vpp=cfg.train_vpp)
-        train = len(plan.train)
-        if cfg.train_layout and train != n:
+        if cfg.train_layout and len(plan.train) != n:
             raise ValueError(f"{cfg.layout_name} is invalid with {n} devices in "
                              f"mode '{cfg.mode}': the training layout spans every device, so reference and reward may "
                              "not have their own (use mode 'fully_shared', or colocated on at most 2 devices)")
+        return plan._checked(cfg)
+
+    def _checked(self, cfg: DeployConfig) -> "DeploymentPlan":
+        """The training layout fits the train devices."""
+        train = len(self.train)
         if train % (cfg.train_tp * cfg.train_pp):
             key, value = ("train_tp", cfg.train_tp) if train % cfg.train_tp else ("train_pp", cfg.train_pp)
             raise ValueError(f"deploy.{key}={value} is invalid: train_pp x train_tp = "
                              f"{cfg.train_pp * cfg.train_tp} must divide the {train} train devices "
                              f"(allowed: {', '.join(str(d) for d in range(1, train + 1) if train % d == 0)})")
-        if cfg.train_fsdp and plan.train_dp < 2:
+        if cfg.train_fsdp and self.train_dp < 2:
             raise ValueError(f"deploy.train_fsdp=true is invalid with {train} train devices and "
                              f"train_tp={cfg.train_tp}: it shards over the data-parallel devices "
                              "(train devices / train_tp), which must be >= 2")
-        return plan
+        return self
 
     def dp_index(self, device: int) -> int:
         """The data-parallel rank of a train device. Train devices are ordered pipeline stage

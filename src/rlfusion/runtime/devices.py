@@ -143,7 +143,8 @@ class Devices(ABC):
     def _sync_rollout_weights(self) -> None:
         if not self.plan.colocated_actor:
             start = time.perf_counter()
-            group = sorted({self.plan.train[0], *self.plan.rollout})
+            # in a training layout every train device takes part (the weights are gathered first)
+            group = sorted({*(self.plan.train if self.plan.train_layout else self.plan.train[:1]), *self.plan.rollout})
             self.weight_sync_bytes = self._run([(dev, "sync_weights", ()) for dev in group])[0]
             self.last_sync_s = time.perf_counter() - start
 

@@ -43,6 +43,7 @@ from rlfusion.obs.metrics import NumberPacker
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.parallel.api import ParallelModel, parallelize
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
+from rlfusion.parallel.mesh import build_mesh
 from rlfusion.parallel.seq_balance import SeqCost
 from rlfusion.queue.hierarchical import GroupQueue
 from rlfusion.rl.kl import kl_estimate
@@ -165,6 +166,8 @@ class DeviceWorker:
             train_group = dist.new_group(list(self.plan.train))
             self.sync_group = dist.new_group(sorted({self.plan.train[0], *self.plan.rollout}))
             self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
+            if self.plan.train_layout and self.device not in self.plan.train:
+                self._layout_groups()  # the layout's groups are created by every device
         if self.device in self.plan.train:
             self.train_group = self.dp_group = train_group if len(self.plan.train) > 1 else None
             if self.layout is not None:
@@ -200,18 +203,31 @@ class DeviceWorker:
         first device reads them and broadcasts them to the others. Returns the data-parallel
         group (None with one). Collective: every device joins."""
         self.pm = parallelize(self.train_model, self.layout, n_microbatches=self.layout.pp,
-                              fsdp=self.plan.train_fsdp, sum_gradients=True)
+                              fsdp=self.plan.train_fsdp, sum_gradients=True, ranks=list(self.plan.train))
         if self.layout.pp > 1:  # this device's stages are all it keeps of the model
             self.train_model = self.switch.train_model = None
         self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
-        plan = self.plan
-        mp = [plan.model_parallel_group(d) for d in range(plan.train_dp)]
-        if len(mp[0]) > 1 and self.cfg.deploy.hierarchical_reads:
-            groups = [dist.new_group(ranks) for ranks in mp]  # every device creates every group
-            mine = mp[plan.dp_index(self.device)]
+        groups = self._read_groups()
+        if groups:
+            plan = self.plan
+            mine = plan.model_parallel_group(plan.dp_index(self.device))
             self.reads = GroupQueue(self.queue if self.device == mine[0] else None, self.queue.schema,
                                     groups[plan.dp_index(self.device)], reader=mine[0], writer=mine[0])
         return self.pm.mesh.group("dp") if self.layout.dp > 1 else None
+
+    def _layout_groups(self) -> None:
+        """On a device outside the training layout (a rollout device in separated mode): join
+        the creation of the layout's process groups, in the order the train devices create them."""
+        build_mesh(self.plan.parallel_layout(), self.policy.config, ranks=list(self.plan.train))
+        self._read_groups()
+
+    def _read_groups(self) -> list:
+        """With `deploy.hierarchical_reads`, a process group per model-parallel group of the
+        layout (created on every device); none when each such group is one device."""
+        mp = [self.plan.model_parallel_group(d) for d in range(self.plan.train_dp)]
+        if len(mp[0]) == 1 or not self.cfg.deploy.hierarchical_reads:
+            return []
+        return [dist.new_group(ranks) for ranks in mp]
 
     def ping(self) -> int:
         return self.device
@@ -453,9 +469,17 @@ class DeviceWorker:
 
     def sync_weights(self) -> int:
         """Separated mode: the first train device broadcasts the new weights to the rollout
-        devices (`DeviceSwitch.broadcast_weights`). Returns bytes sent or received."""
-        joins = self.device in self.plan.rollout or self.device == self.plan.train[0]
-        return self.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins)
+        devices (`DeviceSwitch.broadcast_weights`). In a training layout the train devices first
+        gather the whole weights from their shards and stages onto the first (collective over
+        the train devices). Returns bytes sent or received."""
+        lead = self.device == self.plan.train[0]
+        state = None
+        if self.pm is not None:
+            whole = self.pm.full_state_dict(keep=lead)
+            if lead:  # in the order the rollout devices' replicas list them
+                state = {name: whole[name] for name in self.policy.state_dict()}
+        joins = self.device in self.plan.rollout or lead
+        return self.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins, state)
 
     # ---- evaluation ----
 
