@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import ray.cloudpickle
 import torch
 
 from rlfusion.engine.engine import EngineConfig, LLMEngine
@@ -240,23 +241,22 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
     ({"deploy.train_fsdp": "true", "algo.minibatches": 2, "algo.ppo_epochs": 2,
       "optim.router_bias_update": "true"}, None),
     # pipeline stages: 1F1B on two devices (the loss's per-token inputs reach the last stage
-    # beside the rows), with 64-token micro-batches (several per step), interleaved (two model
-    # chunks per stage), off-policy minibatches (a forward-only pipeline pass for the proximal
-    # logprobs) with the routers' bias update (padding tokens are not counted)
+    # beside the rows); interleaved (two model chunks per stage) with each layer's attention
+    # recomputed; 64-token micro-batches (several per step) with off-policy minibatches (a
+    # forward-only pipeline pass for the proximal logprobs) and the routers' bias update
+    # (padding tokens are not counted)
     ({"deploy.train_pp": 2}, None),
-    ({"deploy.train_pp": 2, "optim.microbatch_tokens": 64}, None),
-    ({"deploy.train_pp": 2, "deploy.train_vpp": 2}, None),
-    ({"deploy.train_pp": 2, "algo.minibatches": 2, "algo.ppo_epochs": 2,
+    ({"deploy.train_pp": 2, "deploy.train_vpp": 2, "optim.recompute": "selective"}, None),
+    ({"deploy.train_pp": 2, "optim.microbatch_tokens": 64, "algo.minibatches": 2, "algo.ppo_epochs": 2,
       "optim.router_bias_update": "true"}, None),
     # four devices: pipeline x tensor parallel, pipeline x expert parallel (data parallel 2)
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_tp": 2}, None),
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2}, None),
     # activations recomputed or swapped (the reference keeps them all): whole layers with
-    # expert parallelism (the replay repeats the all-to-alls), swap with FSDP, each layer's
-    # attention in a pipeline, the planner's choice under a budget with TP
+    # expert parallelism (the replay repeats the all-to-alls), swap with FSDP, the planner's
+    # choice under a budget with TP
     ({"deploy.train_ep": 2, "optim.recompute": "full"}, None),
     ({"deploy.train_fsdp": "true", "optim.recompute": "swap"}, None),
-    ({"deploy.train_pp": 2, "optim.recompute": "selective"}, None),
     ({"deploy.train_tp": 2, "optim.recompute": "plan", "optim.activation_budget_mb": 0.5}, None),
     # expert balancing: experts migrate after the first update (margin 0: whenever the planned
     # placement differs); a second update runs in the migrated placement
@@ -306,14 +306,20 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         for name, p in model.state_dict().items():
             _assert_same_adam_step(gathered[name], p, atol=1e-5 * (1 if steps == 1 else 4),
                                    lr_sum=sum(reference.lr_at(v) for v in range(steps)), name=name)
-        # the rollout replica the switch fills from the layout generates what a replica of the
-        # one-process weights does (greedy, held-out problems split over the devices)
+        # the rollout replica the switch fills from the layout (or, separated, the weights the
+        # train devices gathered and broadcast) generates the greedy tokens a replica of the
+        # one-process weights does, on every rollout device
         heldout, indices = ArithmeticTask(cfg.task).heldout(), list(range(8))
         engine = LLMEngine(copy.deepcopy(model), EngineConfig(max_num_seqs=8, seed=0))
-        completions = greedy_completions(engine, tokenizer, [heldout[i] for i in indices], 40)
-        assert trainer.devices.evaluate(indices, 40) == [
-            (float(ArithmeticTask(cfg.task).reward(tokenizer.decode(c.output_ids), heldout[i])), len(c.output_ids))
-            for c, i in zip(completions, indices)]
+        want_ids = [list(c.output_ids) for c in greedy_completions(engine, tokenizer, [heldout[i] for i in indices], 40)]
+        module = sys.modules[__name__]
+        ray.cloudpickle.register_pickle_by_value(module)  # the workers cannot import this test file
+        try:
+            rollout = [trainer.devices.workers[d] for d in trainer.devices.plan.rollout]
+            got_ids = trainer.devices.call([w.__ray_call__.remote(_greedy_ids, indices, 40) for w in rollout])
+        finally:
+            ray.cloudpickle.unregister_pickle_by_value(module)
+        assert all(ids == want_ids for ids in got_ids)
 
         m = trainer.train_step()  # rollout on the replica, then a TP update
         assert m["zero_redundancy_ok"] == 1.0
@@ -706,6 +712,22 @@ def test_devices_that_cannot_be_placed_fail_fast_and_leave_nothing_behind(ray_se
     finally:
         if started:
             ray.shutdown()
+
+
+def _greedy_ids(worker, indices: list[int], max_new_tokens: int) -> list[list[int]]:
+    """(Run inside a device worker.) Greedy token ids of held-out problems from this device's
+    rollout engine, inside the switch (collective in a training layout: every rollout device
+    calls it at once)."""
+    heldout = worker.task.heldout()
+    model = worker.rollout.engine.runner.model
+    model.eval()
+    try:
+        with worker.switch.rollout("eval"):
+            completions = greedy_completions(worker.rollout.engine, worker.tokenizer,
+                                             [heldout[i] for i in indices], max_new_tokens)
+    finally:
+        model.train()
+    return [list(c.output_ids) for c in completions]
 
 
 def _record_reads(worker) -> None:
