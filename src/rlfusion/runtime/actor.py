@@ -86,8 +86,7 @@ class ActorStage:
         return self.pm.routers() if self.pipeline else self.model.routers()
 
     def train(self, mode: bool = True) -> None:
-        for chunk in (self.pm.chunks if self.pipeline else [self.model]):
-            chunk.train(mode)
+        self.modules.train(mode)
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One or more optimizer steps on `trajs`; returns averaged metrics."""
@@ -118,7 +117,8 @@ class ActorStage:
     @torch.no_grad()
     def _set_proximal(self, trajs: list[Trajectory]) -> None:
         if self.pipeline:
-            return self._pipeline_pass(trajs, None, 0, 0, backward=False)
+            self._pipeline_pass(trajs, None, 0, 0, backward=False)
+            return
         for micro in self._lockstep(split_by_token_budget(trajs, self.optim_cfg.microbatch_tokens) if trajs else []):
             if micro is None:
                 filler_pass(self.model, backward=False)
