@@ -162,3 +162,42 @@ def test_seq_cost_fit_recovers_a_and_b():
     assert abs(cost.a - 2e-3) < 1e-9 and abs(cost.b - 1e-5) < 1e-11
     with pytest.raises(ValueError, match="seq_cost"):
         SeqCost(a=0.0, b=0.0)
+
+
+def test_padded_rows_count_only_their_real_tokens_in_router_load_and_balancing():
+    """A pipeline pads its micro-batches; the routers' load (bias update) and the balancer's
+    counts take only the real tokens: the same counts as the rows run unpadded."""
+    from rlfusion.model.config import get_preset
+    from rlfusion.model.transformer import MoETransformer
+    from rlfusion.parallel.balance import ExpertLoadTracker
+    from rlfusion.parallel.pipeline import PaddedRouting
+
+    torch.manual_seed(0)
+    model = MoETransformer(get_preset("tiny")).train()
+    lengths, T = [5, 9, 3], 12
+    tokens = torch.randint(1, 10, (len(lengths), T))
+    valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+    def counts(run) -> tuple[torch.Tensor, torch.Tensor]:
+        routing = PaddedRouting([model])
+        tracker = ExpertLoadTracker(model.routers(), routing.valid_of)
+        for r in model.routers():
+            r.tokens_per_expert.zero_()
+        run(routing)
+        out = torch.stack([r.tokens_per_expert.clone() for r in model.routers()]), tracker.take()
+        tracker.close()
+        routing.close()
+        return out
+
+    def padded(routing):
+        routing.set_valid([valid])
+        model(tokens)
+        routing.set_valid(None)
+
+    def unpadded(routing):
+        for row, n in zip(tokens, lengths):
+            model(row[:n].unsqueeze(0))
+
+    (load, tracked), (want_load, want_tracked) = counts(padded), counts(unpadded)
+    assert torch.equal(load, want_load) and torch.equal(tracked, want_tracked)
+    assert float(load.sum()) == sum(lengths) * model.config.top_k * len(model.routers())

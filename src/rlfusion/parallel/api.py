@@ -45,7 +45,7 @@ class ParallelModel:
         self.experts = [m for c in chunks for m in c.modules() if isinstance(m, ExpertParallelExperts)]
         self._schedule, self._schedule_shape = None, None
         self._loss_now: Callable = loss_fn  # what the schedule's loss calls (`pipeline_pass` sets it)
-        self._routing = PaddedRouting(chunks) if mesh.layout.pp > 1 else None
+        self.routing = PaddedRouting(chunks) if mesh.layout.pp > 1 else None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
@@ -104,7 +104,7 @@ class ParallelModel:
         pipeline passes the same shapes (the first and last stage read the tensors)."""
         self._ensure_schedule(tokens_BT.shape, n_microbatches)
         self._loss_now = loss_fn
-        self._routing.set_valid(list(valid_BT.tensor_split(n_microbatches)))
+        self.routing.set_valid(list(valid_BT.tensor_split(n_microbatches)))
         self._schedule.scale_grads = False
         pp_index, pp = self.mesh.coord("pp"), self.layout.pp
         args = (tokens_BT,) if pp_index == 0 else ()
@@ -113,7 +113,7 @@ class ParallelModel:
         try:
             run(*args, target=target, return_outputs=False)
         finally:
-            self._routing.set_valid(None)
+            self.routing.set_valid(None)
             self._loss_now = self.loss_fn
 
     def _pipeline_step(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -48,19 +48,26 @@ class BalanceConfig:
 # ---- counting and prediction ---------------------------------------------------------------
 
 class ExpertLoadTracker:
-    """Per-layer, per-expert routed (token, expert) pairs since the last `take()`."""
+    """Per-layer, per-expert routed (token, expert) pairs since the last `take()`. `valid_of`
+    (router → a `[N]` real-token mask, or None): which tokens count, where a pass pads its
+    rows (a pipeline's micro-batches, `pipeline.PaddedRouting.valid_of`)."""
 
-    def __init__(self, routers: list[Router]):
+    def __init__(self, routers: list[Router], valid_of=None):
         if not routers:
             raise ValueError("ExpertLoadTracker needs at least one router")
         self.counts_ME = torch.zeros(len(routers), routers[0].num_experts, dtype=torch.float64)
+        self.valid_of = valid_of
         self._handles = [r.register_forward_hook(self._hook(m)) for m, r in enumerate(routers)]
 
     def _hook(self, m: int):
         def count(router, args, output) -> None:
             if is_recomputing():  # the same tokens again, replayed for backward
                 return
-            ids = output[0].detach().flatten()
+            ids_NK = output[0].detach()
+            valid_N = self.valid_of(router) if self.valid_of is not None else None
+            if valid_N is not None:
+                ids_NK = ids_NK[valid_N.to(ids_NK.device)]
+            ids = ids_NK.flatten()
             self.counts_ME[m] += torch.bincount(ids, minlength=router.num_experts).cpu().double()
         return count
 
@@ -259,7 +266,8 @@ class ExpertBalancer:
         if not pairs:
             raise ValueError("ExpertBalancer needs a model parallelized with layout.ep > 1")
         self.cfg, self.experts = cfg, [e for _, e in pairs]
-        self.tracker = ExpertLoadTracker([r for r, _ in pairs])
+        routing = getattr(pm, "routing", None)  # a pipeline's padded micro-batches
+        self.tracker = ExpertLoadTracker([r for r, _ in pairs], routing.valid_of if routing else None)
         dp_group = pm.mesh.group("dp") if pm.layout.dp > 1 else None
         self.predictor = LoadPredictor(cfg.ema_decay, dp_group)
         num_experts = pairs[0][0].num_experts

@@ -70,12 +70,22 @@ class PaddedRouting:
         self.valid: list[torch.Tensor] | None = None  # per micro-batch, [b, T] bool
         self._seen = [0] * len(chunks)
         self._handles = []
+        self._chunk_of: dict[int, int] = {}  # id(router) → its chunk
         for c, chunk in enumerate(chunks):
             self._handles.append(chunk.register_forward_pre_hook(self._chunk_hook(c)))
             for router in (m for m in chunk.modules() if isinstance(m, Router)):
+                self._chunk_of[id(router)] = c
                 self._handles.append(router.register_forward_pre_hook(self._before))
                 self._handles.append(router.register_forward_hook(self._after(c)))
         self._saved: dict[int, torch.Tensor] = {}
+
+    def valid_of(self, router: nn.Module) -> torch.Tensor | None:
+        """The real-token mask (`[N]` bool) of the micro-batch `router` is routing now; None
+        outside a pipeline pass (every token is real)."""
+        c = self._chunk_of.get(id(router))
+        if self.valid is None or c is None or self._seen[c] == 0:
+            return None
+        return self.valid[self._seen[c] - 1].reshape(-1)
 
     def set_valid(self, valid: list[torch.Tensor] | None) -> None:
         self.valid, self._seen = valid, [0] * len(self._seen)
