@@ -11,6 +11,7 @@ they are placed or scheduled.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from rlfusion.rl import advantages as adv
 from rlfusion.rl.dapo import dynamic_sampling_mask, overlong_penalty
 from rlfusion.rl.policy_loss import value_loss
 from rlfusion.rl.problem import Problem
+from rlfusion.rl.replay import replay_length
 from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardModel, describe_reward,
                                 finite_score, snippet)
 from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
@@ -53,6 +55,22 @@ class RolloutStage:
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
+    def params_for(self, group_id: int, sample: int) -> SamplingParams:
+        """The sampling parameters of one request: the run's, or with `rollout.lengths=replay`
+        a forced length drawn for (group, sample) and no stop token (`rl/replay.py`)."""
+        if self.cfg.lengths != "replay":
+            return self.params
+        c = self.cfg
+        length = replay_length(group_id, sample, c.replay_median, c.replay_sigma, c.replay_between, c.max_new_tokens)
+        return dataclasses.replace(self.params, max_new_tokens=length, stop_ids=())
+
+    def _finish_reason(self, completion: Any) -> str:
+        """A replayed response that reached its drawn length below the cap ended: "stop"."""
+        if (self.cfg.lengths == "replay" and completion.finish_reason == "length"
+                and len(completion.output_ids) < self.cfg.max_new_tokens):
+            return "stop"
+        return completion.finish_reason
+
     def generate(self, problems: list[Problem], group_ids: list[int], version: int | None = None,
                  on_finish: Any = None) -> list[Trajectory]:
         """`group_ids[g]` is problem g's group; tokens are stamped with policy `version`.
@@ -67,7 +85,7 @@ class RolloutStage:
         G = self.cfg.group_size
         if len(group_ids) != len(problems):
             raise ValueError(f"{len(problems)} problems need as many group ids, got {len(group_ids)}")
-        requests = [Request(f"{group_ids[g]}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params)
+        requests = [Request(f"{group_ids[g]}/{i}", encode_prompt(self.tokenizer, p.prompt), self.params_for(group_ids[g], i))
                     for g, p in enumerate(problems) for i in range(G)]
         index = {r.request_id: k for k, r in enumerate(requests)}
         done: dict[int, Trajectory] = {}
@@ -78,7 +96,7 @@ class RolloutStage:
                 for c in self.engine.step():
                     k = index[c.request_id]
                     t = Trajectory(group_ids[k // G], problems[k // G], c.prompt_ids, c.output_ids,
-                                   c.logprobs, c.versions, c.finish_reason)
+                                   c.logprobs, c.versions, self._finish_reason(c))
                     t.sample = k % G
                     done[k] = t
                     if on_finish is not None:
@@ -107,10 +125,10 @@ class RolloutStage:
         model = self.engine.runner.model
         was_training = model.training
         model.eval()
-        run = _GroupRun(self.engine)
+        run = _GroupRun(self.engine, self._finish_reason)
         steps, error, peer_failed = 0, None, False
         try:
-            run.add(groups, lambda problem: encode_prompt(self.tokenizer, problem.prompt), self.params,
+            run.add(groups, lambda problem: encode_prompt(self.tokenizer, problem.prompt), self.params_for,
                     self.cfg.group_size)
         except Exception as e:  # noqa: BLE001 — re-raised below, after the peers were told
             error = e
@@ -154,8 +172,9 @@ class _GroupRun:
     """Bookkeeping of one `RolloutStage.run_groups`: which request is which group's sample, how
     many of each group are still open, and what finished."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, finish_reason: Any = None):
         self.engine = engine
+        self.finish_reason = finish_reason or (lambda c: c.finish_reason)  # of a finished completion
         self.owner: dict[str, tuple[int, Problem, int]] = {}  # request id -> (group, problem, sample)
         self.open_count: dict[int, int] = {}
         self.order: list[str] = []  # request order
@@ -163,18 +182,20 @@ class _GroupRun:
         self.finished_groups: set[int] = set()
         self.resumed_tokens = 0  # tokens the resumed samples brought along
 
-    def add(self, groups: list[tuple[int, Problem, list[Trajectory]]], encode, params: SamplingParams,
+    def add(self, groups: list[tuple[int, Problem, list[Trajectory]]], encode, params_for,
             group_size: int) -> None:
-        """A group with open samples resumes them; a group without starts `group_size` new ones."""
+        """A group with open samples resumes them; a group without starts `group_size` new ones.
+        `params_for(group, sample)`: each request's sampling parameters (a resumed one gets the
+        same, so a forced length stays what it was)."""
         for gid, problem, partial in groups:
             if partial:
-                requests = [Request(f"{gid}/{t.sample}", list(t.prompt_ids), params,
+                requests = [Request(f"{gid}/{t.sample}", list(t.prompt_ids), params_for(gid, t.sample),
                                     list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
                             for t in partial]
                 self.resumed_tokens += sum(len(t.response_ids) for t in partial)
             else:
                 prompt = encode(problem)
-                requests = [Request(f"{gid}/{i}", prompt, params) for i in range(group_size)]
+                requests = [Request(f"{gid}/{i}", prompt, params_for(gid, i)) for i in range(group_size)]
             for r in requests:
                 self.owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
                 self.order.append(r.request_id)
@@ -196,7 +217,7 @@ class _GroupRun:
         for rid in self.order:
             c = self.done.get(rid) or aborted[rid]
             gid, problem, i = self.owner[rid]
-            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
+            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, self.finish_reason(c))
             t.sample = i
             generated += len(c.output_ids)
             (finished if rid in self.done else unfinished).append(t)
@@ -234,8 +255,14 @@ class RewardStage:
         self.timeout_s = timeout_s if name != "task" else None
         self.caller = DaemonCaller(f"reward {self.name}") if self.timeout_s is not None else None
 
+    def _answer_ids(self, ids: list[int]) -> list[int]:
+        """The response up to its first end token: what is scored (a replayed response,
+        `rollout.lengths=replay`, decodes on past it to its forced length)."""
+        eos = self.tokenizer.eos_id
+        return ids[:ids.index(eos)] if eos in ids else ids
+
     def score(self, trajs: list[Trajectory]) -> None:
-        texts = [self.tokenizer.decode(t.response_ids) for t in trajs]
+        texts = [self.tokenizer.decode(self._answer_ids(t.response_ids)) for t in trajs]
         if self.caller is None:
             scores = self._scores(trajs, texts)
         else:

@@ -34,6 +34,14 @@ class RolloutConfig:
     # engine admits waiting requests once this many slots are free (one prefill pass for several):
     # +17% rollout tokens/s on a StaleSync pool of 2x the slots (bench/stalesync.py notes)
     min_prefill_batch: int = 8
+    # response lengths: "natural" (the policy ends a response with its end token, at most
+    # max_new_tokens) or "replay" (each response forced to a length drawn per prompt group and
+    # sample from a long-tailed log-normal, `rl/replay.py`; a throughput workload whose cost does
+    # not depend on what the policy learns). With replay, max_new_tokens is the cap
+    lengths: str = "natural"
+    replay_median: float = 40.0  # with the cap max_new_tokens=160: ~10% at the cap, p99/median = 4
+    replay_sigma: float = 1.08
+    replay_between: float = 0.9  # share of the log-length variance between prompt groups
 
     def __post_init__(self) -> None:
         check_fields("rollout", {
@@ -45,6 +53,13 @@ class RolloutConfig:
             "max_new_tokens": (self.max_new_tokens >= 1, "must be >= 1"),
             "max_num_seqs": (self.max_num_seqs >= 1, "must be >= 1"),
             "min_prefill_batch": (self.min_prefill_batch >= 1, "must be >= 1 (1 = admit at once)"),
+            "lengths": (self.lengths in ("natural", "replay"), "allowed: natural, replay"),
+            "replay_median": (1 <= self.replay_median and (self.lengths != "replay"
+                                                          or self.replay_median < self.max_new_tokens),
+                              f"must be >= 1 and, with rollout.lengths=replay, below rollout.max_new_tokens="
+                              f"{self.max_new_tokens} (the cap)"),
+            "replay_sigma": (self.replay_sigma > 0, "must be > 0"),
+            "replay_between": (0 <= self.replay_between <= 1, "must be in [0, 1]"),
         }, self)
 
 
