@@ -1,0 +1,98 @@
+"""The replay workload against the built-in task: response lengths and the share of a synchronous
+colocated step's device time that goes to generation.
+
+Two synchronous colocated runs on 2 devices from the shipped base, default batch (32 prompts x 8
+samples): the built-in task as the policy answers it (`rollout.lengths=natural`), and the replay
+workload (`rollout.lengths=replay`: every response forced to its drawn long-tailed length,
+`rl/replay.py`). One step of each runs in turn (interleaved) after a warm-up step. From the
+devices' spans: generation share = rollout (decode + prefill) device-seconds / all busy
+device-seconds of the step (reference, reward, update and switch the rest); tail amplification =
+the rollout phase's wall time / the time its tokens would take with every decode pass full
+(`rollout.max_num_seqs` rows) at the step's own mean pass time, plus its prefill time — a pass
+costs more with more rows, so this overstates the amplification of a perfect schedule; it is
+comparable between the workloads. Decode occupancy = mean rows per decode pass / slots.
+
+    python bench/workload.py            # 6 timed steps each (~4 min)
+    python bench/workload.py --quick    # 3 timed steps each
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import ray
+
+from rlfusion.config import load_config
+from rlfusion.model.checkpoint import find_base
+from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.runtime.trainer import RLTrainer
+
+WORKLOADS = {"task": ["rollout.lengths=natural"], "replay": ["rollout.lengths=replay"]}
+DEVICES = ("device0", "device1")
+
+
+def make_trainer(name: str, out: Path) -> RLTrainer:
+    cfg = load_config(TrainConfig, None, ["deploy.mode=colocated", "deploy.backend=ray", "deploy.num_devices=2",
+                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *WORKLOADS[name]])
+    return RLTrainer(cfg, out / name, find_base())
+
+
+def step_row(trainer: RLTrainer, metrics: dict, spans: list) -> dict:
+    busy = {ph: sum(s.duration_s for s in spans if s.phase == ph and s.device in DEVICES)
+            for ph in {s.phase for s in spans}}
+    total = sum(busy.values())
+    passes = metrics["engine_decode_passes"]
+    slots = trainer.cfg.rollout.max_num_seqs
+    occupancy = metrics["engine_decode_rows_mean"]
+    # the decode seconds of the busiest engine at full slots: the same tokens in fewer passes
+    full_decode_s = metrics["time_decode_s"] * occupancy / slots if passes else 0.0
+    ideal_s = full_decode_s + metrics["time_prefill_s"]
+    return {"share": busy.get("rollout", 0.0) / total if total else 0.0,
+            "amplification": metrics["time_rollout_s"] / ideal_s if ideal_s else float("nan"),
+            "occupancy": occupancy / slots, "length_mean": metrics["response_length_mean"],
+            "tok_s": metrics["generated_tokens"] / metrics["time_step_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    steps = 3 if parser.parse_args().quick else 6
+    ray.init(num_cpus=2 * len(WORKLOADS), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    rows: dict[str, list[dict]] = {n: [] for n in WORKLOADS}
+    lengths: dict[str, list[int]] = {n: [] for n in WORKLOADS}
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {n: make_trainer(n, Path(tmp)) for n in WORKLOADS}
+        try:
+            for t in trainers.values():
+                t.train_step()  # warm-up
+            for i in range(steps):
+                for n, t in trainers.items():
+                    start = len(t.timeline.spans)
+                    m = t.train_step()
+                    rows[n].append(step_row(t, m, t.timeline.spans[start:]))
+                    lengths[n].append(int(m["response_length_max"]))
+                print(f"step {i + 1}: " + ", ".join(f"{n} share {rows[n][-1]['share']:.2f}" for n in WORKLOADS),
+                      flush=True)
+        finally:
+            for t in trainers.values():
+                t.close()
+    ray.shutdown()
+    cap = TrainConfig().rollout.max_new_tokens
+    print(f"\n## synchronous colocated, 2 devices, default batch, median of {steps} interleaved steps")
+    print("| workload | generation share of device time | tail amplification | decode occupancy "
+          "| mean response length | longest response | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    med = {n: {k: statistics.median(r[k] for r in rows[n]) for k in rows[n][0]} for n in WORKLOADS}
+    for n in WORKLOADS:
+        x = med[n]
+        print(f"| {n} | {x['share']:.2f} | {x['amplification']:.2f} | {x['occupancy']:.2f} | "
+              f"{x['length_mean']:.0f} | {max(lengths[n])} (cap {cap}) | {x['tok_s']:.0f} |")
+    print()
+    print(f"target replay_generation_share: {med['replay']['share']:.2f} (goal >= 0.70)")
+
+
+if __name__ == "__main__":
+    main()
