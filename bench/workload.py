@@ -65,6 +65,7 @@ def main() -> None:
     lengths: dict[str, list[int]] = {n: [] for n in WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {n: make_trainer(n, Path(tmp)) for n in WORKLOADS}
+        caps = {n: t.cfg.rollout.max_new_tokens for n, t in trainers.items()}
         try:
             for t in trainers.values():
                 t.train_step()  # warm-up
@@ -80,7 +81,6 @@ def main() -> None:
             for t in trainers.values():
                 t.close()
     ray.shutdown()
-    cap = TrainConfig().rollout.max_new_tokens
     print(f"\n## synchronous colocated, 2 devices, default batch, median of {steps} interleaved steps")
     print("| workload | generation share of device time | tail amplification | decode occupancy "
           "| mean response length | longest response | tokens/s |")
@@ -89,7 +89,7 @@ def main() -> None:
     for n in WORKLOADS:
         x = med[n]
         print(f"| {n} | {x['share']:.2f} | {x['amplification']:.2f} | {x['occupancy']:.2f} | "
-              f"{x['length_mean']:.0f} | {max(lengths[n])} (cap {cap}) | {x['tok_s']:.0f} |")
+              f"{x['length_mean']:.0f} | {max(lengths[n])} (cap {caps[n]}) | {x['tok_s']:.0f} |")
     print()
     print(f"target replay_generation_share: {med['replay']['share']:.2f} (goal >= 0.70)")
 
