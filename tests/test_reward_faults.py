@@ -21,6 +21,11 @@ from rlfusion.runtime.train_config import AlgoConfig, TrainConfig
 
 
 class _Tok:
+    """The part of the tokenizer contract scoring uses: decode, and the end token a response is
+    read up to (none of these responses holds it)."""
+
+    eos_id = 0
+
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
 
