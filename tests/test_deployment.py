@@ -559,14 +559,14 @@ def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_pat
     worker = DeviceWorker(0, plan, cfg, str(find_base()), queue=DistQueue(dataflow.queue_config(G)))
     worker.connect(None)
     assert worker.take_finished() == ([], False)  # no rollout running
-    taken, offer = [], worker._offer
+    taken, offer = [], worker.pool.offer
 
     def offer_then_steal(t):
         offer(t)
         got, open_ = worker.take_finished(min_count=3, max_tokens=1)
         assert open_ and len(got) in (0, 1)  # at least one sample, however long
         taken.extend(got)
-    worker._offer = offer_then_steal
+    worker.pool.offer = offer_then_steal
     out = worker.generate(groups, 0, score_here=True, share=True)
     mine = out["rows"]
     assert taken and mine and worker.take_finished() == ([], False)  # the pool closes with the rollout
@@ -587,24 +587,19 @@ def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_
 
     cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
     worker = DeviceWorker(0, DeploymentPlan.build(cfg.deploy), cfg, str(find_base()))
-    with worker._pool_changed:
-        worker._pool, worker._pooling, worker._decoding = [], True, True
+    worker.pool.open()
     assert worker.take_finished(min_count=2, wait_s=0.0) == ([], True)  # too few, no wait
 
     def later(action, delay=0.2):
         threading.Timer(delay, action).start()
 
     samples = [SimpleNamespace(num_tokens=5) for _ in range(2)]
-    later(lambda: [worker._offer(t) for t in samples])
+    later(lambda: [worker.pool.offer(t) for t in samples])
     start = time.monotonic()
     got, open_ = worker.take_finished(min_count=2, wait_s=30.0)
     assert open_ and got == samples and time.monotonic() - start < 5.0
 
-    def close():
-        with worker._pool_changed:
-            worker._pooling = False
-            worker._pool_changed.notify_all()
-    later(close)
+    later(worker.pool.close)
     start = time.monotonic()
     assert worker.take_finished(min_count=2, wait_s=30.0) == ([], False)
     assert time.monotonic() - start < 5.0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,20 +30,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlfusion.errors import RunError
 from rlfusion.evaluate import greedy_completions
-from rlfusion.fusion.offload import local_tensor
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
 from rlfusion.obs.metrics import NumberPacker
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.parallel.api import ParallelModel, parallelize
-from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.mesh import build_mesh
 from rlfusion.parallel.seq_balance import SeqCost
+from rlfusion.parallel.state import LayoutState
 from rlfusion.queue.hierarchical import GroupQueue
 from rlfusion.rl.kl import kl_estimate
 from rlfusion.rl.rewards import load_reward_fn
@@ -53,6 +50,7 @@ from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import dataflow
 from rlfusion.runtime.actor import ActorStage
 from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.finished_pool import FinishedPool
 from rlfusion.runtime.heap import freeze_long_lived
 from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
                                      gae_advantages)
@@ -101,7 +99,7 @@ class DeviceWorker:
         self.train_model = model
         self.policy = model if self.layout is None else build_inference_model(model.config)
         self.pm: ParallelModel | None = None
-        self._experts_of: dict[int, ExpertParallelExperts] = {}  # expert-parallel parameter → its module
+        self.layout_state: LayoutState | None = None  # the layout's shards ↔ whole tensors (checkpoints)
         self.spans: list[tuple[str, float, float]] = []
         self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
                         if "rollout" in roles else None)
@@ -128,11 +126,8 @@ class DeviceWorker:
         self.reads: Any = queue  # where `update` reads its rows: the queue, or its TP group's reader
         self.sync_group = self.rollout_group = None
         # finished samples a peer may score (`generate(share=True)`, `take_finished`)
-        self._pool: list[Trajectory] = []
-        self._pooling = self._decoding = False
+        self.pool = FinishedPool()
         self._stop_sync = _no_stop_sync()
-        self._pool_lock = threading.Lock()
-        self._pool_changed = threading.Condition(self._pool_lock)  # an offer, or the pool's state moved on
         self._store = None  # device 0: the rendezvous store of the device world
         self._queue_bytes = 0  # bytes this device's queue client had moved at the last report
         self._packers = {"update": NumberPacker(), "report": NumberPacker()}  # answers that recur each step
@@ -206,7 +201,7 @@ class DeviceWorker:
                               fsdp=self.plan.train_fsdp, sum_gradients=True, ranks=list(self.plan.train))
         if self.layout.pp > 1:  # this device's stages are all it keeps of the model
             self.train_model = self.switch.train_model = None
-        self._experts_of = {id(p): m for m in self.pm.experts for p in m.parameters(recurse=False)}
+        self.layout_state = LayoutState(self.pm, self._param_index)
         groups = self._read_groups()
         if groups:
             plan = self.plan
@@ -256,23 +251,18 @@ class DeviceWorker:
                 self.score_and_reference(trajs)
             self._put(trajs, scored=score_here)
             return {"rows": len(trajs), "generated_tokens": sum(len(t.response_ids) for t in trajs)}
-        with self._pool_lock:
-            self._pool, self._pooling, self._decoding = [], True, True
+        self.pool.open()
         mine = generated = 0
         try:
             with self.switch.rollout():
-                trajs = self.rollout.generate(problems, group_ids, version, on_finish=self._offer)
+                trajs = self.rollout.generate(problems, group_ids, version, on_finish=self.pool.offer)
             generated = sum(len(t.response_ids) for t in trajs)
-            with self._pool_changed:
-                self._decoding = False  # from now on a helper takes even the last few samples
-                self._pool_changed.notify_all()
-            while chunk := self._take(SCORE_CHUNK_TOKENS):
+            self.pool.decoding_done()
+            while chunk := self.pool.take(SCORE_CHUNK_TOKENS):
                 self._put(self.score_and_reference(chunk), scored=True)
                 mine += len(chunk)
         finally:
-            with self._pool_changed:
-                self._pool, self._pooling, self._decoding = [], False, False
-                self._pool_changed.notify_all()  # a waiting helper learns at once that the pool closed
+            self.pool.close()
         return {"rows": mine, "generated_tokens": generated}
 
     def _put(self, trajs: list[Trajectory], scored: bool) -> None:
@@ -286,23 +276,6 @@ class DeviceWorker:
     def _score_columns(self) -> tuple[str, ...]:
         return dataflow.REWARD.writes + (dataflow.REFERENCE.writes if self.reference is not None else ())
 
-    def _offer(self, traj: Trajectory) -> None:
-        with self._pool_changed:
-            self._pool.append(traj)
-            self._pool_changed.notify_all()
-
-    def _take(self, max_tokens: int, min_count: int = 1) -> list[Trajectory]:
-        """The oldest pooled samples up to `max_tokens` tokens (at least one), if `min_count` wait."""
-        with self._pool_lock:
-            if len(self._pool) < min_count:
-                return []
-            n, tokens = 0, 0
-            while n < len(self._pool) and (n == 0 or tokens + self._pool[n].num_tokens <= max_tokens):
-                tokens += self._pool[n].num_tokens
-                n += 1
-            out, self._pool = self._pool[:n], self._pool[n:]
-        return out
-
     def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS,
                       wait_s: float = 0.0) -> tuple[list[Trajectory], bool]:
         """Finished, not yet scored samples of the running `generate(share=True)`, up to
@@ -311,19 +284,7 @@ class DeviceWorker:
         `min_count` wait (more will come); once it scores its own, any that wait. With `wait_s`,
         an open pool with too few samples is waited on for up to that long: the answer comes as
         soon as enough are offered or the pool closes."""
-        deadline = time.monotonic() + wait_s
-        with self._pool_changed:
-            while True:
-                if not self._pooling:
-                    return [], False
-                if len(self._pool) >= (min_count if self._decoding else 1):
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return [], True
-                self._pool_changed.wait(left)
-            decoding = self._decoding
-        return self._take(max_tokens, min_count if decoding else 1), True
+        return self.pool.take_waiting(min_count, max_tokens, wait_s)
 
     def score_from(self, peer: Any, wait_s: float, min_count: int) -> int:
         """Score and put `peer`'s finished samples (another device's worker, inside
@@ -518,67 +479,20 @@ class DeviceWorker:
         self.switch.enter_train()  # offloaded for a rollout whose update was skipped
         optimizer = self.actor.optimizer.state_dict()
         if self.pm is not None:  # keyed by the plain model's parameter order, as a replica's
-            names = [name for name, _ in self.pm.named_parameters()]
-            pipeline = self.layout.pp > 1
-            whole = {}
-            for i, st in sorted(optimizer["state"].items()):
-                gathered = {k: self._whole(v, self.actor.params[i]) for k, v in st.items()}  # collective
-                if keep or pipeline:  # (a stage's part travels to the others)
-                    whole[self._param_index[names[i]]] = gathered
-            if pipeline:
-                parts: list = [None] * self.layout.pp
-                dist.all_gather_object(parts, whole, group=self.pm.mesh.group("pp"))
-                whole = dict(sorted(kv for part in parts for kv in part.items()))
-            groups = [{**g, "params": list(range(len(self._param_index)))} for g in optimizer["param_groups"]]
-            optimizer = {"state": whole, "param_groups": groups}
+            optimizer = self.layout_state.optimizer_whole(optimizer, keep)
         weights = self.weights(keep)
         return {"model": weights, "optimizer": optimizer, "version": self.actor.version} if keep else None
-
-    def _whole(self, t: Any, param: torch.Tensor) -> Any:
-        """A parameter's (or its optimizer state's) whole tensor from this device's shard:
-        TP shards gathered over their mesh, expert shards over their expert-parallel group
-        (collective: every train device calls it in the same order)."""
-        if isinstance(t, DTensor):
-            return t.full_tensor()
-        experts = self._experts_of.get(id(param))
-        if experts is not None and isinstance(t, torch.Tensor) and t.shape == param.shape:
-            return experts.gather_full(t)
-        return t
-
-    def _part(self, whole: Any, param: torch.Tensor) -> Any:
-        """This device's part of a whole tensor, laid out like `param` (the inverse of `_whole`)."""
-        if not isinstance(whole, torch.Tensor):
-            return whole
-        if isinstance(param, DTensor):
-            return distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
-        experts = self._experts_of.get(id(param))
-        if experts is not None and whole.shape[1:] == param.shape[1:] and whole.shape[0] != param.shape[0]:
-            slots = slice(experts.first_expert, experts.first_expert + experts.num_local)
-            if experts.expert_to_slot_E is None:
-                return whole[slots]
-            return whole[experts.expert_to_slot_E.argsort()[slots]]  # the logical experts in this device's slots
-        return whole
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.pm is None:
             self.policy.load_state_dict(state["model"])
         else:  # each device keeps its shard (its stages) of the whole tensors; the replica is filled per rollout
-            with torch.no_grad():
-                for name, t in self.pm.state_dict(keep_vars=True).items():
-                    local_tensor(t).copy_(local_tensor(self._part(state["model"][name], t)))
+            self.layout_state.load_weights(state["model"])
         if self.actor is not None:
             self.switch.enter_train()
             optimizer = state["optimizer"]
             if self.pm is not None:  # whole optimizer states → this device's shards and stages
-                saved = {int(i): st for i, st in optimizer["state"].items()}
-                mine: dict[int, Any] = {}
-                for i, (name, p) in enumerate(self.pm.named_parameters()):
-                    st = saved.get(self._param_index[name])
-                    if st is not None:
-                        mine[i] = {k: self._part(v, p) if k != "step" else v for k, v in st.items()}
-                local = self.actor.optimizer.state_dict()["param_groups"]
-                optimizer = {"state": mine, "param_groups": [{**g, "params": own["params"]} for g, own
-                                                             in zip(optimizer["param_groups"], local)]}
+                optimizer = self.layout_state.optimizer_part(optimizer, self.actor.optimizer.state_dict()["param_groups"])
             # own storages (a state read from disk may not be resizable, and offloading resizes them)
             optimizer = {**optimizer, "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                     for k, v in st.items()} for i, st in optimizer["state"].items()}}
