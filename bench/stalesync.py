@@ -1,12 +1,30 @@
-"""StaleSync vs synchronous RL on 2 devices: tokens/s, utilization, staleness and held-out accuracy
-after the same number of updates.
+"""StaleSync vs synchronous RL on 2 devices: a feature ladder of tokens/s, generation share, tail
+amplification, decode occupancy, utilization and staleness (and, on the built-in task, held-out
+accuracy after the same number of updates).
 
-Every variant runs the default task (its response lengths have a long tail: median ~24 tokens,
-p99 ~100) from the shipped base, 32 prompts (`--prompts`) x 8 samples per update, on its own 2 Ray device
-workers (1 thread each). One update of each variant runs in turn (interleaved, never
-concurrently), so all variants share the machine's load; after `--updates` updates each variant
-is evaluated greedily on the same held-out problems. Tokens/s = generated tokens / step wall time
-summed over the updates after the first two (the separated pipeline fills in its first step).
+The default workload is the replay workload of `configs/replay.toml` (`--workload replay`): 16
+prompts x 8 samples per update, every response forced to a length drawn per prompt group and
+sample from a capped log-normal (median 150 tokens, cap 1,000, ~9% at the cap, 90% of the
+variance between prompts), no KL term — a generation-dominated reasoning-shaped step whose cost
+does not depend on what the policy learns, so it reports no accuracy. `--workload task` runs the
+built-in arithmetic task at the default batch (32 x 8; natural lengths, median ~24 tokens) and
+evaluates every variant greedily on the same held-out problems after `--updates` updates.
+
+Every variant starts from the shipped base on its own 2 Ray device workers (1 thread each). One
+update of each variant runs in turn (interleaved, never concurrently), so all variants share the
+machine's load. Tokens/s = generated tokens / step wall time summed over the updates after the
+first two (the separated pipeline fills in its first step, StaleSync's pool in its first two).
+Per row: the generation share of device time (rollout device-seconds / busy device-seconds of
+the step), the tail amplification (rollout wall time / the time its tokens would take with every
+decode pass full at the step's mean pass cost, plus prefill), mean decode-batch occupancy and
+response length (medians over the timed updates), and device utilization.
+
+The ladder (`--variants` picks a subset, `--add` adds one):
+  sync colocated → stalesync s=0 colocated (the StaleSync machinery, synchronous schedule) →
+  s=1 no partial (up to 2 x the batch in flight, every rollout runs its due groups to the end) →
+  s=1 (+ partial rollout: an update goes ahead once 3/4 of its groups finished, the rest resume
+  under the next weights) → s=2 → s=1 separated (one device generates, one trains, overlapped) and
+  sync separated.
 
 Held-out accuracy after 30 updates moves by several points with the seed alone (two synchronous
 runs of the same algorithm that differ only in their random streams have differed by 3.8
@@ -29,10 +47,11 @@ seed; each seed's ceiling pairs their means with that seed's own synchronous run
 conditions the baseline ran in), and the run also prints the loosest form: every seed's runs
 with the most favourable floor and speed of any measurement, the largest.
 
-    python bench/stalesync.py            # 3 seeds x 30 updates per variant, 500 held-out problems (~17 min)
-    python bench/stalesync.py --quick    # 1 seed, 8 updates, 100 held-out problems
+    python bench/stalesync.py            # replay workload, 3 seeds x 6 updates per variant (~30 min)
+    python bench/stalesync.py --quick    # 1 seed, 5 updates
+    python bench/stalesync.py --workload task   # the built-in task, 3 seeds x 30 updates, 500 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
-    python bench/stalesync.py --prompts 8  # every variant at 8 prompts per update (~26 min)
+    python bench/stalesync.py --workload task --prompts 8  # every variant at 8 prompts per update
     python bench/stalesync.py --seeds 1 --updates 14 --variants "sync colocated,stalesync s=1 separated" \
         --add "s1 sep 256=separated|stalesync.enabled=true|stalesync.max_staleness=1|rollout.max_num_seqs=256"
 """
@@ -41,8 +60,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ray
@@ -55,20 +74,29 @@ from rlfusion.runtime.trainer import RLTrainer
 from rlfusion.measure.calibrate import default_setup
 from rlfusion.measure.contention import measure_contention
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import REPLAY, step_row  # noqa: E402  (bench/workload.py: the replay config, a step's figures)
+
 THRESHOLD = 0.75  # partial rollout: an update goes ahead once 3/4 of its prompt groups finished
 
-VARIANTS = {  # name: (deploy.mode, stalesync overrides)
+_PARTIAL = f"stalesync.rollout_finish_threshold={THRESHOLD}"
+VARIANTS = {  # name: (deploy.mode, stalesync overrides), in ladder order
     "sync colocated": ("colocated", []),
+    "stalesync s=0 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=0"]),
+    "stalesync s=1 colocated no partial": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
+    "stalesync s=1 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=1", _PARTIAL]),
+    "stalesync s=2 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
     "sync separated": ("separated", []),
-    "stalesync s=1 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=1",
-                                              f"stalesync.rollout_finish_threshold={THRESHOLD}"]),
-    "stalesync s=2 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=2",
-                                              f"stalesync.rollout_finish_threshold={THRESHOLD}"]),
     "stalesync s=1 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
-    "stalesync s=2 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=2",
-                                              f"stalesync.rollout_finish_threshold={THRESHOLD}"]),
+    "stalesync s=2 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
 }
 BASELINE = "sync colocated"
+WORKLOADS = {"replay": REPLAY, "task": None}  # --workload: its config file (None: the defaults)
+LADDER = {  # the variants each workload runs by default
+    "replay": [n for n in VARIANTS if n != "stalesync s=2 separated"],
+    "task": [n for n in VARIANTS if n not in ("stalesync s=0 colocated", "stalesync s=1 colocated no partial")],
+}
+WORKLOAD = {"file": REPLAY}  # set by --workload
 
 
 FIXED = ["deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_device=1"]  # every variant
@@ -76,12 +104,12 @@ FIXED = ["deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_devic
 
 def rollout_config():
     """The rollout settings every variant shares (`FIXED` over the defaults)."""
-    return load_config(TrainConfig, None, FIXED).rollout
+    return load_config(TrainConfig, WORKLOAD["file"], FIXED).rollout
 
 
 def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int) -> RLTrainer:
     mode, extra = VARIANTS[name]
-    cfg = load_config(TrainConfig, None, [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
+    cfg = load_config(TrainConfig, WORKLOAD["file"], [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
         f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra])
     return RLTrainer(cfg, out / _folder(name), find_base())
 
@@ -224,7 +252,7 @@ def add_variant(spec: str) -> str:
     why = next((message for failed, message in checks if failed), None)
     if why is None:
         try:  # a bad key or value fails now, not after Ray and the first probes started
-            load_config(TrainConfig, None, [f"deploy.mode={mode}", *FIXED, *overrides])
+            load_config(TrainConfig, WORKLOAD["file"], [f"deploy.mode={mode}", *FIXED, *overrides])
         except (ValueError, KeyError, TypeError) as e:
             why = f"invalid overrides: {e}"
     if why is not None:
@@ -238,9 +266,18 @@ def _folder(name: str) -> str:
     return name.replace(" ", "_").replace("=", "")
 
 
-def main() -> None:
+def row_figures(trainer: RLTrainer, updates: list[tuple[dict, list]]) -> dict[str, float]:
+    """Medians over a variant's timed updates (metrics, that step's device spans) of
+    `workload.step_row`'s figures: generation share, tail amplification, occupancy, length."""
+    rows = [step_row(trainer, m, spans) for m, spans in updates]
+    return {k: statistics.median(r[k] for r in rows) for k in ("share", "amplification", "occupancy", "length_mean")}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workload", default="replay", choices=list(WORKLOADS),
+                        help="replay (configs/replay.toml, the default) or task (the built-in task, with accuracy)")
     parser.add_argument("--updates", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--seeds", type=int, default=None, help="seeds to run (default 3; --quick 1)")
@@ -248,20 +285,26 @@ def main() -> None:
                                                    "default: docs/img for the full default run")
     parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
     parser.add_argument("--prompts", type=int, default=None,
-                        help="prompts per update for every variant (default: the RL default, 32)")
+                        help="prompts per update for every variant (default: the workload's)")
     parser.add_argument("--add", action="append", default=[], metavar="NAME=MODE|KEY=VALUE|...",
                         help="an extra variant (run after the listed ones): deploy.mode MODE with these config "
                              "overrides, e.g. 'sep 256=separated|stalesync.enabled=true|rollout.max_num_seqs=256'")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    WORKLOAD["file"] = WORKLOADS[args.workload]
+    accuracy = args.workload == "task"  # the replay workload forces lengths: its accuracy means nothing
     if args.prompts is not None:
         if args.prompts < 1:
             raise SystemExit(f"--prompts={args.prompts}: must be >= 1")
         FIXED.append(f"rollout.prompts_per_step={args.prompts}")
     added = [add_variant(spec) for spec in args.add]
-    updates = args.updates or (8 if args.quick else 30)
+    updates = args.updates or ((8 if args.quick else 30) if accuracy else (5 if args.quick else 6))
     seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     eval_problems = 100 if args.quick else 500
-    names = [n.strip() for n in args.variants.split(",") if n.strip()] or [n for n in VARIANTS if n not in added]
+    names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(LADDER[args.workload])
     names += [n for n in added if n not in names]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or BASELINE not in names:
@@ -276,29 +319,36 @@ def main() -> None:
     seed_conditions: list[list[tuple[dict, float]]] = []  # per seed: (floors, speed) before and after
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
+    figures: dict[str, list[tuple[dict, list]]] = {n: [] for n in names}  # timed updates with their spans
     accs: dict[str, list[float]] = {n: [] for n in names}
     per_seed: list[dict] = []  # each seed's timed updates and synchronous spans, for its ceiling
+    shown: dict[str, RLTrainer] = {}  # a trainer of each variant, for its config in `row_figures`
     for seed in seeds:
         seed_conditions.append([measure_conditions()])
         seed_timed, seed_spans = {n: len(timed[n]) for n in names}, {n: len(sync_spans[n]) for n in sync_names}
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed) for n in names}
-            base_acc = trainers[BASELINE].evaluate().accuracy
-            print(f"seed {seed}: base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
+            shown.update(trainers)
+            if accuracy:
+                base_acc = trainers[BASELINE].evaluate().accuracy
+                print(f"seed {seed}: base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
             for u in range(updates):
                 for n in names:
+                    start = len(trainers[n].timeline.spans)
                     m = trainers[n].train_step()
                     every[n].append(m)
                     if u >= 2:
                         timed[n].append(m)
+                        figures[n].append((m, trainers[n].timeline.spans[start:]))
                 print(f"seed {seed} update {u + 1}: " + ", ".join(
                     f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
                       + " tok/s", flush=True)
             for n in sync_names:
                 sync_spans[n] += [sp for sp in trainers[n].timeline.spans if (sp.step or 0) >= 2]
             for n in names:
-                accs[n].append(trainers[n].evaluate().accuracy)
-                ad_hoc = args.variants or args.add or args.quick or args.seed or args.prompts
+                if accuracy:
+                    accs[n].append(trainers[n].evaluate().accuracy)
+                ad_hoc = args.variants or args.add or args.quick or args.seed or args.prompts or accuracy
                 gantt = args.gantt or ("" if ad_hoc else "docs/img")
                 if gantt and seed == seeds[-1]:
                     png = Path(gantt) / f"stalesync_{_folder(n)}.png"
@@ -311,32 +361,45 @@ def main() -> None:
                          "spans": {n: sync_spans[n][seed_spans[n]:] for n in sync_names}})
     ray.shutdown()
 
-    acc = {n: statistics.mean(a) for n, a in accs.items()}
     tok_s = {n: tokens_per_s(r) for n, r in timed.items()}
     batch = rollout_config()
-    print(f"\n## 2 devices, {batch.prompts_per_step} prompts x {batch.group_size} samples per update, {updates} "
-          f"updates per variant, interleaved, "
+    print(f"\n## {args.workload} workload, 2 devices, {batch.prompts_per_step} prompts x {batch.group_size} samples "
+          f"per update, {updates} updates per variant ({updates - 2} timed), interleaved, "
           f"seeds {', '.join(map(str, seeds))}")
-    print(f"(partial-rollout threshold {THRESHOLD}; held-out accuracy: greedy, {eval_problems} problems, mean over "
-          f"seeds, each seed's in brackets)")
-    print("| variant | tokens/s | vs sync colocated | util mean | staleness mean | staleness max | "
-          "dropped groups | held-out acc |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"(partial-rollout threshold {THRESHOLD}; generation share, tail amplification, occupancy and length: "
+          f"medians over the timed updates" + (f"; held-out accuracy: greedy, {eval_problems} problems, mean over "
+                                               "seeds, each seed's in brackets)" if accuracy else ")"))
+    print("| variant | generation share | tail amplification | decode occupancy | mean response length | tokens/s "
+          "| vs sync colocated | util mean | staleness mean | staleness max | dropped groups |"
+          + (" held-out acc |" if accuracy else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy else ""))
     for n in names:
-        r = timed[n]
+        r, f = timed[n], row_figures(shown[n], figures[n])
         st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in every[n])
         st_max = max(m.get("staleness_max", 0.0) for m in every[n])
-        print(f"| {n} | {tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | "
+        acc_cell = (f" {statistics.mean(accs[n]):.1%} ({', '.join(f'{a:.1%}' for a in accs[n])}) |"
+                    if accuracy else "")
+        print(f"| {n} | {f['share']:.2f} | {f['amplification']:.2f} | {f['occupancy']:.2f} | {f['length_mean']:.0f} | "
+              f"{tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | "
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
-              f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} | {acc[n]:.1%} "
-              f"({', '.join(f'{a:.1%}' for a in accs[n])}) |")
+              f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} |{acc_cell}")
     print_ceilings(per_seed, seed_conditions)
+    print(f"\ntarget {args.workload}_sync_generation_share: {row_figures(shown[BASELINE], figures[BASELINE])['share']:.2f}"
+          f" (goal >= 0.70)")
     stale = [n for n in names if is_stalesync(n)]
     if stale:
         best = max(stale, key=lambda n: tok_s[n])
-        print(f"\nbest StaleSync variant by tokens/s: {best}")
+        colocated = [n for n in stale if VARIANTS[n][0] == "colocated"]
+        print(f"best StaleSync variant by tokens/s: {best}")
         print(f"target stalesync_vs_sync_colocated: {tok_s[best] / tok_s[BASELINE]:.2f} (goal >= 1.4)")
-        print(f"target accuracy_gap_points: {100 * (acc[BASELINE] - acc[best]):.1f} (goal <= 3.0)")
+        if colocated:
+            best_co = max(colocated, key=lambda n: tok_s[n])
+            print(f"best co-located StaleSync variant: {best_co}")
+            print(f"target stalesync_colocated_vs_sync_colocated: {tok_s[best_co] / tok_s[BASELINE]:.2f} "
+                  f"(goal >= 1.25)")
+        if accuracy:
+            acc = {n: statistics.mean(a) for n, a in accs.items()}
+            print(f"target accuracy_gap_points: {100 * (acc[BASELINE] - acc[best]):.1f} (goal <= 3.0)")
         print(f"target max_staleness_violations: "
               f"{sum(m.get('staleness_max', 0) > bound(n) for n in stale for m in every[n])} (goal <= 0)")
 

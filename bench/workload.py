@@ -1,18 +1,19 @@
 """The replay workload against the built-in task: response lengths and the share of a synchronous
 colocated step's device time that goes to generation.
 
-Two synchronous colocated runs on 2 devices from the shipped base, default batch (32 prompts x 8
-samples): the built-in task as the policy answers it (`rollout.lengths=natural`), and the replay
-workload (`rollout.lengths=replay`: every response forced to its drawn long-tailed length,
-`rl/replay.py`). One step of each runs in turn (interleaved) after a warm-up step. From the
-devices' spans: generation share = rollout (decode + prefill) device-seconds / all busy
-device-seconds of the step (reference, reward, update and switch the rest); tail amplification =
-the rollout phase's wall time / the time its tokens would take with every decode pass full
-(`rollout.max_num_seqs` rows) at the step's own mean pass time, plus its prefill time — a pass
-costs more with more rows, so this overstates the amplification of a perfect schedule; it is
-comparable between the workloads. Decode occupancy = mean rows per decode pass / slots.
+Two synchronous colocated runs on 2 devices from the shipped base: the built-in task as the
+policy answers it at the default batch (32 prompts x 8 samples, `rollout.lengths=natural`), and
+the replay workload of `configs/replay.toml` (16 prompts x 8 samples, every response forced to
+its drawn long-tailed length, median 150 and cap 1,000 tokens, no KL term: `rl/replay.py`). One
+step of each runs in turn (interleaved) after a warm-up step. From the devices' spans:
+generation share = rollout (decode + prefill) device-seconds / all busy device-seconds of the
+step (reference, reward, update, queue reads and writes and switch the rest); tail
+amplification = the rollout phase's wall time / the time its tokens would take with every decode
+pass full (`rollout.max_num_seqs` rows) at the step's own mean pass time, plus its prefill time
+— a pass costs more with more rows, so this overstates the amplification of a perfect schedule;
+it is comparable between the workloads. Decode occupancy = mean rows per decode pass / slots.
 
-    python bench/workload.py            # 6 timed steps each (~4 min)
+    python bench/workload.py            # 6 timed steps each (~8 min)
     python bench/workload.py --quick    # 3 timed steps each
 """
 
@@ -30,13 +31,15 @@ from rlfusion.model.checkpoint import find_base
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
-WORKLOADS = {"task": ["rollout.lengths=natural"], "replay": ["rollout.lengths=replay"]}
+REPLAY = Path(__file__).resolve().parents[1] / "configs" / "replay.toml"
+WORKLOADS = {"task": None, "replay": REPLAY}  # name: config file (None: the defaults)
 DEVICES = ("device0", "device1")
 
 
 def make_trainer(name: str, out: Path) -> RLTrainer:
-    cfg = load_config(TrainConfig, None, ["deploy.mode=colocated", "deploy.backend=ray", "deploy.num_devices=2",
-                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *WORKLOADS[name]])
+    cfg = load_config(TrainConfig, WORKLOADS[name], ["deploy.mode=colocated", "deploy.backend=ray",
+                                                     "deploy.num_devices=2", "deploy.threads_per_device=1",
+                                                     f"out_dir=\"{out}\""])
     return RLTrainer(cfg, out / name, find_base())
 
 
@@ -81,7 +84,7 @@ def main() -> None:
             for t in trainers.values():
                 t.close()
     ray.shutdown()
-    print(f"\n## synchronous colocated, 2 devices, default batch, median of {steps} interleaved steps")
+    print(f"\n## synchronous colocated, 2 devices, median of {steps} interleaved steps")
     print("| workload | generation share of device time | tail amplification | decode occupancy "
           "| mean response length | longest response | tokens/s |")
     print("|---|---|---|---|---|---|---|")

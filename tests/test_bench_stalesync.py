@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("ray")  # the bench imports it
 
 from bench_helpers import load_bench  # noqa: E402
+from rlfusion.config import load_config  # noqa: E402
 from rlfusion.obs.timeline import Span  # noqa: E402
 from rlfusion.runtime.train_config import TrainConfig  # noqa: E402
 
@@ -51,7 +52,7 @@ def _run(tokens: int, step_s: float, work: dict[str, float]) -> tuple[list[dict]
 
 
 def test_ceiling_takes_the_least_work_and_the_floors(bench):
-    rollout = TrainConfig().rollout
+    rollout = bench.rollout_config()  # the workload's batch
     samples = rollout.prompts_per_step * rollout.group_size
     col, col_spans = _run(1000, 1.0, {"train": 0.2, "reference": 0.05, "switch": 0.3})
     sep, sep_spans = _run(1000, 2.0, {"train": 0.1, "reference": 0.05, "transfer": 0.4})
@@ -75,9 +76,9 @@ def test_ceiling_counts_the_prompts_of_the_configured_batch(bench, monkeypatch):
         bench.main()
     assert bench.rollout_config().prompts_per_step == 8
     small = bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, floor, speed=1.0)
-    group = TrainConfig().rollout.group_size
-    assert default["prompts_per_token"] == pytest.approx(32 * group * 2.0 / 1000)
-    assert small["prompts_per_token"] == pytest.approx(8 * group * 2.0 / 1000)
+    replay = load_config(TrainConfig, bench.REPLAY).rollout  # the default workload's batch
+    assert default["prompts_per_token"] == pytest.approx(replay.prompts_per_step * replay.group_size * 2.0 / 1000)
+    assert small["prompts_per_token"] == pytest.approx(8 * replay.group_size * 2.0 / 1000)
     monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "0"])
     with pytest.raises(SystemExit, match="--prompts=0: must be >= 1"):
         bench.main()
@@ -104,3 +105,20 @@ def test_per_seed_ceilings_pair_each_seed_with_its_own_baseline(bench, capsys):
     assert f"median of the seeds {sorted(ratios)[1]:.2f}x" in out
     loosest = max(bench.ceiling_of(run["timed"], run["spans"], quick, 1.0)["ratio"] for run in seeds)
     assert f"loosest form {loosest:.2f}x" in out and loosest >= max(ratios)
+
+
+def test_the_workload_flag_picks_the_config_and_its_ladder(bench, monkeypatch):
+    """`--workload task` runs the built-in task at the defaults; the replay workload is the
+    default, with the StaleSync ladder from s=0 up."""
+    assert bench.rollout_config().lengths == "replay" and bench.rollout_config().max_new_tokens == 1000
+    assert bench.LADDER["replay"][:5] == ["sync colocated", "stalesync s=0 colocated",
+                                          "stalesync s=1 colocated no partial", "stalesync s=1 colocated",
+                                          "stalesync s=2 colocated"]
+    assert bench.bound("stalesync s=0 colocated") == 0
+    monkeypatch.setattr(sys, "argv", ["stalesync.py", "--workload", "task", "--updates", "2"])
+    with pytest.raises(SystemExit, match="need >= 4 updates"):
+        bench.main()
+    assert bench.rollout_config() == TrainConfig().rollout
+    monkeypatch.setattr(sys, "argv", ["stalesync.py", "--workload", "bogus"])
+    with pytest.raises(SystemExit):
+        bench.main()

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import random
 import statistics
+from pathlib import Path
 
 import pytest
+import torch
 
-from rlfusion.model.checkpoint import find_base, load_checkpoint
+from rlfusion.config import load_config
+from rlfusion.model.checkpoint import find_base, load_base, load_checkpoint
 from rlfusion.rl.replay import replay_length
 from rlfusion.rl.tasks.arithmetic import ArithmeticTask
 from rlfusion.runtime.stages import RewardStage, RolloutStage
 from rlfusion.runtime.train_config import RolloutConfig, TrainConfig
+from rlfusion.runtime.trainer import RLTrainer
 
 
 def test_replay_lengths_have_the_documented_long_tail():
@@ -88,3 +92,51 @@ def test_a_reward_reads_the_response_up_to_its_end_token():
 def test_bad_replay_settings_are_one_line_errors(over, match):
     with pytest.raises(ValueError, match=match):
         RolloutConfig(**over)
+
+
+REPLAY_TOML = Path(__file__).resolve().parents[1] / "configs" / "replay.toml"
+
+
+def test_the_shipped_replay_workload_has_the_published_shape():
+    """configs/replay.toml: median 150, cap 1,000, 5-15% at the cap, p99/median in 3-10 (p99 is
+    the cap), most of the variance between prompt groups; it fits the context it asks for."""
+    cfg = load_config(TrainConfig, REPLAY_TOML)
+    r = cfg.rollout
+    assert r.lengths == "replay" and cfg.algo.kl_coef == 0.0 and cfg.context_len > r.max_new_tokens
+    groups = [[replay_length(g, s, r.replay_median, r.replay_sigma, r.replay_between, r.max_new_tokens)
+               for s in range(r.group_size)] for g in range(2000)]
+    flat = sorted(x for group in groups for x in group)
+    median = statistics.median(flat)
+    assert 140 <= median <= 160
+    assert 0.05 <= sum(x == r.max_new_tokens for x in flat) / len(flat) <= 0.15
+    assert 3 <= flat[int(0.99 * len(flat))] / median <= 10
+    within = statistics.mean(statistics.pvariance(group) for group in groups)
+    assert 1 - within / statistics.pvariance(flat) >= 0.7
+
+
+def test_context_len_loads_the_same_weights_at_a_longer_context():
+    """Rotary positions are derived, not stored: at 1,280 positions the base computes the same
+    logits over its first 256 and generates past them."""
+    short, tokenizer, _ = load_checkpoint(find_base())
+    long_, _, _ = load_base(find_base(), max_seq_len=1280)
+    assert long_.config.max_seq_len == 1280 and short.config.max_seq_len == 256
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 200))
+    with torch.no_grad():
+        assert torch.equal(short(ids), long_(ids))
+    cfg = RolloutConfig(group_size=2, max_new_tokens=400, lengths="replay", replay_median=390.0,
+                        replay_sigma=0.01, max_num_seqs=4)
+    trajs = RolloutStage(long_, tokenizer, cfg, 0).generate([ArithmeticTask(TrainConfig().task).sample(
+        random.Random(3))], [0], 0)
+    lengths = [len(t.response_ids) for t in trajs]
+    assert lengths == [_drawn(cfg, 0, s) for s in range(2)] and min(lengths) > 256  # past the base's positions
+
+
+def test_a_cap_the_context_cannot_hold_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="context_len=300 is invalid: must be 0 .* more than rollout.max_new_tokens=400"):
+        load_config(TrainConfig, None, ["rollout.max_new_tokens=400", "context_len=300"])
+    cfg = load_config(TrainConfig, None, ["rollout.max_new_tokens=400", "deploy.backend=local",
+                                          f"out_dir=\"{tmp_path}\""])
+    with pytest.raises(ValueError, match=r"rollout.max_new_tokens=400 leaves no room for a prompt in the model's "
+                                         r"context of 256 tokens .* set context_len > 400"):
+        RLTrainer(cfg, tmp_path / "run", find_base())
+    assert not (tmp_path / "run").exists()

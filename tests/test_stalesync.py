@@ -467,11 +467,12 @@ def test_resume_with_a_different_bound_is_refused(tmp_path):
 def test_ray_modes_run_under_the_bound(tmp_path):
     """Co-located: partial rollout; separated with s = 1: the rollout for update k+1 runs while
     update k trains, so every sample after the first batch is exactly one version stale and
-    the devices overlap."""
-    for mode, extra in (("colocated", ["stalesync.rollout_finish_threshold=0.5"]), ("separated", [])):
+    the devices overlap. Without a KL term (no reference pass) the scoring devices score alone."""
+    for mode, extra in (("colocated", ["stalesync.rollout_finish_threshold=0.5"]), ("separated", []),
+                        ("separated", ["algo.kl_coef=0.0"])):
         cfg = _cfg(tmp_path, f"deploy.mode={mode}", "stalesync.enabled=true", "stalesync.max_staleness=1",
                    *extra, backend="ray")
-        trainer = RLTrainer(cfg, tmp_path / mode, find_base())
+        trainer = RLTrainer(cfg, tmp_path / f"{mode}{len(extra)}{cfg.algo.kl_coef}", find_base())
         try:
             ms = [trainer.train_step() for _ in range(3)]
         finally:

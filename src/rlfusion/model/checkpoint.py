@@ -146,14 +146,18 @@ def _model_of(meta: object, where: Path) -> MoETransformer:
         raise ValueError(f"{where}: bad model config ({first_line(e)})") from None
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", max_seq_len: int | None = None
                     ) -> tuple[MoETransformer, Tokenizer | None, dict]:
-    """Returns `(model, tokenizer, extra)`; errors name the file and what is wrong."""
+    """Returns `(model, tokenizer, extra)`; errors name the file and what is wrong.
+    `max_seq_len` replaces the checkpoint's context length (rotary positions are derived from
+    it, not stored, so the same weights load at any length)."""
     path = Path(path)
     for name in (WEIGHTS, CONFIG):
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} has no {name} (expected {WEIGHTS} + {CONFIG})")
     meta = read_json_file(path / CONFIG)
+    if max_seq_len and isinstance(meta, dict) and isinstance(meta.get("model"), dict):
+        meta["model"]["max_seq_len"] = max_seq_len
     model = _model_of(meta, path / CONFIG)
     load_weights_into(model, read_safetensors_file(path / WEIGHTS), str(path / WEIGHTS),
                       mismatch=f"does not match its config {path / CONFIG}")
@@ -164,16 +168,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"
     return model.to(device), tok, meta.get("extra", {})
 
 
-def load_base(path: str | Path, device: str | torch.device = "cpu"
+def load_base(path: str | Path, device: str | torch.device = "cpu", max_seq_len: int | None = None
               ) -> tuple[MoETransformer, Tokenizer | None, dict]:
     """The one place a base model is read: an rlfusion checkpoint, or a local Hugging Face
-    folder (`config.json` with a `model_type`, see `model/hf.py`)."""
+    folder (`config.json` with a `model_type`, see `model/hf.py`). `max_seq_len`: the context
+    length to build the model with (None: the checkpoint's)."""
     from rlfusion.model.hf import is_hf_checkpoint, load_hf
 
     if is_hf_checkpoint(path):
-        model, tokenizer, meta = load_hf(path)
+        model, tokenizer, meta = load_hf(path, max_seq_len)
         return model.to(device), tokenizer, meta
-    return load_checkpoint(path, device)
+    return load_checkpoint(path, device, max_seq_len)
 
 
 def default_base_path(model: str = "tiny") -> Path:

@@ -103,7 +103,8 @@ class Devices(ABC):
         the rows. Each waits for its rows to be ready."""
         plan = self.plan
         reference = list(plan.reference) if self.cfg.algo.kl_coef else []
-        shares = dict(zip(reference, (len(p) for p in split(list(range(count)), len(reference)))))
+        shares = (dict(zip(reference, (len(p) for p in split(list(range(count)), len(reference)))))
+                  if reference else {})  # no KL term: no reference pass, the reward device alone
         devices = sorted({plan.reward[0], *reference})
         self._run([(d, "score", (count if d == plan.reward[0] else 0, shares.get(d, 0))) for d in devices])
 

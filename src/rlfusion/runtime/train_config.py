@@ -181,6 +181,11 @@ class TrainConfig:
     reward: str = "task"  # "task" (the task's verifier) or "module:function"
     reward_timeout_s: float = 60.0  # a user reward's longest scoring call (one batch); past it the run stops
     threads: int = 2
+    # the model's context length (prompt + response) in this run; 0 = the base checkpoint's. The
+    # models' positions are rotary, derived rather than stored, so a longer context loads the same
+    # weights; positions past those the base was trained on are the run's to judge (the replay
+    # workload forces its lengths and does not depend on what the policy writes there)
+    context_len: int = 0
     deterministic: bool = False  # torch deterministic algorithms (for resume tests)
     # Collapse guard: stop when, for this many consecutive steps, every reward is 0 or most
     # responses hit max_new_tokens (how a too-high lr failed on the tiny model). 0 = off.
@@ -207,6 +212,9 @@ class TrainConfig:
                        "allowed: 'task' or 'module:function'"),
             "reward_timeout_s": (self.reward_timeout_s > 0, "must be > 0"),
             "threads": (self.threads >= 1, "must be >= 1"),
+            "context_len": (self.context_len == 0 or self.context_len > self.rollout.max_new_tokens,
+                            f"must be 0 (the base's) or more than rollout.max_new_tokens="
+                            f"{self.rollout.max_new_tokens} (room for the prompt)"),
             "collapse_patience": (self.collapse_patience >= 0, "must be >= 0 (0 = off)"),
         }, self)
         self._check_eval_problems()

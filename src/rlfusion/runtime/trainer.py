@@ -61,9 +61,13 @@ class RLTrainer:
         torch.use_deterministic_algorithms(cfg.deterministic)
         torch.manual_seed(cfg.seed)
         self.cfg, self.run_dir = cfg, run_dir
-        model, tokenizer, _ = load_base(base_path)
+        model, tokenizer, _ = load_base(base_path, max_seq_len=cfg.context_len or None)
         if tokenizer is None:
             raise ValueError(f"base checkpoint {base_path} has no tokenizer")
+        if cfg.rollout.max_new_tokens >= model.config.max_seq_len:
+            raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                             f"model's context of {model.config.max_seq_len} tokens (base {base_path}); lower it or "
+                             f"set context_len > {cfg.rollout.max_new_tokens}")
         self.tokenizer, self.model = tokenizer, model  # the controller's copy: checkpoints are written from it
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))

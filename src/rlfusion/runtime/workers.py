@@ -87,7 +87,7 @@ class DeviceWorker:
         torch.manual_seed(cfg.seed)
         self.device, self.plan, self.cfg = device, plan, cfg
         roles = plan.roles(device)
-        model, tokenizer, _ = load_base(base_path)
+        model, tokenizer, _ = load_base(base_path, max_seq_len=cfg.context_len or None)
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
         # one model, unless the actor trains in a layout: then its shards (applied in `connect`)
         # and a full replica, filled from them before every rollout
