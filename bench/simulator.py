@@ -291,7 +291,8 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
         workers = contention_workers(default_setup(threads=1))
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {m: make_trainer(m, Path(tmp)) for m in MODES}
-            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000, seed=0) for c, v in STALESYNC_CASES.items()})
+            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000, seed=0, config=None)  # the task
+                             for c, v in STALESYNC_CASES.items()})
             recorders = {}
             for m, t in trainers.items():
                 if m in STALESYNC_CASES:

@@ -107,9 +107,11 @@ def rollout_config():
     return load_config(TrainConfig, WORKLOAD["file"], FIXED).rollout
 
 
-def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int) -> RLTrainer:
+def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int,
+                 config: Path | None) -> RLTrainer:
+    """Variant `name` over the workload of `config` (a run config file; None: the built-in task)."""
     mode, extra = VARIANTS[name]
-    cfg = load_config(TrainConfig, WORKLOAD["file"], [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
+    cfg = load_config(TrainConfig, config, [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
         f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra])
     return RLTrainer(cfg, out / _folder(name), find_base())
 
@@ -266,10 +268,9 @@ def _folder(name: str) -> str:
     return name.replace(" ", "_").replace("=", "")
 
 
-def row_figures(trainer: RLTrainer, updates: list[tuple[dict, list]]) -> dict[str, float]:
-    """Medians over a variant's timed updates (metrics, that step's device spans) of
-    `workload.step_row`'s figures: generation share, tail amplification, occupancy, length."""
-    rows = [step_row(trainer, m, spans) for m, spans in updates]
+def row_figures(rows: list[dict]) -> dict[str, float]:
+    """Medians over a variant's timed updates of `workload.step_row`'s figures: generation share,
+    tail amplification, occupancy, length."""
     return {k: statistics.median(r[k] for r in rows) for k in ("share", "amplification", "occupancy", "length_mean")}
 
 
@@ -319,16 +320,15 @@ def main() -> None:
     seed_conditions: list[list[tuple[dict, float]]] = []  # per seed: (floors, speed) before and after
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
-    figures: dict[str, list[tuple[dict, list]]] = {n: [] for n in names}  # timed updates with their spans
+    figures: dict[str, list[dict]] = {n: [] for n in names}  # timed updates' step_row figures
     accs: dict[str, list[float]] = {n: [] for n in names}
     per_seed: list[dict] = []  # each seed's timed updates and synchronous spans, for its ceiling
-    shown: dict[str, RLTrainer] = {}  # a trainer of each variant, for its config in `row_figures`
     for seed in seeds:
         seed_conditions.append([measure_conditions()])
         seed_timed, seed_spans = {n: len(timed[n]) for n in names}, {n: len(sync_spans[n]) for n in sync_names}
         with tempfile.TemporaryDirectory() as tmp:
-            trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed) for n in names}
-            shown.update(trainers)
+            trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed, WORKLOAD["file"])
+                        for n in names}
             if accuracy:
                 base_acc = trainers[BASELINE].evaluate().accuracy
                 print(f"seed {seed}: base held-out accuracy ({eval_problems} problems): {base_acc:.1%}", flush=True)
@@ -339,7 +339,7 @@ def main() -> None:
                     every[n].append(m)
                     if u >= 2:
                         timed[n].append(m)
-                        figures[n].append((m, trainers[n].timeline.spans[start:]))
+                        figures[n].append(step_row(trainers[n], m, trainers[n].timeline.spans[start:]))
                 print(f"seed {seed} update {u + 1}: " + ", ".join(
                     f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
                       + " tok/s", flush=True)
@@ -374,7 +374,7 @@ def main() -> None:
           + (" held-out acc |" if accuracy else ""))
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy else ""))
     for n in names:
-        r, f = timed[n], row_figures(shown[n], figures[n])
+        r, f = timed[n], row_figures(figures[n])
         st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in every[n])
         st_max = max(m.get("staleness_max", 0.0) for m in every[n])
         acc_cell = (f" {statistics.mean(accs[n]):.1%} ({', '.join(f'{a:.1%}' for a in accs[n])}) |"
@@ -384,7 +384,7 @@ def main() -> None:
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
               f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} |{acc_cell}")
     print_ceilings(per_seed, seed_conditions)
-    print(f"\ntarget {args.workload}_sync_generation_share: {row_figures(shown[BASELINE], figures[BASELINE])['share']:.2f}"
+    print(f"\ntarget {args.workload}_sync_generation_share: {row_figures(figures[BASELINE])['share']:.2f}"
           f" (goal >= 0.70)")
     stale = [n for n in names if is_stalesync(n)]
     if stale:
