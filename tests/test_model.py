@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from rlfusion.model.row_segments import SEGMENT_RATIO, SEGMENT_SLACK, read_cost, row_segments
+
 from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
 from rlfusion.model.config import get_preset
 from rlfusion.model.kv_cache import CacheBatch
@@ -46,6 +48,37 @@ def test_kv_cache_rows_at_different_positions():
         step = model(last, CacheBatch(cache, 0, torch.tensor([len(s) - 1 for s in seqs])))
         for b, s in enumerate(seqs):
             torch.testing.assert_close(step[b, -1], model(s[None])[0, -1], atol=KV_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])
+def test_decode_over_row_segments_matches_full_forward(preset):
+    """Rows far apart in length, out of order: the pass reads them in several runs (segments),
+    some masked, and every row's logits equal its own full forward."""
+    model = _model(preset)
+    lengths = [3, 100, 7, 180, 40, 130, 150]
+    assert len(row_segments([n - 1 for n in lengths])) >= 4
+    seqs = [torch.randint(3, 17, (n,)) for n in lengths]
+    with torch.no_grad():
+        cache = model.new_kv_cache(len(seqs), 200)
+        for b, s in enumerate(seqs):
+            model(s[None, :-1], CacheBatch(cache, b, torch.zeros(1, dtype=torch.long)))
+        last = torch.stack([s[-1:] for s in seqs])
+        step = model(last, CacheBatch(cache, 0, torch.tensor([len(s) - 1 for s in seqs])))
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(step[b, -1], model(s[None])[0, -1], atol=KV_ATOL, rtol=0)
+
+
+def test_row_segments_cover_the_rows_within_their_bound():
+    lengths = [1000, 990, 700, 12, 650, 400, 300, 280, 20, 10, 5]
+    segments = row_segments(lengths)
+    assert [s[0] for s in segments] == [0] + [s[1] for s in segments[:-1]] and segments[-1][1] == len(lengths)
+    for start, end, positions in segments:
+        rows = lengths[start:end]
+        assert positions == max(rows)
+        assert max(rows) <= SEGMENT_RATIO * min(rows) or max(rows) - min(rows) <= SEGMENT_SLACK
+    # longest first reads less than the same rows in another order
+    assert read_cost(sorted(lengths, reverse=True)) < read_cost(lengths)
+    assert read_cost([1000] + [10] * 127) < 0.2 * 128 * 1000  # not every row to the longest
 
 
 def _dense_moe_reference(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:

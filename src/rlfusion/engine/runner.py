@@ -1,4 +1,5 @@
-"""Model runner: owns the KV cache and executes a `StepPlan` — moves, prefill, decode, sampling.
+"""Model runner: owns the KV cache and executes a `StepPlan` — moves, permutation, decode,
+prefill, sampling.
 
 The runner never decides what runs; it turns the scheduler's plan into tensors.
 
@@ -37,6 +38,8 @@ class ModelRunner:
         """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`."""
         for src, dst in plan.moves:
             self.cache.move_slot(src, dst)
+        if plan.permutation:
+            self.cache.permute_slots(plan.permutation, max(s.num_cached for s in plan.decode))
         logits, st = [], self.stats
         if plan.decode:
             t0 = time.perf_counter()

@@ -5,6 +5,14 @@ sequence in the last slot moves into the hole; the moves are part of the next `S
 runner always decodes a contiguous block of rows (a view of the cache, no gather). New requests
 are admitted into the slots after the running block, up to `max_num_seqs` sequences and a
 per-step token budget.
+
+The running rows are kept roughly longest first: a decode pass reads each run of rows of
+similar length only up to its own longest (`model.row_segments`), so rows of a long-tailed
+rollout in arbitrary order read mostly padding. Every row grows by one token a step, so an order
+by length persists; what breaks it is a short row moved into a finished row's hole, or a long
+(resumed) request admitted behind shorter running rows. Each admitted batch takes its slots
+longest first; when the order's reads exceed the sorted order's by
+`RESORT_GAIN`, the plan permutes the rows (one copy of the rows' cache).
 """
 
 from __future__ import annotations
@@ -13,6 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rlfusion.engine.types import Request
+from rlfusion.model.row_segments import read_cost
+
+# permute the running rows longest first once their reads exceed the sorted order's by this
+RESORT_GAIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -54,13 +66,16 @@ class Sequence:
 
 @dataclass
 class StepPlan:
-    """One engine step: cache-row moves, then a prefill pass over new rows, then a decode pass.
+    """One engine step: cache-row moves and a permutation, then a decode pass, then a prefill
+    pass over new rows.
 
     `decode` sequences occupy slots `[0, len(decode))`; `prefill` sequences occupy the slots
     right after them, in order.
     """
 
     moves: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    # after the moves: new slot i takes the running row of old slot permutation[i]
+    permutation: list[int] | None = None
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[Sequence] = field(default_factory=list)
 
@@ -81,6 +96,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # index == slot
         self._pending_moves: list[tuple[int, int]] = []
         self._live_ids: set[str] = set()
+        self._reordered = False  # rows left or joined since the order was last checked
 
     def add(self, request: Request) -> None:
         if request.request_id in self._live_ids:
@@ -99,29 +115,50 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(moves=self._pending_moves, decode=list(self.running))
+        plan = StepPlan(moves=self._pending_moves, permutation=self._longest_first())
+        plan.decode = list(self.running)
         self._pending_moves = []
         # The runner prefills new rows packed (no padding), so the budget counts their tokens.
         budget = self.config.max_num_batched_tokens - len(plan.decode)
         free = self.config.max_num_seqs - len(self.running)
         if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
             return plan
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + len(plan.prefill) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_tokens > budget:
                 break
             self.waiting.popleft()
             budget -= seq.num_tokens
+            plan.prefill.append(seq)
+        plan.prefill.sort(key=lambda s: -s.num_tokens)  # longest first, as the running rows
+        for seq in plan.prefill:
             seq.slot = len(self.running)
             self.running.append(seq)
-            plan.prefill.append(seq)
+            self._reordered = True
         return plan
+
+    def _longest_first(self) -> list[int] | None:
+        """Reorder the running rows longest first when that cuts the decode pass's reads by
+        `RESORT_GAIN`; returns the old slots in their new order, or None (no change)."""
+        if not self._reordered or len(self.running) < 2:
+            return None
+        self._reordered = False
+        ordered = sorted(self.running, key=lambda s: -s.num_tokens)
+        if read_cost([s.num_tokens for s in self.running]) <= RESORT_GAIN * read_cost(
+                [s.num_tokens for s in ordered]):
+            return None
+        permutation = [s.slot for s in ordered]
+        for slot, seq in enumerate(ordered):
+            seq.slot = slot
+        self.running = ordered
+        return permutation
 
     def finish(self, seq: Sequence) -> None:
         """Release `seq`'s slot; the last running sequence moves into it."""
         slot = seq.slot
         assert self.running[slot] is seq, "slot bookkeeping out of sync"
         last = self.running.pop()
+        self._reordered = True
         if last is not seq:
             self.running[slot] = last
             last.slot = slot

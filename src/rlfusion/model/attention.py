@@ -20,22 +20,38 @@ from rlfusion.model.kv_cache import AttnContext
 from rlfusion.model.layers import RMSNorm, Rotary
 
 
-def _write_rows(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) -> torch.Tensor:
-    """Store the new tokens' entries in the cache and return the rows' cached prefix `[B, L, ...]`."""
-    num_rows = new_BT.shape[0]
-    rows_BT = (torch.arange(num_rows, device=new_BT.device) + ctx.slot_start).unsqueeze(1)
-    buf_SL[rows_BT.expand_as(ctx.pos_BT), ctx.pos_BT] = new_BT.to(buf_SL.dtype)
-    return buf_SL[ctx.slot_start:ctx.slot_start + num_rows, :ctx.kv_len]
+def _cache(buf_SGLX: torch.Tensor, ctx: AttnContext, new_BTGX: torch.Tensor) -> None:
+    """Write the pass's new entries into the cache: each row's tokens at their positions, or in a
+    packed prefill each packed token into its sequence's row (`cache_rows_N`)."""
+    if ctx.cache_rows_N is not None:
+        buf_SGLX[ctx.cache_rows_N, :, ctx.pos_BT[0]] = new_BTGX[0].to(buf_SGLX.dtype)
+        return
+    rows_BT = (torch.arange(new_BTGX.shape[0], device=new_BTGX.device) + ctx.slot_start).unsqueeze(1)
+    buf_SGLX[rows_BT.expand_as(ctx.pos_BT), :, ctx.pos_BT] = new_BTGX.to(buf_SGLX.dtype)
 
 
-def _cache(buf_SL: torch.Tensor, ctx: AttnContext, new_BT: torch.Tensor) -> torch.Tensor:
-    """Write the pass's new entries into the cache; returns what attention reads: the rows'
-    cached prefix, or in a packed prefill (each token to its sequence's row, `cache_rows_N`)
-    the packed entries themselves."""
-    if ctx.cache_rows_N is None:
-        return _write_rows(buf_SL, ctx, new_BT)
-    buf_SL[ctx.cache_rows_N, ctx.pos_BT[0]] = new_BT[0].to(buf_SL.dtype)
-    return new_BT
+def _cached_rows(buf_SGLX: torch.Tensor, ctx: AttnContext, num_rows: int) -> torch.Tensor:
+    """The pass's rows of a one-head cache buffer up to the longest: `[B, L, X]`."""
+    return buf_SGLX[ctx.slot_start:ctx.slot_start + num_rows, 0, :ctx.kv_len]
+
+
+def _attend_cached(q_BHTD, k_buf_SGLD, v_buf_SGLD, ctx: AttnContext, scale: float) -> torch.Tensor:
+    """Attention over the cache, a run of rows at a time (`ctx.segments`), each run read in place
+    up to its own longest row. The H query heads share the G cached heads in groups of H/G,
+    so each cached head's keys and values are read once for its whole group."""
+    B, H, T, D = q_BHTD.shape
+    G = k_buf_SGLD.shape[1]
+    out_BHTD = q_BHTD.new_empty(B, H, T, v_buf_SGLD.shape[-1])
+    for start, end, L, mask in ctx.segments:
+        n = end - start
+        rows = slice(ctx.slot_start + start, ctx.slot_start + end)
+        k_nGLD, v_nGLD = k_buf_SGLD[rows, :, :L], v_buf_SGLD[rows, :, :L]
+        q_nGQD = q_BHTD[start:end].reshape(n, G, H // G * T, D)  # Q = query heads of a group x T
+        scores = torch.matmul(q_nGQD, k_nGLD.transpose(-1, -2)).mul_(scale)
+        if mask is not None:
+            scores.view(n, G, H // G, T, L).masked_fill_(~mask, float("-inf"))
+        out_BHTD[start:end] = torch.matmul(torch.softmax(scores, -1), v_nGLD).view(n, H, T, -1)
+    return out_BHTD
 
 
 def _attend(q_BHTD, k_BGLD, v_BGLD, ctx: AttnContext, scale: float) -> torch.Tensor:
@@ -80,7 +96,7 @@ class GroupedQueryAttention(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
-        """Per-token cache entries: keys and values `[G, Dh]` each."""
+        """Per-token cache entries, as (heads, width): keys and values, `G` heads of `Dh` each."""
         return [(self.num_kv_heads, self.head_dim)] * 2
 
     def forward(self, x_BTD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -91,11 +107,15 @@ class GroupedQueryAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, ctx.pos_BT, ctx.rope), self.rotary(k, ctx.pos_BT, ctx.rope)
         v = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        scale = 1.0 / math.sqrt(self.head_dim)
         if ctx.cache is not None:
             k_buf, v_buf = ctx.cache.layers[self.layer_idx]
-            k, v = _cache(k_buf, ctx, k), _cache(v_buf, ctx, v)
-        out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx,
-                      1.0 / math.sqrt(self.head_dim))
+            _cache(k_buf, ctx, k)
+            _cache(v_buf, ctx, v)
+            if ctx.cache_rows_N is None:
+                out = _attend_cached(q.transpose(1, 2), k_buf, v_buf, ctx, scale)
+                return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, scale)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -123,8 +143,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary = Rotary(self.rope_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
-        """Per-token cache entries: the latent `[R]` and the shared RoPE key `[P]`."""
-        return [(self.kv_rank,), (self.rope_dim,)]
+        """Per-token cache entries, as (heads, width): the latent (R) and the shared RoPE key (P),
+        one head each."""
+        return [(1, self.kv_rank), (1, self.rope_dim)]
 
     def forward(self, x_BTD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -137,7 +158,10 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope_BTP = self.rotary(k_rope.unsqueeze(2), ctx.pos_BT, ctx.rope).squeeze(2)
         if ctx.cache is not None:
             lat_buf, rope_buf = ctx.cache.layers[self.layer_idx]
-            latent_BTR, k_rope_BTP = _cache(lat_buf, ctx, latent_BTR), _cache(rope_buf, ctx, k_rope_BTP)
+            _cache(lat_buf, ctx, latent_BTR.unsqueeze(2))
+            _cache(rope_buf, ctx, k_rope_BTP.unsqueeze(2))
+            if ctx.cache_rows_N is None:  # decode: the rows' cached prefix, read with a mask
+                latent_BTR, k_rope_BTP = _cached_rows(lat_buf, ctx, B), _cached_rows(rope_buf, ctx, B)
         L = latent_BTR.shape[1]
         k_nope, v = self.wkv_b(latent_BTR).view(B, L, H, self.nope_dim + self.v_dim).split(
             [self.nope_dim, self.v_dim], dim=-1)

@@ -2,12 +2,14 @@
 of packed (padding-free) sequences.
 
 The cache is a set of per-layer buffers with one row (slot) per running sequence; what a layer
-stores per token is the attention module's choice (GQA: keys and values; MLA: the compressed
-latent and the shared RoPE key). The rollout engine decides which slots a pass reads and writes;
-the model only follows a `CacheBatch`.
+stores per token is the attention module's choice (GQA: keys and values per kv head; MLA: the
+compressed latent and the shared RoPE key, as one head). Buffers are `[S, G, L, X]`, heads
+before positions, so a run of rows read up to L positions is a strided view whose `[L, X]`
+matrices a batched matmul reads in place. The rollout engine decides which slots a pass reads
+and writes; the model only follows a `CacheBatch`.
 
-Legend: S slots (or packed sequences), L max cached positions (or longest packed sequence),
-B rows in this pass, T new tokens per row, N packed tokens.
+Legend: S slots (or packed sequences), G heads of the cache, L max cached positions (or longest
+packed sequence), X entry width, B rows in this pass, T new tokens per row, N packed tokens.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlfusion.model.row_segments import row_segments
+
 
 class KVCache:
-    """Per-layer buffers shaped `[S, L, ...]`, allocated once."""
+    """Per-layer buffers shaped `[S, G, L, X]`, allocated once."""
 
     def __init__(self, layer_buffers: list[tuple[torch.Tensor, ...]], num_slots: int, max_len: int):
         self.layers = layer_buffers
@@ -56,6 +60,13 @@ class KVCache:
             for buf in buffers:
                 buf[dst].copy_(buf[src])
 
+    def permute_slots(self, order: list[int], positions: int) -> None:
+        """Rows `[0, len(order))` become rows `order` (new row i holds old row `order[i]`),
+        copying each row's first `positions` positions."""
+        index = torch.tensor(order, device=self.layers[0][0].device)
+        for buffers in self.layers:
+            for buf in buffers:
+                buf[:len(order), :, :positions] = buf[index, :, :positions]
 
 
 @dataclass
@@ -103,6 +114,10 @@ class AttnContext:
     slot_start: int = 0
     kv_len: int = 0  # number of cached positions to attend over
     mask_B1TL: torch.Tensor | None = None  # True where a query may attend to a cached key
+    # The same pass as runs of rows (`row_segments`): (first row, end row, positions read, mask
+    # `[n, 1, 1, T, positions]` True where a query may attend, or None where every query sees
+    # every position). Attention reads each run's rows only up to its own longest.
+    segments: list[tuple[int, int, int, torch.Tensor | None]] | None = None
     # Packed sequences: attention runs on right-padded [S_b, L_b] views, one per bucket of
     # sequences of similar length (`unpad_SL[b]`: indices into the N packed tokens), and returns
     # through `repack_N` (for each packed token, its position in the buckets' flattened S_b*L_b
@@ -140,8 +155,13 @@ class AttnContext:
                              f"{batch.cache.max_len}")
         keys_L = torch.arange(kv_len, device=device)
         mask = keys_L.view(1, 1, 1, -1) <= pos_BT.unsqueeze(1).unsqueeze(-1)
+        lengths = (pos_BT[:, -1] + 1).tolist()
+        segments = [(start, end, positions,
+                     None if num_tokens == 1 and min(lengths[start:end]) == positions
+                     else mask[start:end, :, :, :positions].unsqueeze(1))
+                    for start, end, positions in row_segments(lengths)]
         return cls(pos_BT=pos_BT, cache=batch.cache, slot_start=batch.slot_start,
-                   kv_len=kv_len, mask_B1TL=mask)
+                   kv_len=kv_len, mask_B1TL=mask, segments=segments)
 
     @classmethod
     def _packed(cls, packed: PackedSeqs, num_rows: int, num_tokens: int,

@@ -84,8 +84,8 @@ class MoETransformer(nn.Module):
         max_len = max_len or self.config.max_seq_len
         dtype = dtype or self.embed.weight.dtype
         device = self.embed.weight.device
-        buffers = [tuple(torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device)
-                         for shape in layer.attn.cache_shapes()) for layer in self.layers]
+        buffers = [tuple(torch.zeros(num_slots, heads, max_len, width, dtype=dtype, device=device)
+                         for heads, width in layer.attn.cache_shapes()) for layer in self.layers]
         return KVCache(buffers, num_slots, max_len)
 
     def num_params(self) -> int:
