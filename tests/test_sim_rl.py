@@ -69,6 +69,16 @@ def test_decode_cost_grows_with_the_longest_context():
     assert simulate(long_prompts, cal).tokens_per_s < simulate(long_prompts, CAL).tokens_per_s
 
 
+def test_decode_pass_reads_each_run_of_rows_up_to_its_own_longest():
+    cal = CAL.replace(decode_context_ms=0.002, decode_reference_context=40, probe_s=1.0)
+    assert cal.decode_pass_s([140] * 20) == pytest.approx(cal.decode_step_s(20, 140))  # one run
+    longest_first = [1000, 900] + [100] * 30
+    assert cal.decode_pass_s(longest_first) == pytest.approx(
+        CAL.decode_step_s(32) + (2 * 960 + 30 * 60) * 0.002e-3)
+    assert cal.decode_pass_s(longest_first) < cal.decode_step_s(32, 1000)  # not every row to 1000
+    assert cal.decode_pass_s([]) == 0.0
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cal.json"
     save_calibration(CAL, path)

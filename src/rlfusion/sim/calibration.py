@@ -22,6 +22,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlfusion.model.row_segments import row_segments
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -98,21 +100,32 @@ class Calibration:
         return self.lockstep_speed or self.concurrent_speed
 
     def decode_step_s(self, batch: int, context: int = 0) -> float:
-        """Step time at `batch` active sequences whose longest context is `context` tokens:
-        the table (piecewise linear between measured points, flat below the first,
-        extrapolated with the last slope above the last) plus the attention beyond the
-        table's context."""
+        """Step time at `batch` active sequences, every one read up to `context` positions: the
+        table plus the attention beyond the table's context."""
         if batch <= 0:
             return 0.0
+        extra = batch * max(0, context - self.decode_reference_context) * self.decode_context_ms
+        return (self._table_ms(batch) + extra) / 1e3
+
+    def decode_pass_s(self, lengths: list[int]) -> float:
+        """One decode pass over rows of these context lengths, in slot order: the table at their
+        number plus the attention beyond the table's context over each run of rows the pass
+        reads up to its own longest (`row_segments`, as the model reads the cache)."""
+        if not lengths:
+            return 0.0
+        reads = sum((end - start) * max(0, positions - self.decode_reference_context)
+                    for start, end, positions in row_segments(lengths))
+        return (self._table_ms(len(lengths)) + reads * self.decode_context_ms) / 1e3
+
+    def _table_ms(self, batch: int) -> float:
+        """The decode table at `batch` rows: piecewise linear between measured points, flat below
+        the first, extrapolated with the last slope above the last."""
         sizes, times = self.decode_batch_sizes, self.decode_step_ms
         if batch <= sizes[0] or len(sizes) == 1:
-            ms = times[0] if batch <= sizes[0] else times[-1]
-        else:
-            i = min(bisect_left(sizes, batch), len(sizes) - 1)
-            x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
-            ms = y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
-        extra = batch * max(0, context - self.decode_reference_context) * self.decode_context_ms
-        return (ms + extra) / 1e3
+            return times[0] if batch <= sizes[0] else times[-1]
+        i = min(bisect_left(sizes, batch), len(sizes) - 1)
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+        return y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
 
     def decode_steps_s(self, batch: int, context: int, steps: int) -> float:
         """`steps` decode steps of `batch` rows, the longest context `context` in the first and

@@ -13,8 +13,9 @@ is time, from the costs of a measured `Calibration` (nothing fitted):
 - **Rollout.** Every unfinished group runs, split over the rollout devices by `assign_groups`.
   Each device's scheduler (`max_num_seqs` slots, admission once `min_prefill_batch`
   slots are free, a packed prefill budget of `max_num_batched_tokens` tokens per step) plans the
-  steps; a step costs the decode pass over the running rows (at their longest context) plus
-  the prefill pass over the admitted ones, and gives every scheduled row one token. One
+  steps (the rows longest first, as the engine keeps them); a step costs the decode pass over
+  the running rows (each run of similar-length rows read up to its own longest) plus the
+  prefill pass over the admitted ones, and gives every scheduled row one token. One
   device applies `rollout_stops` to its own counts before each step. With several rollout
   devices the rule applies to the sums of their counts every `stop_sync_every` engine steps (a
   collective, so they meet there; each sum costs the measured `Calibration.stop_sync_s`), and a
@@ -239,7 +240,7 @@ class RuntimeStaleSync:
         step = dev.scheduler.schedule()
         decode_s = prefill_s = 0.0
         if step.decode:
-            decode_s = cal.decode_step_s(len(step.decode), max(seq.num_tokens for seq in step.decode))
+            decode_s = cal.decode_pass_s([seq.num_tokens for seq in step.decode])
             dev.decode_passes += 1
         if step.prefill:
             prefill_s = cal.prefill_s(sum(seq.num_tokens for seq in step.prefill))
