@@ -14,6 +14,8 @@ Every variant starts from the shipped base on its own 2 Ray device workers (1 th
 update of each variant runs in turn (interleaved, never concurrently), so all variants share the
 machine's load. Tokens/s = generated tokens / step wall time summed over the updates after the
 first two (the separated pipeline fills in its first step, StaleSync's pool in its first two).
+Trained tokens/s (the response tokens of the updates' batches / step time) is printed beside
+it: over a short run StaleSync's pool of groups in flight fills and drains, so the two differ.
 Per row: the generation share of device time (rollout device-seconds / busy device-seconds of
 the step), the tail amplification (rollout wall time / the time its tokens would take with every
 decode pass full at the step's mean pass cost, plus prefill), mean decode-batch occupancy and
@@ -37,7 +39,10 @@ update — stays (StaleSync trains the same samples with the same models), at th
 device-seconds per generated token either synchronous variant measured (separated: single
 devices, mostly one at a time, no data-parallel all-reduce; switches and weight transfers left
 out); every generated token is decoded at the engine's best per-token cost over batch sizes up
-to 4x the engine's slots (single process, no growth of the context) and every sample's prompt
+to 4x the engine's slots (single process, short contexts) plus the cache reads of its own
+context (the workload's mean context per generated token — a decode pass reads every row's
+cached keys and values, which no batching shares — at the measured cost per position) and every
+sample's prompt
 is prefilled once at the engine's best packed-prefill cost (this engine prefills each sample of
 a group on its own; prefix sharing would cut that for synchronous and StaleSync alike); the two
 devices never idle, each at the speed two independent busy processes keep here (the
@@ -47,7 +52,7 @@ seed; each seed's ceiling pairs their means with that seed's own synchronous run
 conditions the baseline ran in), and the run also prints the loosest form: every seed's runs
 with the most favourable floor and speed of any measurement, the largest.
 
-    python bench/stalesync.py            # replay workload, 3 seeds x 6 updates per variant (~30 min)
+    python bench/stalesync.py            # replay workload, 3 seeds x 10 updates per variant (~45 min)
     python bench/stalesync.py --quick    # 1 seed, 5 updates
     python bench/stalesync.py --workload task   # the built-in task, 3 seeds x 30 updates, 500 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
@@ -116,47 +121,79 @@ def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: i
     return RLTrainer(cfg, out / _folder(name), find_base())
 
 
-def engine_floors(max_num_seqs: int) -> dict[str, float]:
-    """The engine's lowest costs on the default task's prompts (the shipped base, 1 thread, 24
-    new tokens per row, no stop): decode per generated token over batch sizes of 1/2 to 4x
-    `max_num_seqs` rows (median step after the prefill steps), and packed prefill per prompt
-    token (the first step of the runs whose prompts fit one step). Also the prompts' mean
-    length."""
+FLOOR_NEW_TOKENS = 24  # tokens each row of the floor's runs generates
+
+
+def engine_floors(max_num_seqs: int, context_len: int | None) -> dict[str, float]:
+    """The engine's lowest costs on the default task's prompts (the shipped base, 1 thread,
+    `FLOOR_NEW_TOKENS` new tokens per row, no stop): decode per generated token over batch sizes
+    of 1/2 to 4x `max_num_seqs` rows (median step after the prefill steps), and packed prefill
+    per prompt token (the first step of the runs whose prompts fit one step). Also the prompts'
+    mean length, the mean context of the floor's decoded tokens, and what each further position
+    of context adds to a row's decode (`decode_context_ms` at `max_num_seqs` rows, the model
+    built at `context_len` positions): a token decoded at a longer context reads more cache."""
     import torch
 
     from rlfusion.engine.engine import EngineConfig
-    from rlfusion.model.checkpoint import load_checkpoint
-    from rlfusion.measure.calibrate import engine_step_times, task_prompts
+    from rlfusion.model.checkpoint import load_base
+    from rlfusion.measure.calibrate import decode_context_ms, engine_step_times, task_prompts
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, tokenizer, _ = load_checkpoint(find_base())
+        model, tokenizer, _ = load_base(find_base(), max_seq_len=context_len)
         model.eval()
         decode, prefill, lengths = (float("inf"), 0), float("inf"), []
         for rows in (max_num_seqs // 2, max_num_seqs, 2 * max_num_seqs, 4 * max_num_seqs):
             prompts = task_prompts(tokenizer, rows, seed=rows)
             lengths += [len(p) for p in prompts]
-            times = engine_step_times(model, prompts, 24, max_num_seqs=rows)
+            times = engine_step_times(model, prompts, FLOOR_NEW_TOKENS, max_num_seqs=rows)
             decode = min(decode, (statistics.median(times[2:]) / rows, rows))
             tokens = sum(len(p) for p in prompts)
             if tokens <= EngineConfig().max_num_batched_tokens:  # all prefilled in the first step
                 prefill = min(prefill, times[0] / tokens)
+        floor_context = statistics.mean(lengths) + FLOOR_NEW_TOKENS / 2
+        per_position = decode_context_ms(model, round(floor_context), quick=True, rows=max_num_seqs) / 1e3
     finally:
         torch.set_num_threads(threads)
     return {"decode_s_per_token": decode[0], "decode_rows": decode[1], "prefill_s_per_token": prefill,
-            "prompt_tokens": statistics.mean(lengths)}
+            "prompt_tokens": statistics.mean(lengths), "floor_context": floor_context,
+            "context_s_per_position": per_position}
+
+
+def mean_context(rollout, prompt_tokens: float, mean_length: float) -> float:
+    """The mean context a generated token of the workload is decoded at: a response of L tokens
+    after a p-token prompt decodes at p, p + 1, ..., p + L - 1. The replay workload's lengths are
+    drawn as its runs draw them; otherwise its measured mean length gives a lower bound (every
+    response at the mean), which keeps the ceiling an upper bound."""
+    from rlfusion.rl.replay import replay_length
+
+    if rollout.lengths == "replay":
+        lengths = [replay_length(g, i, rollout.replay_median, rollout.replay_sigma, rollout.replay_between,
+                                 rollout.max_new_tokens) for g in range(2000) for i in range(rollout.group_size)]
+    else:
+        lengths = [max(1, round(mean_length))]
+    return prompt_tokens + sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
 
 
 def ceiling(work_s_per_token: float, floors: dict[str, float], prompts_per_token: float,
-            devices: int, speed: float) -> float:
+            context: float, devices: int, speed: float) -> float:
     """Tokens/s no schedule can beat on `devices` devices that each run at `speed` (relative to
     one busy process alone) with no idle time: every generated token costs its decoding at the
-    floor, its share of prompt prefill (`prompts_per_token` prompt tokens, each prefilled once)
-    and `work_s_per_token` of the rest of the step (device-seconds)."""
+    floor plus the cache reads of its longer context (the workload's mean `context` beyond the
+    floor's), its share of prompt prefill (`prompts_per_token` prompt tokens, each prefilled
+    once) and `work_s_per_token` of the rest of the step (device-seconds)."""
     per_token = (work_s_per_token + floors["decode_s_per_token"]
+                 + max(0.0, context - floors["floor_context"]) * floors["context_s_per_position"]
                  + prompts_per_token * floors["prefill_s_per_token"])
     return devices * speed / per_token
+
+
+def trained_tokens_per_s(updates: list[dict], samples: int) -> float:
+    """Response tokens the updates trained on / step time: in a short run StaleSync's pool fills
+    (generation ahead of training) and drains, so generated and trained tokens differ; in the
+    long run they are equal."""
+    return sum(samples * m["response_length_mean"] for m in updates) / sum(m["time_step_s"] for m in updates)
 
 
 def tokens_per_s(updates: list[dict]) -> float:
@@ -174,7 +211,7 @@ def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
 
 def measure_conditions() -> tuple[dict, float]:
     """The engine floors and the concurrent speed of two busy processes, measured now."""
-    floors = engine_floors(rollout_config().max_num_seqs)
+    floors = engine_floors(rollout_config().max_num_seqs, load_config(TrainConfig, WORKLOAD["file"], FIXED).context_len or None)
     speed = measure_contention(default_setup(threads=1))["concurrent_speed"]
     print(f"engine floors: decode {floors['decode_s_per_token'] * 1e6:.1f} us per token (at "
           f"{floors['decode_rows']} rows), prefill {floors['prefill_s_per_token'] * 1e6:.1f} us per "
@@ -191,9 +228,10 @@ def ceiling_of(timed: dict[str, list[dict]], spans: dict[str, list], floor: dict
     samples = rollout.prompts_per_step * rollout.group_size
     base = timed[BASELINE]
     prompts_per_token = samples * floor["prompt_tokens"] / statistics.mean(m["generated_tokens"] for m in base)
-    top = ceiling(work[least], floor, prompts_per_token, 2, speed)
+    context = mean_context(rollout, floor["prompt_tokens"], statistics.mean(m["response_length_mean"] for m in base))
+    top = ceiling(work[least], floor, prompts_per_token, context, 2, speed)
     return {"tok_s": top, "ratio": top / tokens_per_s(base), "work": work, "least": least,
-            "prompts_per_token": prompts_per_token, "floor": floor, "speed": speed}
+            "prompts_per_token": prompts_per_token, "context": context, "floor": floor, "speed": speed}
 
 
 def print_ceilings(per_seed: list[dict], conditions: list[list[tuple[dict, float]]]) -> None:
@@ -203,10 +241,12 @@ def print_ceilings(per_seed: list[dict], conditions: list[list[tuple[dict, float
     ratios, loosest = [], []
     every = [m for measured in conditions for m in measured]
     best = {**min((f for f, _ in every), key=lambda f: f["decode_s_per_token"]),
-            "prefill_s_per_token": min(f["prefill_s_per_token"] for f, _ in every)}
+            "prefill_s_per_token": min(f["prefill_s_per_token"] for f, _ in every),
+            "context_s_per_position": min(f["context_s_per_position"] for f, _ in every)}
     for run, measured in zip(per_seed, conditions):
         floor = {k: statistics.mean(f[k] for f, _ in measured)
-                 for k in ("decode_s_per_token", "prefill_s_per_token", "prompt_tokens")}
+                 for k in ("decode_s_per_token", "prefill_s_per_token", "prompt_tokens", "floor_context",
+                           "context_s_per_position")}
         floor["decode_rows"] = "/".join(str(f["decode_rows"]) for f, _ in measured)
         c = ceiling_of(run["timed"], run["spans"], floor, statistics.mean(sp for _, sp in measured))
         ratios.append(c["ratio"])
@@ -214,7 +254,9 @@ def print_ceilings(per_seed: list[dict], conditions: list[list[tuple[dict, float
         print(f"\nseed {run['seed']}: ceiling {c['tok_s']:.0f} tokens/s = {c['ratio']:.2f}x its sync colocated (per "
               f"generated token: reference, reward and training {c['work'][c['least']] * 1e6:.0f} us as {c['least']} "
               f"measured them ({', '.join(f'{n} {w * 1e6:.0f}' for n, w in c['work'].items())}); decoding "
-              f"{floor['decode_s_per_token'] * 1e6:.1f} us (rows {floor['decode_rows']}); prompt prefill "
+              f"{floor['decode_s_per_token'] * 1e6:.1f} us (rows {floor['decode_rows']}, context "
+              f"{floor['floor_context']:.0f}) + {floor['context_s_per_position'] * 1e9:.0f} ns per position of "
+              f"the workload's mean context {c['context']:.0f} beyond it; prompt prefill "
               f"{c['prompts_per_token']:.2f} tokens x {floor['prefill_s_per_token'] * 1e6:.1f} us; 2 devices never "
               f"idle, each at {c['speed']:.2f})")
     print(f"\nceiling of any schedule of this work on 2 devices: median of the seeds "
@@ -302,7 +344,7 @@ def main() -> None:
             raise SystemExit(f"--prompts={args.prompts}: must be >= 1")
         FIXED.append(f"rollout.prompts_per_step={args.prompts}")
     added = [add_variant(spec) for spec in args.add]
-    updates = args.updates or ((8 if args.quick else 30) if accuracy else (5 if args.quick else 6))
+    updates = args.updates or ((8 if args.quick else 30) if accuracy else (5 if args.quick else 10))
     seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     eval_problems = 100 if args.quick else 500
     names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(LADDER[args.workload])
@@ -370,9 +412,10 @@ def main() -> None:
           f"medians over the timed updates" + (f"; held-out accuracy: greedy, {eval_problems} problems, mean over "
                                                "seeds, each seed's in brackets)" if accuracy else ")"))
     print("| variant | generation share | tail amplification | decode occupancy | mean response length | tokens/s "
-          "| vs sync colocated | util mean | staleness mean | staleness max | dropped groups |"
+          "| vs sync colocated | trained tokens/s | util mean | staleness mean | staleness max | dropped groups |"
           + (" held-out acc |" if accuracy else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy else ""))
+    samples = batch.prompts_per_step * batch.group_size
     for n in names:
         r, f = timed[n], row_figures(figures[n])
         st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in every[n])
@@ -380,7 +423,7 @@ def main() -> None:
         acc_cell = (f" {statistics.mean(accs[n]):.1%} ({', '.join(f'{a:.1%}' for a in accs[n])}) |"
                     if accuracy else "")
         print(f"| {n} | {f['share']:.2f} | {f['amplification']:.2f} | {f['occupancy']:.2f} | {f['length_mean']:.0f} | "
-              f"{tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | "
+              f"{tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | {trained_tokens_per_s(r, samples):.0f} | "
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
               f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} |{acc_cell}")
     print_ceilings(per_seed, seed_conditions)
