@@ -40,9 +40,16 @@ held the update's finished groups: no rollout) to ~3x a synchronous step's, so a
 says little there; these cases compare tokens/s as `bench/stalesync.py` reports it, the sum of
 generated tokens over the sum of step times, measured and simulated alike.
 
+The replay workload (`configs/replay.toml`: forced long-tailed lengths, median 150, cap 1,000,
+no KL term, so no reference pass) is a second interleaved measurement: synchronous co-located
+and StaleSync s=1 / s=2 co-located (threshold 0.75), predicted the same way. There a decode pass
+reads every row's cache up to its context, which the calibration's cost per row and position
+(`decode_context_ms`) prices, each run of similar-length rows up to its own longest as the engine
+reads them.
+
 A validation entry is a `Case` builder in `VALIDATIONS`.
 
-    python bench/simulator.py            # 6 rounds (about 5 min)
+    python bench/simulator.py            # 6 rounds of each measurement (about 12 min)
     python bench/simulator.py --quick    # 2 rounds, quick calibration
 """
 
@@ -273,15 +280,33 @@ def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
                         tuple(len(t.prompt_ids) for t in batch))
 
 
-def measured_cases(rounds: int, probes: Probes) -> list[Case]:
-    """The three synchronous deployment modes of `bench/fusion.py` and the StaleSync variants
-    of `bench/stalesync.py` in STALESYNC_CASES (2 Ray devices, 1 thread each, 32 prompts x 8
-    samples), interleaved: a warm-up step each, then rounds of one step per run in turn."""
-    import ray
-    from fusion import DEPLOY_MODES as MODES, make_trainer  # bench/fusion.py, next to this file
-    from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
+# The replay workload (configs/replay.toml: long-tailed forced lengths, median 150, cap 1,000, no
+# KL term): case name -> bench/stalesync.py's VARIANTS name
+REPLAY_CASES = {"replay_colocated": "sync colocated",
+                "replay_stalesync_s1_colocated": "stalesync s=1 colocated",  # threshold 0.75
+                "replay_stalesync_s2_colocated": "stalesync s=2 colocated"}  # threshold 0.75
 
-    names = list(MODES) + list(STALESYNC_CASES)
+
+def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[Case]:
+    """Real runs on 2 Ray devices (1 thread each), interleaved: a warm-up step each, then rounds
+    of one step per run in turn. `task`: the three synchronous deployment modes of
+    `bench/fusion.py` and the StaleSync variants of `bench/stalesync.py` in STALESYNC_CASES (32
+    prompts x 8 samples); `replay`: REPLAY_CASES on configs/replay.toml (16 x 8)."""
+    import ray
+    from fusion import DEPLOY_MODES, make_trainer  # bench/fusion.py, next to this file
+    from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
+    from workload import REPLAY  # bench/workload.py
+
+    if workload == "task":
+        sync = {m: (m, lambda tmp, m=m: make_trainer(m, tmp)) for m in DEPLOY_MODES}
+        stale = STALESYNC_CASES
+        config = None
+    else:
+        sync = {c: (VARIANTS[v][0], lambda tmp, v=v: make_stale_trainer(v, tmp, 10, 1000, seed=0, config=REPLAY))
+                for c, v in REPLAY_CASES.items() if "stalesync.enabled=true" not in VARIANTS[v][1]}
+        stale = {c: v for c, v in REPLAY_CASES.items() if c not in sync}
+        config = REPLAY
+    names = list(sync) + list(stale)
     # logical CPUs: a 2-device placement group per run and the 2 probe actors; one runs at a time
     ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
@@ -290,15 +315,12 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
     try:
         workers = contention_workers(default_setup(threads=1))
         with tempfile.TemporaryDirectory() as tmp:
-            trainers = {m: make_trainer(m, Path(tmp)) for m in MODES}
-            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000, seed=0, config=None)  # the task
-                             for c, v in STALESYNC_CASES.items()})
+            trainers = {m: make(Path(tmp)) for m, (_, make) in sync.items()}
+            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000, seed=0, config=config)
+                             for c, v in stale.items()})
             recorders = {}
             for m, t in trainers.items():
-                if m in STALESYNC_CASES:
-                    recorders[m] = _BatchRecorder(t)
-                else:
-                    recorders[m] = _RecordingRollout(t)
+                recorders[m] = _BatchRecorder(t) if m in stale else _RecordingRollout(t)
                 t.train_step()  # warm-up
             for r in range(rounds):
                 alone, together, lockstep = contention_probe(workers)
@@ -306,15 +328,15 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                 probes.together += together
                 probes.lockstep += lockstep
                 for m in names:
-                    step = _stale_step if m in STALESYNC_CASES else _step
+                    step = _stale_step if m in stale else _step
                     steps[m].append(step(trainers[m], recorders[m]))
                 print(f"  round {r + 1}: " + ", ".join(
                     f"{m} {steps[m][-1].generated_tokens / steps[m][-1].step_s:,.0f} tok/s"
                     for m in names) + f"; contention probe: concurrent speed "
                     f"{concurrent_speed(alone, together):.2f}, lock-step {concurrent_speed(alone, lockstep):.2f}",
                     flush=True)
-            cfg = trainers[MODES[0]].cfg
-            for c in STALESYNC_CASES:
+            cfg = trainers[names[0]].cfg
+            for c in stale:
                 plan = trainers[c].devices.plan
                 scorers = "rollout" if plan.reference == plan.rollout else "train"
                 stale_lengths[c] = (trainers[c].cfg, recorders[c].group_lengths(cfg.rollout.group_size), scorers)
@@ -326,9 +348,9 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
                        group_size=cfg.rollout.group_size, max_staleness=0,
                        max_num_seqs=cfg.rollout.max_num_seqs,
                        min_prefill_batch=getattr(cfg.rollout, "min_prefill_batch", 1),
-                       max_new_tokens=cfg.rollout.max_new_tokens)
-    cases = [Case(m, base.replace(mode=m), steps[m]) for m in MODES]  # the sim takes deploy.mode
-    for c in STALESYNC_CASES:
+                       max_new_tokens=cfg.rollout.max_new_tokens, reference=bool(cfg.algo.kl_coef))
+    cases = [Case(m, base.replace(mode=mode), steps[m]) for m, (mode, _) in sync.items()]
+    for c in stale:
         tcfg, (lengths, drawn, prompts), scorers = stale_lengths[c]
         st = tcfg.stalesync
         print(f"  {c}: {len(lengths)} admitted samples replayed by group id, {drawn} of them "
@@ -348,6 +370,7 @@ def measured_cases(rounds: int, probes: Probes) -> list[Case]:
 # to predict: the synchronous modes and the StaleSync variants are measured interleaved.
 VALIDATIONS: list[tuple[str, Callable[[int, Probes], list[Case]]]] = [
     ("fusion + stalesync", measured_cases),
+    ("replay workload: sync + stalesync co-located", lambda rounds, probes: measured_cases(rounds, probes, "replay")),
 ]
 
 

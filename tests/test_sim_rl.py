@@ -79,6 +79,16 @@ def test_decode_pass_reads_each_run_of_rows_up_to_its_own_longest():
     assert cal.decode_pass_s([]) == 0.0
 
 
+@pytest.mark.parametrize("mode", ["separated", "colocated", "fully_shared"])
+@pytest.mark.parametrize("model", ["samples", "runtime"])
+def test_no_kl_term_runs_no_reference_pass(mode, model):
+    cfg = SMALL.replace(mode=mode, max_staleness=1, partial_rollout=True, stalesync_model=model)
+    with_ref, without = simulate(cfg, CAL), simulate(cfg.replace(reference=False), CAL)
+    assert any(e.role == "ref" for e in with_ref.timeline)
+    assert not any(e.role == "ref" for e in without.timeline)
+    assert without.update_end_s[-1] < with_ref.update_end_s[-1]
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cal.json"
     save_calibration(CAL, path)

@@ -62,6 +62,7 @@ class RLSimConfig:
     max_num_batched_tokens: int = 4096  # runtime model: the engine's token budget per step (packed prefill)
     stop_sync_every: int = 8  # runtime model: engine steps between the rollout devices'
     #                           stop-rule sums (mirrors stages.SYNC_EVERY; a test checks)
+    reference: bool = True  # a reference-model pass per sample (False: no KL term, algo.kl_coef=0)
     reward_model: bool = False  # fully_shared mode: a reward-model forward (else a free verifier)
     queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version
     padding_free: bool = True  # DistQueue packs samples without padding

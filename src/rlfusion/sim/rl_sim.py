@@ -228,7 +228,7 @@ class _Sim:
         eng.active = [s for s in eng.active if s.generated < s.length]
         tokens = sum(s.prompt_len + s.length for s in done)
         eng.finished_tokens += tokens
-        if tokens and self.cfg.mode == "separated" and self.cfg.scorers == "rollout":
+        if tokens and self.cfg.reference and self.cfg.mode == "separated" and self.cfg.scorers == "rollout":
             # scored where generated, as they finish (the per-pass fixed cost is not charged)
             ref = tokens / self.cal.reference_rate(self.cal.devices_per_engine) * self.engine_slow
             self.record(eng.name, "ref", eng.clock, eng.clock + ref, eng.version)
@@ -266,7 +266,7 @@ class _Sim:
         rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9)
                    + len(batch) * cal.advantage_s_per_sample)]
-        if cfg.mode == "separated" and cfg.scorers == "train":
+        if cfg.reference and cfg.mode == "separated" and cfg.scorers == "train":
             phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
         if cfg.mode == "fully_shared" and cfg.reward_model:
             phases += [("switch", cal.switch_s),
@@ -279,6 +279,8 @@ class _Sim:
         """One engine's reference pass over the `tokens` it generated (colocated modes; with
         scorers 'train' the pass runs on the same devices after the switch)."""
         cal = self.cal
+        if not self.cfg.reference:
+            return []
         forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine) * self.engine_slow)
         if self.cfg.mode != "fully_shared":
             return [forward]
