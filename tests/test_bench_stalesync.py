@@ -43,12 +43,15 @@ def test_bound_reads_the_override_else_the_default(bench):
     assert bench.bound("plain") == TrainConfig().stalesync.max_staleness
 
 
+NO_CONTEXT = {"floor_context": 20.0, "context_s_per_position": 0.0}  # reads cost nothing beyond the floor
+
+
 def _run(tokens: int, step_s: float, work: dict[str, float]) -> tuple[list[dict], list[Span]]:
     """One timed update of `tokens` generated tokens and `step_s` seconds, with device spans of
     `work` (phase -> seconds); rollout and idle spans must not count as work."""
     spans = [Span("device0", "rollout", 0.0, 5.0, step=2), Span("device1", "idle", 0.0, 5.0, step=2)]
     spans += [Span("device1", phase, 0.0, s, step=2) for phase, s in work.items()]
-    return [{"generated_tokens": tokens, "time_step_s": step_s}], spans
+    return [{"generated_tokens": tokens, "time_step_s": step_s, "response_length_mean": 100.0}], spans
 
 
 def test_ceiling_takes_the_least_work_and_the_floors(bench):
@@ -56,7 +59,7 @@ def test_ceiling_takes_the_least_work_and_the_floors(bench):
     samples = rollout.prompts_per_step * rollout.group_size
     col, col_spans = _run(1000, 1.0, {"train": 0.2, "reference": 0.05, "switch": 0.3})
     sep, sep_spans = _run(1000, 2.0, {"train": 0.1, "reference": 0.05, "transfer": 0.4})
-    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0}
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, **NO_CONTEXT}
     c = bench.ceiling_of({"sync colocated": col, "sync separated": sep},
                          {"sync colocated": col_spans, "sync separated": sep_spans}, floor, speed=0.8)
     assert c["least"] == "sync separated"  # 150 us per token (switch and transfer left out)
@@ -66,10 +69,31 @@ def test_ceiling_takes_the_least_work_and_the_floors(bench):
     assert c["ratio"] == pytest.approx(c["tok_s"] / 1000.0)  # the baseline: 1000 tokens in 1 s
 
 
+def test_ceiling_counts_each_tokens_cache_reads_at_the_workloads_mean_context(bench):
+    """A generated token at a longer context than the floor's reads more cache: the ceiling adds
+    the cost per position beyond the floor's context, at the workload's mean context."""
+    from rlfusion.rl.replay import replay_length
+
+    col, col_spans = _run(1000, 1.0, {"train": 0.2})
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, **NO_CONTEXT}
+    reads = {**floor, "context_s_per_position": 300e-9}
+    free, paid = (bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, f, speed=1.0)
+                  for f in (floor, reads))
+    r = bench.rollout_config()  # the replay workload: its drawn lengths
+    lengths = [replay_length(g, i, r.replay_median, r.replay_sigma, r.replay_between, r.max_new_tokens)
+               for g in range(2000) for i in range(r.group_size)]
+    context = 2.0 + sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
+    assert paid["context"] == pytest.approx(context) and context > 2.0 + r.replay_median
+    assert 1 / paid["tok_s"] - 1 / free["tok_s"] == pytest.approx((context - 20.0) * 300e-9 / 2)
+    # a natural-length workload: the measured mean length bounds the mean context from below
+    task = bench.WORKLOADS["task"]
+    assert bench.mean_context(load_config(TrainConfig, task).rollout, 2.0, 41.0) == pytest.approx(2.0 + 20.0)
+
+
 def test_ceiling_counts_the_prompts_of_the_configured_batch(bench, monkeypatch):
     """`--prompts N` sets every variant's batch, and the ceiling's prompt prefill follows it."""
     col, col_spans = _run(1000, 1.0, {"train": 0.2})
-    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0}
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, **NO_CONTEXT}
     default = bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, floor, speed=1.0)
     monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "8", "--updates", "2"])
     with pytest.raises(SystemExit, match="need >= 4 updates"):  # stops before Ray starts
@@ -85,7 +109,8 @@ def test_ceiling_counts_the_prompts_of_the_configured_batch(bench, monkeypatch):
 
 
 def test_per_seed_ceilings_pair_each_seed_with_its_own_baseline(bench, capsys):
-    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, "decode_rows": 512}
+    floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, "decode_rows": 512,
+             **NO_CONTEXT}
     quick = {**floor, "decode_s_per_token": 40e-6}  # a quiet moment's floor
     seeds = []
     for seed, step_s in ((3, 1.0), (4, 2.0), (5, 1.5)):  # seed 4's baseline ran at half the speed
