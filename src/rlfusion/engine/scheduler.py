@@ -143,9 +143,11 @@ class Scheduler:
         if not self._reordered or len(self.running) < 2:
             return None
         self._reordered = False
+        lengths = [s.num_tokens for s in self.running]
+        if all(a >= b for a, b in zip(lengths, lengths[1:])):
+            return None  # already longest first (a synchronous rollout's rows all are)
         ordered = sorted(self.running, key=lambda s: -s.num_tokens)
-        if read_cost([s.num_tokens for s in self.running]) <= RESORT_GAIN * read_cost(
-                [s.num_tokens for s in ordered]):
+        if read_cost(lengths) <= RESORT_GAIN * read_cost([s.num_tokens for s in ordered]):
             return None
         permutation = [s.slot for s in ordered]
         for slot, seq in enumerate(ordered):
