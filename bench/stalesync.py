@@ -64,6 +64,7 @@ with the most favourable floor and speed of any measurement, the largest.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -107,9 +108,14 @@ WORKLOAD = {"file": REPLAY}  # set by --workload
 FIXED = ["deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_device=1"]  # every variant
 
 
+def run_config() -> TrainConfig:
+    """The settings every variant shares: the workload's file with `FIXED` over it."""
+    return load_config(TrainConfig, WORKLOAD["file"], FIXED)
+
+
 def rollout_config():
-    """The rollout settings every variant shares (`FIXED` over the defaults)."""
-    return load_config(TrainConfig, WORKLOAD["file"], FIXED).rollout
+    """The rollout settings every variant shares."""
+    return run_config().rollout
 
 
 def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int,
@@ -166,14 +172,20 @@ def mean_context(rollout, prompt_tokens: float, mean_length: float) -> float:
     after a p-token prompt decodes at p, p + 1, ..., p + L - 1. The replay workload's lengths are
     drawn as its runs draw them; otherwise its measured mean length gives a lower bound (every
     response at the mean), which keeps the ceiling an upper bound."""
+    if rollout.lengths == "replay":
+        return prompt_tokens + _replay_context(rollout.replay_median, rollout.replay_sigma, rollout.replay_between,
+                                               rollout.max_new_tokens, rollout.group_size)
+    n = max(1, round(mean_length))
+    return prompt_tokens + (n - 1) / 2
+
+
+@functools.cache
+def _replay_context(median: float, sigma: float, between: float, cap: int, group_size: int) -> float:
+    """Mean position within its response of a replayed token, over 2,000 groups' drawn lengths."""
     from rlfusion.rl.replay import replay_length
 
-    if rollout.lengths == "replay":
-        lengths = [replay_length(g, i, rollout.replay_median, rollout.replay_sigma, rollout.replay_between,
-                                 rollout.max_new_tokens) for g in range(2000) for i in range(rollout.group_size)]
-    else:
-        lengths = [max(1, round(mean_length))]
-    return prompt_tokens + sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
+    lengths = [replay_length(g, i, median, sigma, between, cap) for g in range(2000) for i in range(group_size)]
+    return sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
 
 
 def ceiling(work_s_per_token: float, floors: dict[str, float], prompts_per_token: float,
@@ -211,7 +223,8 @@ def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
 
 def measure_conditions() -> tuple[dict, float]:
     """The engine floors and the concurrent speed of two busy processes, measured now."""
-    floors = engine_floors(rollout_config().max_num_seqs, load_config(TrainConfig, WORKLOAD["file"], FIXED).context_len or None)
+    cfg = run_config()
+    floors = engine_floors(cfg.rollout.max_num_seqs, cfg.context_len or None)
     speed = measure_contention(default_setup(threads=1))["concurrent_speed"]
     print(f"engine floors: decode {floors['decode_s_per_token'] * 1e6:.1f} us per token (at "
           f"{floors['decode_rows']} rows), prefill {floors['prefill_s_per_token'] * 1e6:.1f} us per "
