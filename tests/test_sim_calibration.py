@@ -20,9 +20,9 @@ FLAT = Calibration(decode_batch_sizes=(1,), decode_step_ms=(1.0,), prefill_ms_pe
                    train_tokens_per_s_per_device=1000.0, train_step_overhead_s=0.1,
                    switch_s=0.01, transfer_GBps=1e9, weight_GB=0.0,
                    reference_tokens_per_s_per_device=2000.0)
-# 2 devices, 1 prompt x 4 samples per step: engine0 gets samples 0-1, engine1 samples 2-3
-TWO = RLSimConfig(mode="colocated", devices_per_supernode=2, prompts_per_step=1,
-                  group_size=4, num_steps=2, prompt_len=10, max_num_seqs=2,
+# 2 devices, 2 prompts x 2 samples per step: engine0 gets group 0 (samples 0-1), engine1 group 1
+TWO = RLSimConfig(mode="colocated", devices_per_supernode=2, prompts_per_step=2,
+                  group_size=2, num_steps=2, prompt_len=10, max_num_seqs=2,
                   response_lengths=(10, 30, 20, 20), queue_bytes_per_token=0)
 
 

@@ -89,6 +89,17 @@ def test_no_kl_term_runs_no_reference_pass(mode, model):
     assert without.update_end_s[-1] < with_ref.update_end_s[-1]
 
 
+def test_a_synchronous_batch_is_split_over_the_engines_by_group():
+    """As the runtime splits a batch's prompt groups over its rollout devices, even when one
+    engine's slots could hold the whole batch."""
+    cfg = SMALL.replace(mode="colocated", num_steps=1, max_num_seqs=256, response_lengths=(10,) * 32)
+    busy = {}
+    for e in simulate(cfg, CAL).timeline:
+        if e.role == "rollout":
+            busy[e.device] = busy.get(e.device, 0.0) + e.end - e.start
+    assert set(busy) == {"engine0", "engine1"} and busy["engine0"] == pytest.approx(busy["engine1"])
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cal.json"
     save_calibration(CAL, path)

@@ -94,6 +94,7 @@ class _Engine:
     active: list[Sample] = field(default_factory=list)
     finished_tokens: int = 0  # prompt + response tokens of samples finished since last reset
     last_work: float = 0.0  # end of its latest prefill or decode step
+    taken: dict[int, int] = field(default_factory=dict)  # new samples admitted, per batch
     min_left: int | None = None  # fewest tokens any active sample still needs (None: unknown)
     max_context: int | None = None  # longest prompt + generated of the active samples (None: unknown)
 
@@ -127,6 +128,12 @@ class _Sim:
         self.trained_tokens = 0
         engines = self._num_engines()
         self.engines = [_Engine(f"engine{i}") for i in range(engines)]
+        # synchronous runs split each batch's prompt groups evenly over the engines, contiguous
+        # parts in engine order, as the runtime does; with a staleness bound engines take
+        # whatever sample is next
+        groups, extra = divmod(self.n // cfg.group_size, engines)
+        self.share = ({e.name: (groups + (i < extra)) * cfg.group_size for i, e in enumerate(self.engines)}
+                      if cfg.max_staleness == 0 else None)
         self.update_end: list[float] = []
         slow = 1.0 / (cal.concurrent_speed if cfg.mode == "separated" else cal.lockstep)
         overlap = cfg.mode == "separated" and cfg.max_staleness > 0
@@ -167,15 +174,17 @@ class _Sim:
         if not eng.active:
             eng.clock = max(eng.clock, now)
         free = self.cfg.max_num_seqs - len(eng.active)
-        waiting = len(self.resume) + max(0, (max_batch_index + 1) * self.n - self.next_idx)
+        waiting = len(self.resume) + self._new_left(eng, max_batch_index)
         if eng.active and free < min(waiting, self.cfg.min_prefill_batch):
             return  # the scheduler waits for a bigger prefill batch
         added: list[Sample] = []
         while len(eng.active) + len(added) < self.cfg.max_num_seqs:
             if self.resume:
                 added.append(self.resume.pop(0))
-            elif self.next_idx // self.n <= max_batch_index:
-                added.append(self._new_sample())
+            elif self._new_left(eng, max_batch_index):
+                sample = self._new_sample()
+                eng.taken[sample.batch] = eng.taken.get(sample.batch, 0) + 1
+                added.append(sample)
             else:
                 break
         if not added:
@@ -193,6 +202,14 @@ class _Sim:
         eng.last_work = eng.clock
         eng.active.extend(added)
         eng.changed()
+
+    def _new_left(self, eng: _Engine, max_batch_index: int) -> int:
+        """New samples `eng` may still admit: those of batches up to `max_batch_index`, or in a
+        synchronous run what is left of its share of the current batch."""
+        left = max(0, (max_batch_index + 1) * self.n - self.next_idx)
+        if self.share is None or not left:
+            return left
+        return min(left, self.share[eng.name] - eng.taken.get(self.next_idx // self.n, 0))
 
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
