@@ -72,7 +72,7 @@ from pathlib import Path
 
 import ray
 
-from rlfusion.model.checkpoint import find_base
+from rlfusion.model.checkpoint import resolve_base
 from rlfusion.config import load_config
 from rlfusion.obs.timeline import plot_gantt
 from rlfusion.runtime.train_config import TrainConfig
@@ -95,12 +95,17 @@ VARIANTS = {  # name: (deploy.mode, stalesync overrides), in ladder order
     "sync separated": ("separated", []),
     "stalesync s=1 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
     "stalesync s=2 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
+    "stalesync s=1 hybrid": ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
+    "stalesync s=2 hybrid": ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
 }
+CO_LOCATED = ("colocated", "hybrid")  # modes whose train devices also generate (RL Fusion's switch)
 BASELINE = "sync colocated"
-WORKLOADS = {"replay": REPLAY, "task": None}  # --workload: its config file (None: the defaults)
+LEARN = Path(__file__).resolve().parents[1] / "configs" / "learn.toml"
+WORKLOADS = {"replay": REPLAY, "task": None, "learn": LEARN}  # --workload: its config file (None: the defaults)
 LADDER = {  # the variants each workload runs by default
-    "replay": [n for n in VARIANTS if n != "stalesync s=2 separated"],
+    "replay": [n for n in VARIANTS if n not in ("stalesync s=2 separated", "stalesync s=2 hybrid")],
     "task": [n for n in VARIANTS if n not in ("stalesync s=0 colocated", "stalesync s=1 colocated no partial")],
+    "learn": ["sync colocated", "stalesync s=1 colocated"],
 }
 WORKLOAD = {"file": REPLAY}  # set by --workload
 
@@ -124,7 +129,7 @@ def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: i
     mode, extra = VARIANTS[name]
     cfg = load_config(TrainConfig, config, [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
         f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra])
-    return RLTrainer(cfg, out / _folder(name), find_base())
+    return RLTrainer(cfg, out / _folder(name), resolve_base(cfg.base))
 
 
 FLOOR_NEW_TOKENS = 24  # tokens each row of the floor's runs generates
@@ -147,7 +152,7 @@ def engine_floors(max_num_seqs: int, context_len: int | None) -> dict[str, float
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, tokenizer, _ = load_base(find_base(), max_seq_len=context_len)
+        model, tokenizer, _ = load_base(resolve_base(run_config().base), max_seq_len=context_len)
         model.eval()
         decode, prefill, lengths = (float("inf"), 0), float("inf"), []
         for rows in (max_num_seqs // 2, max_num_seqs, 2 * max_num_seqs, 4 * max_num_seqs):
@@ -333,7 +338,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workload", default="replay", choices=list(WORKLOADS),
-                        help="replay (configs/replay.toml, the default) or task (the built-in task, with accuracy)")
+                        help="replay (configs/replay.toml, the default), task (the built-in task, with "
+                             "accuracy) or learn (configs/learn.toml: the long-reasoning task, with accuracy)")
     parser.add_argument("--updates", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--seeds", type=int, default=None, help="seeds to run (default 3; --quick 1)")
@@ -351,7 +357,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     WORKLOAD["file"] = WORKLOADS[args.workload]
-    accuracy = args.workload == "task"  # the replay workload forces lengths: its accuracy means nothing
+    accuracy = args.workload != "replay"  # the replay workload forces lengths: its accuracy means nothing
     if args.prompts is not None:
         if args.prompts < 1:
             raise SystemExit(f"--prompts={args.prompts}: must be >= 1")
@@ -445,7 +451,7 @@ def main() -> None:
     stale = [n for n in names if is_stalesync(n)]
     if stale:
         best = max(stale, key=lambda n: tok_s[n])
-        colocated = [n for n in stale if VARIANTS[n][0] == "colocated"]
+        colocated = [n for n in stale if VARIANTS[n][0] in CO_LOCATED]
         print(f"best StaleSync variant by tokens/s: {best}")
         print(f"target stalesync_vs_sync_colocated: {tok_s[best] / tok_s[BASELINE]:.2f} (goal >= 1.4)")
         if colocated:

@@ -22,8 +22,8 @@ from rlfusion.config import load_config
 from rlfusion.engine.types import Completion, SamplingParams
 from rlfusion.runtime.stages import RolloutStage
 from rlfusion.runtime.stalesync import (Group, RolloutPlan, StaleSyncConfig, StalenessBook, admissible,
-                                        assign_groups, contiguous_parts, due_groups, finish_quota, rollout_quota,
-                                        rollout_stops, select_batch, staleness)
+                                        assign_groups, assign_hybrid, contiguous_parts, due_groups, finish_quota,
+                                        join_share, rollout_quota, rollout_stops, select_batch, staleness)
 from rlfusion.runtime.train_config import RolloutConfig, TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 
@@ -330,6 +330,31 @@ def test_assign_groups_splits_new_groups_contiguously_and_spreads_resumed_ones()
         assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
 
 
+def test_assign_hybrid_gives_the_late_devices_a_share_of_the_newest_groups_only():
+    items = [(0, "a", ["x"]), (1, "b", ["x"]), (2, "c", []), (3, "d", []), (4, "e", []), (5, "f", [])]
+    parts = assign_hybrid(items, [False, True], 0.5)  # device 1 joins late
+    assert [[gid for gid, _, _ in p] for p in parts] == [[0, 1, 2, 3], [4, 5]]
+    assert [[g for g, _, _ in p] for p in assign_hybrid(items, [False, True], 0.0)] == [[0, 1, 2, 3, 4, 5], []]
+    assert [[g for g, _, _ in p] for p in assign_hybrid(items, [True, False], 1.0)] == [[2, 3, 4, 5], [0, 1]]
+    rng = random.Random(0)
+    for _ in range(100):  # every group once, resumed ones never on a late device, each part oldest first
+        n, k = rng.randint(0, 20), rng.randint(2, 4)
+        late = [rng.random() < 0.5 for _ in range(k)]
+        items = [(i, None, ["x"] if rng.random() < 0.4 else []) for i in range(n)]
+        parts = assign_hybrid(items, late, rng.random())
+        assert len(parts) == k and sorted(it[0] for p in parts for it in p) == list(range(n))
+        assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
+        if any(late) and not all(late):
+            assert not any(it[2] for p, flag in zip(parts, late) if flag for it in p)
+
+
+def test_join_share_follows_the_time_the_train_devices_have_left():
+    assert join_share(10.0, 0.0, 1, 1) == pytest.approx(0.5)  # free all along: an equal share
+    assert join_share(10.0, 5.0, 1, 1) == pytest.approx(1 / 3)  # half the rollout left
+    assert join_share(10.0, 12.0, 1, 1) == 0.0  # busy past the rollout's end
+    assert join_share(10.0, 5.0, 2, 2) == pytest.approx(1 / 3)
+
+
 def test_select_batch_takes_every_due_group_then_the_oldest():
     finished = [Group(g, None, a) for g, a in ((0, 0), (3, 1), (4, 1), (5, 2), (6, 2))]
     pick = lambda u, b: [g.group_id for g in select_batch(finished, 1, u, b)]
@@ -464,17 +489,20 @@ def test_resume_with_a_different_bound_is_refused(tmp_path):
         resume(tmp_path / "r", {"stalesync": {"enabled": True, "max_staleness": 1, "rollout_finish_threshold": 0.5}})
 
 
-def test_ray_modes_run_under_the_bound(tmp_path):
+def test_ray_modes_run_under_the_bound(tmp_path, monkeypatch):
     """Co-located: partial rollout; separated with s = 1: the rollout for update k+1 runs while
     update k trains, so every sample after the first batch is exactly one version stale and
     the devices overlap. Without a KL term (no reference pass) the scoring devices score alone."""
     for mode, extra in (("colocated", ["stalesync.rollout_finish_threshold=0.5"]), ("separated", []),
-                        ("separated", ["algo.kl_coef=0.0"])):
+                        ("separated", ["algo.kl_coef=0.0"]), ("hybrid", [])):
         cfg = _cfg(tmp_path, f"deploy.mode={mode}", "stalesync.enabled=true", "stalesync.max_staleness=1",
                    *extra, backend="ray")
         trainer = RLTrainer(cfg, tmp_path / f"{mode}{len(extra)}{cfg.algo.kl_coef}", find_base())
+        # hybrid: device 1 takes half the new groups, whatever the timings (the spread is timed)
+        monkeypatch.setattr("rlfusion.runtime.trainer.join_share", lambda *_: 0.5)
+        trainer.join_share = 0.5
         try:
-            ms = [trainer.train_step() for _ in range(3)]
+            ms = [trainer.train_step() for _ in range(4 if mode == "hybrid" else 3)]
         finally:
             trainer.close()
         assert all(m["staleness_max"] <= 1 for m in ms)
@@ -489,3 +517,15 @@ def test_ray_modes_run_under_the_bound(tmp_path):
             # the next rollout is launched before the update is sent, so it starts before the
             # update ends (whether it also outlasts the update's start is up to the machine's load)
             assert roll and train and roll[0].start_s < train[0].end_s
+        if mode == "hybrid":
+            # as separated, the fill's batch is fresh, and the next one (the fill's carried-over
+            # groups, resumed on device 0) one version old; from then on device 1 joins each
+            # rollout after its update with the new weights, so half of each batch is not stale
+            assert trainer.overlap and [m["staleness_mean"] for m in ms[:2]] == [0, 1]
+            assert all(m["staleness_max"] == 1 for m in ms[1:]) and [m["staleness_mean"] for m in ms[2:]] == [0.5, 0.5]
+            spans = [s for s in trainer.timeline.spans if s.step == 2]
+            train = [s for s in spans if s.device == "device1" and s.phase == "train"]
+            joined = [s for s in spans if s.device == "device1" and s.phase == "rollout"]
+            roll = [s for s in spans if s.device == "device0" and s.phase == "rollout"]
+            assert train and joined and roll and train[0].end_s <= joined[0].start_s
+            assert roll[0].start_s < train[0].end_s  # device 0 decodes while device 1 updates

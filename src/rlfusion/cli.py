@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     import time
 
     from rlfusion.config import parse_override
-    from rlfusion.model.checkpoint import SHIPPED_BASE, default_base_path, find_base
+    from rlfusion.model.checkpoint import SHIPPED_BASE, default_base_path, resolve_base
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.deployment import DeploymentPlan
     from rlfusion.runtime import run_state
@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         trainer = resume(run_dir, overrides)
     else:
         cfg = _load_train_config(args)
-        base = Path(cfg.base) if cfg.base else find_base()
+        base = resolve_base(cfg.base)
         if base is None:
             raise ValueError(f"no base model: none pretrained into {default_base_path()} and none shipped "
                              f"at {SHIPPED_BASE}; run `rlfusion pretrain` (about 3 minutes) or pass base=DIR")

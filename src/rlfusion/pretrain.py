@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,8 +21,8 @@ from tqdm import tqdm
 from rlfusion.config import check_fields
 from rlfusion.errors import RunError
 from rlfusion.evaluate import EvalResult, encode_prompt, evaluate
-from rlfusion.model.checkpoint import save_checkpoint
-from rlfusion.model.config import get_preset
+from rlfusion.model.checkpoint import load_base, resolve_base, save_checkpoint
+from rlfusion.model.config import ModelConfig, get_preset
 from rlfusion.model.kv_cache import PackedSeqs
 from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.model.transformer import MoETransformer
@@ -54,6 +54,10 @@ class PretrainConfig:
     curriculum_start_terms: int = 3  # max terms at step 0; +1 every `curriculum_steps`
     curriculum_steps: int = 25
     threads: int = 0  # torch threads; 0 = leave as is
+    context_len: int = 0  # the model's context (prompt + response); 0 = the preset's (or init's)
+    # a checkpoint to continue from ("" = random weights of `model`'s preset), e.g. the shipped
+    # base on a longer variant of its task; the name of a shipped base works too
+    init: str = ""
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
 
     def __post_init__(self) -> None:
@@ -74,8 +78,13 @@ class PretrainConfig:
                               f"must be in [1, task.num_heldout={self.task.num_heldout}]"),
             "curriculum_start_terms": (self.task.min_terms <= self.curriculum_start_terms,
                                        f"must be >= task.min_terms={self.task.min_terms}"),
+            "context_len": (self.context_len == 0 or self.context_len >= 64, "must be 0 (the preset's) or >= 64"),
         }, self)
-        get_preset(self.model)
+        self.model_config()
+
+    def model_config(self) -> ModelConfig:
+        preset = get_preset(self.model)
+        return replace(preset, max_seq_len=self.context_len) if self.context_len else preset
 
 
 @dataclass
@@ -134,7 +143,13 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tokenizer = CharTokenizer.arithmetic()
-    model = MoETransformer(get_preset(cfg.model))
+    if cfg.init:
+        model, init_tokenizer, _ = load_base(resolve_base(cfg.init), max_seq_len=cfg.context_len or None)
+        if init_tokenizer is None or init_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"init={cfg.init!r} is not a base of the built-in task (its tokenizer differs); "
+                             f"allowed: a checkpoint made by `rlfusion pretrain`")
+    else:
+        model = MoETransformer(cfg.model_config())
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"model {cfg.model!r} has vocab_size {model.config.vocab_size} < the "
                          f"tokenizer's {tokenizer.vocab_size}")
@@ -160,12 +175,12 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
             raise RunError(f"pretraining loss became {loss} at step {step}; lower the learning rate, lr= "
                            f"(now {cfg.lr}); the best checkpoint so far is kept in {out}")
         if step % cfg.eval_every_steps == 0 and loss_avg < cfg.eval_below_loss:
-            result = evaluate(model, tokenizer, heldout, task.reward, seed=cfg.seed)
+            result = evaluate(model, tokenizer, heldout, task.reward, model.config.max_seq_len, seed=cfg.seed)
             history.append({"step": step, "seconds": time.monotonic() - start,
                             "loss": loss_avg, "accuracy": result.accuracy})
             if result.accuracy > best.accuracy:
                 best = result
-                save_checkpoint(out, model, tokenizer, {"pretrain_step": step,
+                save_checkpoint(out, model, tokenizer, {"pretrain_step": step, "task": asdict(cfg.task), "init": cfg.init,
                                                         "heldout_accuracy": result.accuracy})
             if result.accuracy >= cfg.target_accuracy:
                 break
@@ -173,10 +188,10 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
         bar.update(min(round(time.monotonic() - start), bar.total) - bar.n)
     bar.close()
     seconds = time.monotonic() - start
-    final = evaluate(model, tokenizer, heldout, task.reward, seed=cfg.seed)
+    final = evaluate(model, tokenizer, heldout, task.reward, model.config.max_seq_len, seed=cfg.seed)
     if final.accuracy >= best.accuracy:
         best = final
-        save_checkpoint(out, model, tokenizer, {"pretrain_step": step,
+        save_checkpoint(out, model, tokenizer, {"pretrain_step": step, "task": asdict(cfg.task), "init": cfg.init,
                                                 "heldout_accuracy": final.accuracy})
     return PretrainResult(out, step, seconds, tokens, best, history)
 

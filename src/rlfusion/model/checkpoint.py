@@ -3,7 +3,8 @@
 `save_checkpoint(dir, model, tokenizer)` writes `model.safetensors` and `config.json`;
 `load_checkpoint(dir)` rebuilds both with one call; `load_base(dir)` also reads Hugging Face folders.
 `find_base()` picks the base model a run starts from when none is named: the user's cached
-one (`rlfusion pretrain`, `default_base_path`), else the one shipped with the package.
+one (`rlfusion pretrain`, `default_base_path`), else the one shipped with the package;
+`resolve_base(base)` reads a run's `base=`: a checkpoint folder, or a shipped base by name.
 
 This module is also the one layer that reads model files from disk (`read_json_file`,
 `read_text_file`, `read_safetensors_file`) and loads weights into a model (`load_weights_into`):
@@ -31,7 +32,8 @@ from rlfusion.model.transformer import MoETransformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-SHIPPED_BASE = Path(__file__).resolve().parent.parent / "assets" / "base-tiny"  # made by `rlfusion pretrain`
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED_BASE = ASSETS / "base-tiny"  # made by `rlfusion pretrain`
 
 
 # ---- reading files -------------------------------------------------------------------------
@@ -185,6 +187,25 @@ def default_base_path(model: str = "tiny") -> Path:
     """Where `rlfusion pretrain` caches a base model (`$RLFUSION_CACHE`, else ~/.cache/rlfusion)."""
     root = Path(os.environ.get("RLFUSION_CACHE", Path.home() / ".cache" / "rlfusion"))
     return root / f"base-{model}"
+
+
+def shipped_bases() -> list[str]:
+    """Names of the base checkpoints shipped with the package (`assets/base-NAME`)."""
+    return sorted(p.name.removeprefix("base-") for p in ASSETS.glob("base-*") if (p / WEIGHTS).is_file())
+
+
+def resolve_base(base: str) -> Path | None:
+    """A run's `base=`: a checkpoint folder, else the name of a shipped base (`tiny`, the
+    default task's; `tiny-long`, the long-reasoning task's); "" = `find_base()`."""
+    if not base:
+        return find_base()
+    path = Path(base)
+    if path.exists():
+        return path
+    if base in shipped_bases():
+        return ASSETS / f"base-{base}"
+    raise ValueError(f"base={base!r} is neither a checkpoint folder nor a shipped base; shipped: "
+                     f"{', '.join(shipped_bases())}")
 
 
 def find_base(model: str = "tiny") -> Path | None:

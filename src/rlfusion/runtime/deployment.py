@@ -11,6 +11,12 @@
                   devices with their weights kept resident.
     fully_shared  every role on every device, time-multiplexed: the reference weights are
                   offloaded to host while unused.
+    hybrid        StaleSync's placement between the two: every device generates; the last
+                  ⌊N/2⌋ also score and train. Once an update's finish threshold is reached the
+                  train devices move on to reward, reference and the update while the others
+                  keep decoding, then join that rollout with the new weights (colocated switch on
+                  their side, bucketed broadcast to the others after it). Needs StaleSync with
+                  max_staleness >= 1 and full replicas.
 
 A device is one worker process: on CPU a process with `threads_per_device` threads, on CUDA one
 GPU. `DeploymentPlan` is pure data (testable without Ray or torch.distributed); `ray_devices.py`
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 from rlfusion.config import check_fields
 
-MODES = ("separated", "colocated", "fully_shared")
+MODES = ("separated", "colocated", "fully_shared", "hybrid")
 BACKENDS = ("ray", "local")
 ROLES = ("rollout", "train", "reference", "reward")
 SCORERS = ("auto", "rollout", "train")
@@ -98,9 +104,12 @@ class DeployConfig:
         if self.backend == "local" and self.num_devices > 1:
             raise ValueError(f"deploy.num_devices={self.num_devices} is invalid: backend 'local' runs "
                              "in one process, so it has exactly 1 device (use backend='ray' for more)")
-        if self.mode == "separated" and self.devices < 2:
-            raise ValueError(f"deploy.num_devices={self.devices} is invalid: mode 'separated' "
-                             "needs >= 2 (rollout and training devices are disjoint)")
+        if self.mode in ("separated", "hybrid") and self.devices < 2:
+            raise ValueError(f"deploy.num_devices={self.devices} is invalid: mode '{self.mode}' "
+                             "needs >= 2 (some devices train, the others only generate)")
+        if self.mode == "hybrid" and self.train_layout:
+            raise ValueError(f"{self.layout_name} is invalid with mode 'hybrid': its train devices "
+                             "train as full replicas (use mode 'colocated' or 'separated' for a layout)")
 
     @property
     def train_layout(self) -> bool:
@@ -158,6 +167,9 @@ class DeploymentPlan:
                        train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
                        train_pp=cfg.train_pp, train_vpp=cfg.train_vpp)
             return plan._checked(cfg)
+        if cfg.mode == "hybrid":
+            train = devices[(n + 1) // 2:]
+            return cls(cfg.mode, n, rollout=devices, train=train, reference=train, reward=train)._checked(cfg)
         actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
         plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
                    train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,

@@ -108,24 +108,30 @@ class Devices(ABC):
         devices = sorted({plan.reward[0], *reference})
         self._run([(d, "score", (count if d == plan.reward[0] else 0, shares.get(d, 0))) for d in devices])
 
-    def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool):
+    def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool,
+                     defer: tuple[int, ...] = ()) -> "GroupRollout":
         """StaleSync's partial rollout of `parts[i]` on rollout device i (non-blocking), stopping
-        once `quota` groups finished over all devices and the `due` ones are done; the returned
-        function waits for it and merges the devices' results."""
+        once `quota` groups finished over all devices and the `due` ones are done. The devices in
+        `defer` (hybrid placement's train devices, busy with the update) are not started: the
+        returned `GroupRollout` starts them with `launch`, and its `wait` merges the results."""
+        rollout = GroupRollout(self, quota, drop_overdue)
         coordinated = len(self.plan.rollout) > 1  # every rollout device joins the stop-rule sums
-        calls = []
         for dev, part in zip(self.plan.rollout, parts):
             if part or coordinated:
                 mine = due & {gid for gid, _, _ in part}
-                calls.append((dev, "rollout_groups", (part, version, quota, mine, drop_overdue, self.score_here)))
-        handles = [self._start(d, m, *self._counted(a, "step")) for d, m, a in calls]
+                rollout.calls[dev] = (part, mine)
+        rollout.launch([d for d in rollout.calls if d not in defer], version)
+        return rollout
 
-        def wait() -> dict[str, Any]:
-            outs = self._counted(self._wait(handles), "step")
-            return {"finished": [t for o in outs for t in o["finished"]],
-                    "unfinished": [t for o in outs for t in o["unfinished"]],
-                    "dropped": [g for o in outs for g in o["dropped"]],
-                    "generated_tokens": sum(o["generated_tokens"] for o in outs)}
+    def start_update(self, count: int) -> Any:
+        """`update` without the wait or the weight sync: starts the update on the train devices and
+        returns the function that waits for it, moves the version on and returns its metrics."""
+        handles = [self._start(dev, "update", *self._counted((count, self.version), "step")) for dev in self.plan.train]
+
+        def wait() -> dict[str, float]:
+            metrics = self._unpack(self.plan.train[0], "update", self._counted(self._wait(handles), "step")[0])
+            self.version += 1
+            return metrics
         return wait
 
     def update(self, count: int) -> dict[str, float]:
@@ -134,14 +140,13 @@ class Devices(ABC):
         the first train device); the policy version moves on whether or not a row was kept. In
         separated mode new weights then go to the rollout devices. Returns the first train
         device's answer: the batch's aggregates and the update's metrics."""
-        metrics = self._unpack(self.plan.train[0], "update", self._run(
-            [(dev, "update", (count, self.version)) for dev in self.plan.train])[0])
-        self.version += 1
+        metrics = self.start_update(count)()
         if metrics["trained"]:
-            self._sync_rollout_weights()
+            self.sync_rollout_weights()
         return metrics
 
-    def _sync_rollout_weights(self) -> None:
+    def sync_rollout_weights(self) -> None:
+        """The new weights to the rollout devices that do not train (bucketed broadcast)."""
         if not self.plan.colocated_actor:
             start = time.perf_counter()
             # in a training layout every train device takes part (the weights are gathered first)
@@ -215,6 +220,32 @@ class Devices(ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+class GroupRollout:
+    """One partial rollout over the rollout devices (`Devices.start_groups`): the calls of the
+    devices started so far, `launch` for the deferred ones, `wait` for the merged result."""
+
+    def __init__(self, devices: Devices, quota: int, drop_overdue: bool):
+        self.devices, self.quota, self.drop_overdue = devices, quota, drop_overdue
+        self.calls: dict[int, tuple[list, set[int]]] = {}  # device: (its groups, its due ones)
+        self.handles: list[Any] = []
+
+    def launch(self, devices: list[int], version: int) -> None:
+        """Start the rollout on `devices`, generating with weights `version` (a train device
+        that joins after its update generates with the new ones)."""
+        d = self.devices
+        for dev in devices:
+            part, mine = self.calls[dev]
+            args = d._counted((part, version, self.quota, mine, self.drop_overdue, d.score_here), "step")
+            self.handles.append(d._start(dev, "rollout_groups", *args))
+
+    def wait(self) -> dict[str, Any]:
+        outs = self.devices._counted(self.devices._wait(self.handles), "step")
+        return {"finished": [t for o in outs for t in o["finished"]],
+                "unfinished": [t for o in outs for t in o["unfinished"]],
+                "dropped": [g for o in outs for g in o["dropped"]],
+                "generated_tokens": sum(o["generated_tokens"] for o in outs)}
 
 
 class LocalDevices(Devices):

@@ -35,6 +35,14 @@ weights, so their tokens carry mixed versions (within the bound).
       train    │                      │ ref+reward+update 1  │ ref+reward+update 2  │
                                       ▲ weights v_1 broadcast ▲ weights v_2 broadcast
 
+    hybrid (every device generates, some also train), s ≥ 1: as separated, but a train device
+    joins the rollout once its update is done, with the new weights; the others get them by
+    broadcast when that rollout ends
+
+      rollout  │ rollout (for u1) │ rollout (for u2) ──────────────────────────│
+      train    │ rollout (for u1) │ ref+reward+update 1 │ rollout (for u2), new weights │
+                                                                             ▲ broadcast
+
 s = 0 admits exactly B groups, runs them to completion and trains them at once: the synchronous
 run, with the same random draws in the same order (tested: equal per-step metrics).
 
@@ -49,7 +57,8 @@ which is always on; with s = 0 the weights are 1.
 
 This module owns the schedule: the rules are pure functions over typed values — admission
 (`admissible`), the deadline (`is_due`, `due_groups`), the quota (`finish_quota`, `rollout_quota`),
-the stop rule (`rollout_stops`), the spread of groups over rollout devices (`assign_groups`) and
+the stop rule (`rollout_stops`), the spread of groups over rollout devices (`assign_groups`,
+`assign_hybrid` and its `join_share`) and
 the choice of an update's groups (`select_batch`); `StalenessBook` holds the state (groups in
 flight, requeued prompts) and applies them, handing each rollout a `RolloutPlan`. No torch: the
 trainer executes the plans, and the simulator (`rlfusion.sim.rl_stalesync`) runs the same book
@@ -211,6 +220,34 @@ def assign_groups(items, num_devices: int) -> list[list[GroupItem]]:
     for part in parts:
         part.sort(key=lambda it: it[0])
     return parts
+
+
+def assign_hybrid(items, late: list[bool], share: float) -> list[list[GroupItem]]:
+    """Hybrid placement's spread: the devices flagged `late` join the rollout after their update,
+    so they get about `share` of the new groups (the newest: due last) and no resumed ones (a
+    carried-over tail needs a device that decodes from the start); the others get the rest,
+    spread as `assign_groups` does. Each part oldest first."""
+    early_idx = [i for i, flag in enumerate(late) if not flag]
+    late_idx = [i for i, flag in enumerate(late) if flag]
+    if not early_idx or not late_idx:
+        return assign_groups(items, len(late))
+    new = [it for it in items if not it[2]]
+    n_late = min(len(new), round(share * len(new)))
+    parts: list[list[GroupItem]] = [[] for _ in late]
+    for i, part in zip(early_idx, assign_groups([it for it in items if it[2]] + new[:len(new) - n_late],
+                                                len(early_idx))):
+        parts[i] = part
+    for i, part in zip(late_idx, contiguous_parts(new[len(new) - n_late:], len(late_idx))):
+        parts[i] = part
+    return parts
+
+
+def join_share(rollout_s: float, busy_s: float, early: int, late: int) -> float:
+    """The share of a rollout's new groups that hybrid placement's `late` train devices take,
+    from the last step: each was busy (scoring and updating) `busy_s` of the rollout's
+    `rollout_s`, so it can decode for the rest of it, and the `early` devices for all of it."""
+    free = max(0.0, 1.0 - busy_s / max(rollout_s, 1e-9))
+    return late * free / (early + late * free)
 
 
 def select_batch(finished: list[Group], max_staleness: int, update_version: int, batch_groups: int) -> list[Group]:

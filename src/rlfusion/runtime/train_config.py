@@ -167,8 +167,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # rlfusion or Hugging Face checkpoint folder; "" = the base pretrained into the cache by
-    # `rlfusion pretrain`, else the one shipped with the package (model.checkpoint.find_base)
+    # rlfusion or Hugging Face checkpoint folder, or a shipped base by name ("tiny", "tiny-long");
+    # "" = the base pretrained into the cache by `rlfusion pretrain`, else the shipped "tiny"
+    # (model.checkpoint.resolve_base)
     base: str = ""
     out_dir: str = "runs"
     run_name: str = ""  # "" = a timestamped name
@@ -219,6 +220,9 @@ class TrainConfig:
         }, self)
         self._check_eval_problems()
         self._check_training_options()
+        if self.deploy.mode == "hybrid" and not (self.stalesync.enabled and self.stalesync.max_staleness >= 1):
+            raise ValueError("deploy.mode=hybrid needs stalesync.enabled=true and stalesync.max_staleness >= 1: "
+                             "its train devices update while the others still generate")
         t = self.stalesync.rollout_finish_threshold
         if t > 1 and t > self.rollout.prompts_per_step:
             raise ValueError(f"stalesync.rollout_finish_threshold={t:g} is invalid: a count must be at most "

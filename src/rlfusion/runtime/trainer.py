@@ -35,12 +35,12 @@ from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import run_state
 from rlfusion.runtime.dataflow import REFERENCE, REWARD, ROLLOUT, group_problem, trajectory_columns
-from rlfusion.runtime.devices import Devices, LocalDevices
+from rlfusion.runtime.devices import Devices, GroupRollout, LocalDevices
 from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.stalesync import StalenessBook, assign_groups
+from rlfusion.runtime.stalesync import StalenessBook, assign_groups, assign_hybrid, join_share
 from rlfusion.runtime.stop import RunInterrupted, StopRequest
 from rlfusion.runtime.ray_devices import RayDevices
 
@@ -53,6 +53,9 @@ class RunResult:
     final_accuracy: float
     seconds: float
     stopped: str  # why the loop ended
+
+
+JOIN_SHARE = 0.25  # hybrid placement: the train devices' share of the first overlapped rollout's new groups
 
 
 class RLTrainer:
@@ -91,6 +94,8 @@ class RLTrainer:
         self.next_group = 0  # StaleSync: group ids count up in admission order
         # separated devices with s >= 1: the next update's rollout runs alongside this update
         self.overlap = stalesync_overlaps(cfg)
+        self.hybrid = cfg.deploy.mode == "hybrid"
+        self.join_share = JOIN_SHARE  # hybrid: the train devices' share of a rollout's new groups
         self.pending = None  # (batch, stats) the next update trains, when overlapping
         self._eval_spans: list[tuple[str, float, float]] = []
         if cfg.deploy.backend == "ray":  # the driver of a multi-process run: a long-lived process
@@ -117,17 +122,23 @@ class RLTrainer:
         self.step += 1
         return metrics
 
-    def _learn(self, n: int) -> tuple[dict[str, float], float]:
+    def _learn(self, n: int, join: GroupRollout | None = None) -> tuple[dict[str, float], float]:
         """The update from the `n` scored rows in the queue: advantages, the data-parallel split,
         the step and the rows' retirement all run on the train devices (`Devices.update`); the
         controller gets the batch's aggregates back. Returns the metrics and when the update
-        began (perf_counter)."""
+        began (perf_counter). `join`: a running rollout the train devices join once the update
+        is done (hybrid placement; the weight sync then waits for that rollout's end)."""
         t1 = time.perf_counter()
-        metrics = self.devices.update(n)
+        if join is None:
+            metrics = self.devices.update(n)
+        else:
+            finish = self.devices.start_update(n)
+            join.launch([d for d in self.devices.plan.train if d in join.calls], self.version + 1)
+            metrics = finish()
         t_update = time.perf_counter() - t1
         metrics["update_tokens_per_s"] = metrics.pop("update_tokens") / max(t_update, 1e-9)
         metrics["time_update_s"] = t_update
-        if not self.devices.plan.colocated_actor:
+        if not self.devices.plan.colocated_actor and join is None:
             metrics["time_weight_sync_s"] = self.devices.last_sync_s
         return metrics, t1
 
@@ -155,18 +166,31 @@ class RLTrainer:
         if self.overlap:
             batch, stats = self.pending
             launched = time.perf_counter()
-            wait = self._start_rollout(k, update_version=k + 1, reserved=stats["groups_in_update"])
+            wait = self._start_rollout(k, update_version=k + 1, reserved=stats["groups_in_update"],
+                                       hybrid=self.hybrid)
             t_rollout = time.perf_counter() - t0  # timeline: the driver moves on at once
         else:
             self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
             batch, stats = book.take_batch(k)
             t_rollout = time.perf_counter() - t0
         self._put_batch(batch)
-        metrics, t1 = self._learn(len(batch))
+        if self.hybrid:  # the train devices join the rollout after their update, with its weights
+            metrics, t1 = self._learn(len(batch), join=wait[1])
+        else:
+            metrics, t1 = self._learn(len(batch))
         if self.overlap:
             self._finish_rollout(wait, rolled)
             t_rollout = t_fill + (rolled["rollout_end"] - launched)  # the rollout's own wall time
+            if self.hybrid and metrics["trained"]:  # every device generated: now the weights move
+                start = time.perf_counter()
+                self.devices.sync_rollout_weights()
+                metrics["time_weight_sync_s"] = time.perf_counter() - start
             self.pending = book.take_batch(k + 1)
+            if self.hybrid:  # the next rollout's spread, from how long the train devices were busy here
+                plan = self.devices.plan
+                late = sum(d in plan.train for d in plan.rollout)
+                self.join_share = join_share(rolled["rollout_end"] - launched,
+                                             t1 + metrics["time_update_s"] - launched, len(plan.rollout) - late, late)
         in_flight = len(book.groups) + (len({t.group_id for t in self.pending[0]}) if self.overlap else 0)
         metrics.update(stats)
         metrics.update({"dropped_groups": rolled["dropped_groups"], "groups_in_flight": float(in_flight),
@@ -187,18 +211,23 @@ class RLTrainer:
         if not self.devices.score_here:
             self.devices.score(len(batch))
 
-    def _start_rollout(self, version: int, update_version: int, reserved: float = 0):
+    def _start_rollout(self, version: int, update_version: int, reserved: float = 0, hybrid: bool = False):
         """Launch the partial rollout the book plans (weights `version`, for the update of
-        `update_version`). Returns (plan, wait function)."""
-        book = self.stale
+        `update_version`). `hybrid`: the train devices are left to join after the update, with
+        a share of the new groups (`assign_hybrid`). Returns (plan, `GroupRollout`)."""
+        book, dplan = self.stale, self.devices.plan
         plan = book.plan(version, update_version, lambda: group_problem(self.task, self.cfg.seed, book.next_group_id),
                          int(reserved))
-        parts = assign_groups(plan.items, len(self.devices.plan.rollout))
+        if hybrid:
+            late = tuple(d for d in dplan.rollout if d in dplan.train)
+            parts = assign_hybrid(plan.items, [d in late for d in dplan.rollout], self.join_share)
+            return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop, defer=late)
+        parts = assign_groups(plan.items, len(dplan.rollout))
         return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop)
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
-        plan, wait = started
-        out = wait()
+        plan, rollout = started
+        out = rollout.wait()
         rolled["rollout_end"] = time.perf_counter()
         self.stale.collect(plan, out)
         rolled["generated_tokens"] += out["generated_tokens"]
@@ -379,7 +408,7 @@ def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> No
 
 def stalesync_overlaps(cfg: TrainConfig) -> bool:
     """Whether StaleSync will run the next rollout alongside the update (separated, s >= 1)."""
-    return cfg.deploy.mode == "separated" and cfg.stalesync.enabled and cfg.stalesync.max_staleness >= 1
+    return cfg.deploy.mode in ("separated", "hybrid") and cfg.stalesync.enabled and cfg.stalesync.max_staleness >= 1
 
 
 def _progress_line(trainer: RLTrainer, m: dict[str, float], acc: float, start: float) -> str:

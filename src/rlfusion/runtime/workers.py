@@ -63,6 +63,38 @@ def _no_stop_sync() -> dict[str, float]:
     return {"stop_sync_calls": 0.0, "stop_sync_s": 0.0}
 
 
+class PolledSums:
+    """The stop rule's counts summed over the rollout devices without making them meet: each
+    call posts this device's counts in a non-blocking all-reduce (when none is in flight) and
+    returns the sums of the one in flight once every device posted, else None — the device
+    decodes on meanwhile. With `wait` (nothing left to run here) it waits for them. Every device
+    gets the same sums from the same all-reduce and decides the stop on them alone, so they all
+    stop after the same one and none is left in flight. Hybrid placement needs this: its train
+    devices join a rollout only after their update, while the others have long been decoding."""
+
+    def __init__(self, group: Any, stats: dict[str, float]):
+        self.group, self.stats = group, stats
+        self.work: Any = None
+        self.counts: torch.Tensor | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.work is not None
+
+    def __call__(self, *counts: int, wait: bool = False) -> list[int] | None:
+        if self.work is None:
+            self.counts = torch.tensor(counts, dtype=torch.int64)
+            self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
+            self.stats["stop_sync_calls"] += 1
+        if not wait and not self.work.is_completed():
+            return None
+        start = time.perf_counter()
+        self.work.wait()
+        self.stats["stop_sync_s"] += time.perf_counter() - start
+        self.work = None
+        return self.counts.tolist()
+
+
 def listening_store(host: str, world_size: int) -> dist.TCPStore:
     """The rendezvous store's server, listening on `host` alone. torch binds every interface
     whatever host it is given, so the socket is bound here and handed over as the listen fd."""
@@ -316,7 +348,10 @@ class DeviceWorker:
         """StaleSync's partial rollout (`RolloutStage.run_groups`) inside the same switch as
         `rollout`; finished samples are scored here when reward and reference live here. The
         samples go back to the controller's book (partial ones resume in a later rollout)."""
-        sync = self._sum_over_rollout_devices if len(self.plan.rollout) > 1 else None
+        sync = None
+        if len(self.plan.rollout) > 1:
+            sync = (PolledSums(self.rollout_group, self._stop_sync) if self.plan.mode == "hybrid"
+                    else self._sum_over_rollout_devices)
         with self.switch.rollout():
             out = self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync)
         if score_here:
