@@ -9,6 +9,9 @@ variance between prompts), no KL term — a generation-dominated reasoning-shape
 does not depend on what the policy learns, so it reports no accuracy. `--workload task` runs the
 built-in arithmetic task at the default batch (32 x 8; natural lengths, median ~24 tokens) and
 evaluates every variant greedily on the same held-out problems after `--updates` updates.
+`--workload learn` runs `configs/learn.toml` — the long-reasoning variant of the task (3-20
+terms, median response ~67 tokens, p99 ~215) from its shipped base `tiny-long` — at the default
+batch, synchronous co-located against StaleSync s=1 co-located, with held-out accuracy.
 
 Every variant starts from the shipped base on its own 2 Ray device workers (1 thread each). One
 update of each variant runs in turn (interleaved, never concurrently), so all variants share the
@@ -26,7 +29,10 @@ The ladder (`--variants` picks a subset, `--add` adds one):
   s=1 no partial (up to 2 x the batch in flight, every rollout runs its due groups to the end) →
   s=1 (+ partial rollout: an update goes ahead once 3/4 of its groups finished, the rest resume
   under the next weights) → s=2 → s=1 separated (one device generates, one trains, overlapped) and
-  sync separated.
+  sync separated → s=1 hybrid (as separated, but the train device joins each rollout once its
+  update is done, with the new weights; `deploy.mode=hybrid`) and s=2 hybrid (with partial
+  rollout). Hybrid's train device switches between training and generation as co-located ones
+  do (RL Fusion's switch), so it counts as keeping co-location in the second target.
 
 Held-out accuracy after 30 updates moves by several points with the seed alone (two synchronous
 runs of the same algorithm that differ only in their random streams have differed by 3.8
