@@ -37,11 +37,13 @@ from rlfusion.rl.tasks.arithmetic import ArithmeticTask
     ("colocated", 2, {0: ("rollout", "train", "reference", "reward"), 1: ("rollout", "train", "reference", "reward")}),
     ("colocated", 3, {0: ("rollout", "train"), 1: ("rollout", "train"), 2: ("reference", "reward")}),
     ("fully_shared", 3, {d: ("rollout", "train", "reference", "reward") for d in range(3)}),
+    ("hybrid", 2, {0: ("rollout",), 1: ("rollout", "train", "reference", "reward")}),
+    ("hybrid", 3, {0: ("rollout",), 1: ("rollout",), 2: ("rollout", "train", "reference", "reward")}),
 ])
 def test_plan_roles(mode, n, want):
     plan = DeploymentPlan.build(DeployConfig(mode=mode, num_devices=n, backend="ray"))
     assert {d: plan.roles(d) for d in range(n)} == want
-    assert plan.colocated_actor == (mode != "separated")
+    assert plan.colocated_actor == (mode not in ("separated", "hybrid"))
 
 
 @pytest.mark.parametrize("scorers, overlap, on_train", [
@@ -67,6 +69,8 @@ def test_separated_scorers_sit_next_to_rollout_or_train(scorers, overlap, on_tra
     ({"backend": "local", "train_fsdp": True}, "train_fsdp=true is invalid with backend 'local'"),
     ({"train_pp": 0}, "deploy.train_pp"),
     ({"train_vpp": 2}, "deploy.train_vpp=2 is invalid: must be >= 1, and 1 unless train_pp > 1"),
+    ({"mode": "hybrid", "num_devices": 1}, "mode 'hybrid' needs >= 2"),
+    ({"mode": "hybrid", "num_devices": 4, "train_tp": 2}, "invalid with mode 'hybrid'"),
 ])
 def test_bad_deploy_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -4,7 +4,9 @@ import torch
 
 from rlfusion.cli import main
 from rlfusion.config import load_config
-from rlfusion.model.checkpoint import load_checkpoint
+import pytest
+
+from rlfusion.model.checkpoint import load_base, load_checkpoint, resolve_base, shipped_bases
 from rlfusion.pretrain import PretrainConfig, make_batch, pretrain
 from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.rl.problem import Problem
@@ -31,3 +33,36 @@ def test_short_pretraining_learns_and_saves(tmp_path, capsys):
     assert tok is not None and "heldout_accuracy" in extra
     assert main(["eval", "--ckpt", str(tmp_path / "base"), "--n", "10"]) == 0
     assert "held-out greedy accuracy" in capsys.readouterr().out
+
+
+def test_pretraining_continues_from_a_shipped_base_at_a_longer_context(tmp_path):
+    """`init=` starts from a checkpoint (here the shipped base, by name) and `context_len=` builds
+    it at that context; the checkpoint records the task it was trained on."""
+    cfg = load_config(PretrainConfig, None, ["init=tiny", "context_len=320", "task.max_terms=20", "max_steps=2",
+                                             "eval_every_steps=100", "eval_problems=5", "threads=1",
+                                             "tokens_per_step=512", "microbatch_tokens=512"])
+    result = pretrain(cfg, tmp_path / "long", progress=False)
+    model, _, extra = load_checkpoint(tmp_path / "long")
+    base, _, _ = load_base(resolve_base("tiny"))
+    assert result.steps == 2 and model.config.max_seq_len == 320
+    assert extra["init"] == "tiny" and extra["task"]["max_terms"] == 20
+    changed = [n for (n, a), b in zip(model.state_dict().items(), base.state_dict().values()) if not torch.equal(a, b)]
+    assert changed  # the base's tensors, trained on
+
+
+def test_shipped_bases_resolve_by_name_and_a_bad_name_is_refused(tmp_path):
+    assert {"tiny", "tiny-long"} <= set(shipped_bases())
+    _, _, extra = load_checkpoint(resolve_base("tiny-long"))
+    # the learn workload's config trains the task its base was pretrained on
+    from rlfusion.runtime.train_config import TrainConfig
+    from pathlib import Path
+    learn = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs" / "learn.toml", [])
+    assert learn.base == "tiny-long"
+    assert {k: extra["task"][k] for k in ("min_terms", "max_terms", "p_stop", "max_value")} == {
+        "min_terms": learn.task.min_terms, "max_terms": learn.task.max_terms, "p_stop": learn.task.p_stop,
+        "max_value": learn.task.max_value}
+    assert resolve_base(str(tmp_path)) == tmp_path  # a folder is taken as it is
+    with pytest.raises(ValueError, match="neither a checkpoint folder nor a shipped base; shipped: tiny, tiny-long"):
+        resolve_base("tiny-longer")
+    with pytest.raises(ValueError, match="init='nope' is neither"):
+        pretrain(load_config(PretrainConfig, None, ["init=nope", "max_steps=1"]), tmp_path / "x", progress=False)

@@ -475,6 +475,12 @@ def test_resume_keeps_partial_rollouts_in_flight(tmp_path):
         assert a[step] == pytest.approx(b[step], rel=1e-6, abs=1e-9), step
 
 
+@pytest.mark.parametrize("over", [[], ["stalesync.enabled=true", "stalesync.max_staleness=0"]])
+def test_hybrid_placement_without_an_overlap_is_refused(tmp_path, over):
+    with pytest.raises(ValueError, match="deploy.mode=hybrid needs stalesync.enabled=true and stalesync.max_staleness >= 1"):
+        _cfg(tmp_path, "deploy.mode=hybrid", *over, backend="ray")
+
+
 def test_checkpoint_without_stalesync_state_is_refused(tmp_path):
     RLTrainer(_cfg(tmp_path, "max_steps=2"), tmp_path / "r", find_base()).run(progress=False)
     with pytest.raises(ValueError, match="stalesync.enabled=false"):

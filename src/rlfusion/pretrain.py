@@ -144,7 +144,7 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
     torch.manual_seed(cfg.seed)
     tokenizer = CharTokenizer.arithmetic()
     if cfg.init:
-        model, init_tokenizer, _ = load_base(resolve_base(cfg.init), max_seq_len=cfg.context_len or None)
+        model, init_tokenizer, _ = load_base(resolve_base(cfg.init, "init"), max_seq_len=cfg.context_len or None)
         if init_tokenizer is None or init_tokenizer.vocab_size != tokenizer.vocab_size:
             raise ValueError(f"init={cfg.init!r} is not a base of the built-in task (its tokenizer differs); "
                              f"allowed: a checkpoint made by `rlfusion pretrain`")

@@ -194,9 +194,10 @@ def shipped_bases() -> list[str]:
     return sorted(p.name.removeprefix("base-") for p in ASSETS.glob("base-*") if (p / WEIGHTS).is_file())
 
 
-def resolve_base(base: str) -> Path | None:
-    """A run's `base=`: a checkpoint folder, else the name of a shipped base (`tiny`, the
-    default task's; `tiny-long`, the long-reasoning task's); "" = `find_base()`."""
+def resolve_base(base: str, key: str = "base") -> Path | None:
+    """A run's `base=` (or pretraining's `init=`: `key`, for the message): a checkpoint folder,
+    else the name of a shipped base (`tiny`, the default task's; `tiny-long`, the long-reasoning
+    task's); "" = `find_base()`."""
     if not base:
         return find_base()
     path = Path(base)
@@ -204,7 +205,7 @@ def resolve_base(base: str) -> Path | None:
         return path
     if base in shipped_bases():
         return ASSETS / f"base-{base}"
-    raise ValueError(f"base={base!r} is neither a checkpoint folder nor a shipped base; shipped: "
+    raise ValueError(f"{key}={base!r} is neither a checkpoint folder nor a shipped base; shipped: "
                      f"{', '.join(shipped_bases())}")
 
 
