@@ -41,8 +41,9 @@ says little there; these cases compare tokens/s as `bench/stalesync.py` reports 
 generated tokens over the sum of step times, measured and simulated alike.
 
 The replay workload (`configs/replay.toml`: forced long-tailed lengths, median 150, cap 1,000,
-no KL term, so no reference pass) is a second interleaved measurement: synchronous co-located
-and StaleSync s=1 / s=2 co-located (threshold 0.75), predicted the same way. There a decode pass
+no KL term, so no reference pass) is a second interleaved measurement: synchronous co-located,
+StaleSync s=1 / s=2 co-located (threshold 0.75) and s=2 with hybrid placement (threshold 0.75:
+device 1 updates, then joins each rollout), predicted the same way. There a decode pass
 reads every row's cache up to its context, which the calibration's cost per row and position
 (`decode_context_ms`) prices, each run of similar-length rows up to its own longest as the engine
 reads them.
@@ -284,7 +285,8 @@ def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
 # KL term): case name -> bench/stalesync.py's VARIANTS name
 REPLAY_CASES = {"replay_colocated": "sync colocated",
                 "replay_stalesync_s1_colocated": "stalesync s=1 colocated",  # threshold 0.75
-                "replay_stalesync_s2_colocated": "stalesync s=2 colocated"}  # threshold 0.75
+                "replay_stalesync_s2_colocated": "stalesync s=2 colocated",  # threshold 0.75
+                "replay_stalesync_s2_hybrid": "stalesync s=2 hybrid"}  # threshold 0.75, hybrid placement
 
 
 def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[Case]:
@@ -370,7 +372,8 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
 # to predict: the synchronous modes and the StaleSync variants are measured interleaved.
 VALIDATIONS: list[tuple[str, Callable[[int, Probes], list[Case]]]] = [
     ("fusion + stalesync", measured_cases),
-    ("replay workload: sync + stalesync co-located", lambda rounds, probes: measured_cases(rounds, probes, "replay")),
+    ("replay workload: sync + stalesync co-located + hybrid",
+     lambda rounds, probes: measured_cases(rounds, probes, "replay")),
 ]
 
 

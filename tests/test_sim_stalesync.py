@@ -26,11 +26,13 @@ BASE = RLSimConfig(prompts_per_step=8, group_size=4, num_steps=6, max_num_seqs=1
                    partial_rollout=True, stalesync_model="runtime")
 
 
-@pytest.mark.parametrize("mode", ["colocated", "separated", "fully_shared"])
+@pytest.mark.parametrize("mode", ["colocated", "separated", "fully_shared", "hybrid"])
 @pytest.mark.parametrize("s", [0, 1, 2, 3])
 @pytest.mark.parametrize("threshold", [0.25, 0.75, 1.0, 3])
 @pytest.mark.parametrize("devices", [2, 4])
 def test_staleness_bound_never_exceeded(mode, s, threshold, devices):
+    if mode == "hybrid" and s == 0:
+        pytest.skip("hybrid placement needs s >= 1")
     cfg = BASE.replace(mode=mode, max_staleness=s, rollout_finish_threshold=threshold,
                        devices_per_supernode=devices)
     r = simulate(cfg, CAL)
@@ -81,6 +83,27 @@ def test_separated_overlap_runs_rollout_and_update_concurrently():
     s0 = simulate(BASE.replace(mode="separated", max_staleness=0), CAL)
     assert not any(_overlaps(u, ro) for u in s0.timeline if u.role == "train"
                    for ro in s0.timeline if ro.role == "rollout")
+
+
+def test_hybrid_train_devices_join_each_rollout_after_their_update():
+    """engine1 is the train device: it updates while engine0 decodes the next rollout, then
+    joins that rollout with the new weights; from the second batch on, part of every batch is
+    fresh (staleness 0) and the rest one version old."""
+    r = simulate(BASE.replace(mode="hybrid", max_staleness=1, num_steps=8), CAL)
+    assert r.staleness_max == 1 and r.updates == 8
+    trains = [e for e in r.timeline if e.role == "train"]
+    assert trains and {e.device for e in trains} == {"engine1"}
+    for u in trains:
+        joined = [e for e in r.timeline if e.device == "engine1" and e.role == "rollout" and e.version == u.version + 1]
+        alongside = [e for e in r.timeline if e.device == "engine0" and e.role == "rollout" and _overlaps(u, e)]
+        assert alongside and all(e.version == u.version for e in alongside)
+        if joined:  # (it may get no new group when the last update took the whole rollout)
+            assert min(e.start for e in joined) >= u.end
+    n = BASE.samples_per_step
+    later = r.staleness_per_sample[2 * n:]
+    assert 0 in later and 1 in later
+    with pytest.raises(ValueError, match="mode='hybrid' needs stalesync_model='runtime' and max_staleness >= 1"):
+        BASE.replace(mode="hybrid", max_staleness=0)
 
 
 def test_overlap_beats_sync_when_separated():

@@ -81,6 +81,7 @@ def _save(trainer, tmp: Path) -> Path:
         # queue itself is empty between steps: every step retires its rows)
         "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
                                                          "pending": trainer.pending,
+                                                         "join_share": trainer.join_share,
                                                          "shape": _stalesync_shape(trainer)},
         "critic": devices.critic_state() if trainer.cfg.algo.advantage == "gae" else None,
     }, tmp / STATE)
@@ -135,6 +136,7 @@ def _restore(trainer, state: dict, path: Path) -> None:
                              f"settings ({changed}); resume with the settings it was saved with")
         trainer.stale.load_state_dict(state["stalesync"]["book"])
         trainer.pending = state["stalesync"]["pending"]
+        trainer.join_share = state["stalesync"].get("join_share", trainer.join_share)
     elif trainer.stale is not None and trainer.step:
         raise ValueError(f"{path} was written without StaleSync; resume it with stalesync.enabled=false")
     elif trainer.stale is None and state.get("stalesync"):

@@ -77,6 +77,7 @@ from rlfusion.config import check_fields
 
 OVERDUE = ("wait", "drop")
 MAX_STALENESS = 8
+JOIN_SHARE = 0.25  # hybrid placement: the train devices' share of the first overlapped rollout's new groups
 
 
 @dataclass(frozen=True)

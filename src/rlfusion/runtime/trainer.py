@@ -40,7 +40,7 @@ from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.stalesync import StalenessBook, assign_groups, assign_hybrid, join_share
+from rlfusion.runtime.stalesync import JOIN_SHARE, StalenessBook, assign_groups, assign_hybrid, join_share
 from rlfusion.runtime.stop import RunInterrupted, StopRequest
 from rlfusion.runtime.ray_devices import RayDevices
 
@@ -53,9 +53,6 @@ class RunResult:
     final_accuracy: float
     seconds: float
     stopped: str  # why the loop ended
-
-
-JOIN_SHARE = 0.25  # hybrid placement: the train devices' share of the first overlapped rollout's new groups
 
 
 class RLTrainer:

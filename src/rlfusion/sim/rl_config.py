@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-MODES = ("separated", "colocated", "fully_shared")  # deploy.mode
+MODES = ("separated", "colocated", "fully_shared", "hybrid")  # deploy.mode
 STALESYNC_MODELS = ("samples", "runtime")
 SCORERS = ("rollout", "train")
 
@@ -23,7 +23,7 @@ class RLSimConfig:
     """Keys that a run has too carry the run's names (`rlfusion train`'s `deploy.mode`,
     `rollout.*`, `stalesync.*`)."""
 
-    mode: str = "colocated"  # separated | colocated | fully_shared (actor, ref, reward on one pool)
+    mode: str = "colocated"  # separated | colocated | fully_shared (actor, ref, reward on one pool) | hybrid
     devices_per_supernode: int = 2  # devices (workers/chips) in one supernode
     num_supernodes: int = 1
     rollout_fraction: float = 0.5  # separated mode: share of devices that generate
@@ -90,6 +90,9 @@ class RLSimConfig:
                 raise ValueError(f"simulate.{key}={getattr(self, key)} must be >= 1")
         if self.max_staleness < 0:
             raise ValueError(f"simulate.max_staleness={self.max_staleness} must be >= 0")
+        if self.mode == "hybrid" and (self.stalesync_model != "runtime" or self.max_staleness < 1):
+            raise ValueError("simulate.mode='hybrid' needs stalesync_model='runtime' and max_staleness >= 1 "
+                             "(the runtime's StaleSync schedule is what places it)")
         if not 0.0 < self.rollout_fraction < 1.0:
             raise ValueError(f"simulate.rollout_fraction={self.rollout_fraction} must be "
                              "in (0, 1)")

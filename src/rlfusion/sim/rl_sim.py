@@ -135,8 +135,11 @@ class _Sim:
         self.share = ({e.name: (groups + (i < extra)) * cfg.group_size for i, e in enumerate(self.engines)}
                       if cfg.max_staleness == 0 else None)
         self.update_end: list[float] = []
-        slow = 1.0 / (cal.concurrent_speed if cfg.mode == "separated" else cal.lockstep)
-        overlap = cfg.mode == "separated" and cfg.max_staleness > 0
+        # separated and hybrid devices work independently (hybrid's train devices update while
+        # the others decode), the other modes in lock-step
+        independent = cfg.mode in ("separated", "hybrid")
+        slow = 1.0 / (cal.concurrent_speed if independent else cal.lockstep)
+        overlap = independent and cfg.max_staleness > 0
         self.engine_slow = slow if (engines > 1 or overlap) else 1.0
         # data-parallel train devices meet in the gradient all-reduce: lock-step in every mode
         self.train_slow = (1.0 / cal.lockstep if self.train_devices() > 1
@@ -153,6 +156,8 @@ class _Sim:
     def train_devices(self) -> int:
         if self.cfg.mode == "separated":
             return max(1, self.cfg.num_devices - len(self.engines) * self.cal.devices_per_engine)
+        if self.cfg.mode == "hybrid":  # the second half of the devices, as deploy.mode=hybrid places them
+            return max(1, self.cfg.num_devices // 2)
         return self.cfg.num_devices
 
     def _new_sample(self) -> Sample:
@@ -283,7 +288,7 @@ class _Sim:
         rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9)
                    + len(batch) * cal.advantage_s_per_sample)]
-        if cfg.reference and cfg.mode == "separated" and cfg.scorers == "train":
+        if cfg.reference and (cfg.mode == "hybrid" or (cfg.mode == "separated" and cfg.scorers == "train")):
             phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
         if cfg.mode == "fully_shared" and cfg.reward_model:
             phases += [("switch", cal.switch_s),

@@ -31,6 +31,12 @@ is time, from the costs of a measured `Calibration` (nothing fitted):
   on the rollout devices while the train devices run update k; the weight broadcast starts once
   both are done (the rollout worker is busy until then), and the engines load the weights
   (`switch_s`) before their next rollout. Separated with s = 0 runs rollout, then update.
+  **Hybrid, s >= 1** (`deploy.mode=hybrid`): as separated, but every device has an engine;
+  the train devices' (the second half) score and update k, switch, then join the rollout for
+  k+1 with weights v_{k+1} and the share of its new groups `assign_hybrid` gives them (sized by
+  `join_share` from the step before, as the trainer sizes it). Their stop-rule sums are
+  polled, so no device waits for another while it has work (`_polled`); the broadcast follows
+  the rollout.
 
 Lengths: a problem is its samples' prompt lengths, `cfg.prompt_lengths[(p * G + i) % len]` for
 the p-th problem drawn (empty: `cfg.prompt_len`); sample i of group `group_id` generates
@@ -46,8 +52,8 @@ from dataclasses import dataclass, field
 
 from rlfusion.engine.scheduler import Scheduler, SchedulerConfig
 from rlfusion.engine.types import Request, SamplingParams
-from rlfusion.runtime.stalesync import (RolloutPlan, StaleSyncConfig, StalenessBook, assign_groups, rollout_stops,
-                                        staleness)
+from rlfusion.runtime.stalesync import (JOIN_SHARE, RolloutPlan, StaleSyncConfig, StalenessBook, assign_groups,
+                                        assign_hybrid, join_share, rollout_stops, staleness)
 from rlfusion.sim.rl_sim import TimelineEvent, _Sim
 
 # a step's busiest rollout engine, named as RLTrainer's metrics name them (SimResult.rollout_stats)
@@ -92,6 +98,7 @@ class _Device:
     prefill_s: float = 0.0
     decode_passes: int = 0
     stop_sync_s: float = 0.0  # in the stop-rule sums, waiting for the other devices included
+    version: int = 0  # the weights it generates with
 
     @property
     def busy(self) -> bool:
@@ -120,7 +127,12 @@ class RuntimeStaleSync:
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
         self._problems = itertools.count()
         self._prompt_ids: dict[int, list[int]] = {}  # one token list per prompt length, shared
-        self.overlap = cfg.mode == "separated" and self.s >= 1
+        self.overlap = cfg.mode in ("separated", "hybrid") and self.s >= 1
+        self.hybrid = cfg.mode == "hybrid"
+        # hybrid: the engines of the train devices (the second half), which join each overlapped
+        # rollout after their update, with `share` of its new groups (`assign_hybrid`)
+        self.late = {e.name for e in sim.engines[(len(sim.engines) + 1) // 2:]} if self.hybrid else set()
+        self.share = JOIN_SHARE
         self.generated: list[int] = []  # tokens generated in each update's step
         self.rollout_stats: list[dict[str, float]] = []  # per update step: its busiest engine's passes
         self._step_stats: list[_Device] = []  # the current update step's rollout devices
@@ -166,15 +178,22 @@ class RuntimeStaleSync:
         return batch
 
     # ---- one partial rollout (RolloutStage.run_groups on every rollout device) ----
-    def rollout(self, plan: RolloutPlan, start: float) -> tuple[float, int]:
+    def rollout(self, plan: RolloutPlan, start: float, late_start: float | None = None) -> tuple[float, int]:
         """Run `plan` from `start` on all rollout devices and hand the result to the book;
-        returns when the devices are done (scoring included) and the tokens generated."""
+        returns when the devices are done (scoring included) and the tokens generated. Hybrid,
+        overlapped (`late_start`): the train devices' engines join at `late_start`, with the
+        next weights and their share of the new groups."""
         sim, version = self.sim, plan.version
-        parts = assign_groups(plan.items, len(sim.engines))
+        if late_start is None:
+            parts = assign_groups(plan.items, len(sim.engines))
+        else:
+            parts = assign_hybrid(plan.items, [e.name in self.late for e in sim.engines], self.share)
         devs = []
         resumed = 0
         for eng, part in zip(sim.engines, parts):
-            dev = _Device(eng.name, max(start, eng.clock), Scheduler(self.scheduler_cfg))
+            late = late_start is not None and eng.name in self.late
+            dev = _Device(eng.name, max(late_start if late else start, eng.clock), Scheduler(self.scheduler_cfg),
+                          version=version + 1 if late else version)
             for gid, problem, open_ in part:
                 samples = open_ or self._new_samples(gid, problem)
                 resumed += sum(len(smp.response_ids) for smp in open_)
@@ -187,8 +206,10 @@ class RuntimeStaleSync:
         if len(devs) == 1:
             dev = devs[0]
             while not dev.stops(plan):
-                self._engine_step(dev, version)
+                self._engine_step(dev, dev.version)
             end = dev.clock
+        elif self.hybrid:
+            end = self._polled(devs, plan)
         else:  # the stop-rule sums: every device calls every `stop_sync_every` steps (or idle)
             every = sim.cfg.stop_sync_every
             t = self._meet(devs)
@@ -198,14 +219,14 @@ class RuntimeStaleSync:
                 for d in devs:
                     d.clock = t
                     if d.busy:
-                        self._engine_step(d, version)
+                        self._engine_step(d, d.version)
                         while d.busy and d.steps % every:
-                            self._engine_step(d, version)
+                            self._engine_step(d, d.version)
                 t = self._meet(devs)
             end = t
         self._step_stats.extend(devs)
-        # separated with scorers "train": the train devices score, in `learn`
-        scorers_on_train = sim.cfg.mode == "separated" and sim.cfg.scorers == "train"
+        # separated with scorers "train", and hybrid: the train devices score, in `learn`
+        scorers_on_train = sim.cfg.mode == "hybrid" or (sim.cfg.mode == "separated" and sim.cfg.scorers == "train")
         out = {"finished": [], "unfinished": [], "dropped": [], "generated_tokens": -resumed}
         for dev in devs:
             dev.scheduler.abort(set(dev.samples) - set(dev.finished))
@@ -224,6 +245,22 @@ class RuntimeStaleSync:
                     eng.clock += seconds
         self.book.collect(plan, out)
         return max(e.clock for e in sim.engines), out["generated_tokens"]
+
+    def _polled(self, devs: list[_Device], plan: RolloutPlan) -> float:
+        """Hybrid's stop-rule sums (`workers.PolledSums`): no device waits for another while it
+        has work; once every device has joined, the rule applies to the sums of their counts
+        before each engine step (the poll costs nothing beside a step), stepping the device that
+        is furthest behind in time. Returns when the last device stops."""
+        joined = max(d.clock for d in devs)
+        while True:
+            busy = [d for d in devs if d.busy]
+            now = min((d.clock for d in busy), default=joined)
+            if now >= joined and rollout_stops(sum(len(d.finished_groups) for d in devs),
+                                               sum(len(d.due - d.finished_groups) for d in devs), len(busy), 0,
+                                               quota=plan.quota, drop_overdue=plan.drop):
+                return max([now] + [d.clock for d in devs])
+            dev = min(busy, key=lambda d: d.clock)
+            self._engine_step(dev, dev.version)
 
     def _meet(self, devs: list[_Device]) -> float:
         """A stop-rule sum: every device waits for the last to arrive, then the collective runs;
@@ -280,9 +317,11 @@ class RuntimeStaleSync:
     def learn(self, batch: list[_SimSample], start: float, version: int) -> float:
         """Update `version` -> `version + 1` on the train devices from `start`; returns its end."""
         sim, t = self.sim, start
-        colocated = sim.cfg.mode != "separated"
-        lanes = [e.name for e in sim.engines] if colocated else ["train"]
-        phases = ([("switch", sim.cal.switch_s)] if colocated else []) + sim.train_phases(batch)
+        colocated = sim.cfg.mode not in ("separated", "hybrid")
+        lanes = (sorted(self.late) if self.hybrid else [e.name for e in sim.engines] if colocated else ["train"])
+        if self.hybrid:  # after its last rollout, training state back in (the co-located switch)
+            t = max([t] + [e.clock for e in sim.engines if e.name in self.late])
+        phases = ([("switch", sim.cal.switch_s)] if colocated or self.hybrid else []) + sim.train_phases(batch)
         for role, seconds in phases:
             for lane in lanes:
                 sim.record(lane, role, t, t + seconds, version)
@@ -301,13 +340,23 @@ class RuntimeStaleSync:
                     generated += gen
                     pending = self.take_batch(k)
                 batch, reserved = pending, len({smp.group_id for smp in pending})
-                rollout_end, gen = self.rollout(self.plan(k, k + 1, reserved), now)
+                if self.hybrid:  # the train devices update, then join the rollout with the new weights
+                    train_end = self.learn(batch, now, k)
+                    for lane in sorted(self.late):
+                        sim.record(lane, "switch", train_end, train_end + cal.switch_s, k + 1)
+                    rollout_end, gen = self.rollout(self.plan(k, k + 1, reserved), now,
+                                                    late_start=train_end + cal.switch_s)
+                    early = len(sim.engines) - len(self.late)
+                    self.share = join_share(rollout_end - now, train_end - now, early, len(self.late))
+                else:
+                    rollout_end, gen = self.rollout(self.plan(k, k + 1, reserved), now)
+                    train_end = self.learn(batch, now, k)
                 generated += gen
-                train_end = self.learn(batch, now, k)
-                sim.record("train", "weight_sync", max(train_end, rollout_end),
+                lane = sorted(self.late)[0] if self.hybrid else "train"
+                sim.record(lane, "weight_sync", max(train_end, rollout_end),
                            max(train_end, rollout_end) + sim.weight_sync_s(), k + 1)
                 now = max(train_end, rollout_end) + sim.weight_sync_s()
-                self._load_weights(now, k + 1)
+                self._load_weights(now, k + 1, skip=self.late)
                 pending = self.take_batch(k + 1)
             else:
                 now, gen = self.rollout(self.plan(k, k), now)
@@ -321,7 +370,7 @@ class RuntimeStaleSync:
             sim.update_end.append(now)
             self.generated.append(generated)
             self.rollout_stats.append(self._busiest(self._step_stats))
-            if cfg.mode != "separated":  # back to the rollout layout
+            if cfg.mode not in ("separated", "hybrid"):  # back to the rollout layout
                 for eng in sim.engines:
                     sim.record(eng.name, "switch", now, now + cal.switch_s, k + 1)
                     eng.clock = now + cal.switch_s
@@ -344,8 +393,12 @@ class RuntimeStaleSync:
             return {}
         return max(per.values(), key=lambda e: e["time_decode_s"] + e["time_prefill_s"])
 
-    def _load_weights(self, now: float, version: int) -> None:
+    def _load_weights(self, now: float, version: int, skip: set[str] = frozenset()) -> None:
+        """The engines take the broadcast weights in (`skip`: hybrid's train devices, which
+        generated with them already)."""
         for eng in self.sim.engines:
+            if eng.name in skip:
+                continue
             start = max(eng.clock, now)
             self.sim.record(eng.name, "switch", start, start + self.sim.cal.switch_s, version)
             eng.clock = start + self.sim.cal.switch_s
