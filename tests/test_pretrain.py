@@ -66,3 +66,12 @@ def test_shipped_bases_resolve_by_name_and_a_bad_name_is_refused(tmp_path):
         resolve_base("tiny-longer")
     with pytest.raises(ValueError, match="init='nope' is neither"):
         pretrain(load_config(PretrainConfig, None, ["init=nope", "max_steps=1"]), tmp_path / "x", progress=False)
+
+
+def test_pretraining_from_a_base_must_name_its_folder(tmp_path, monkeypatch, capsys):
+    """The cached default base is what every run starts from: a long-context or continued base
+    does not silently replace it."""
+    monkeypatch.setenv("RLFUSION_CACHE", str(tmp_path))
+    assert main(["pretrain", "init=tiny", "max_steps=1"]) != 0
+    assert "needs out=DIR" in capsys.readouterr().err
+    assert not (tmp_path / "base-tiny").exists()

@@ -104,6 +104,8 @@ def test_hybrid_train_devices_join_each_rollout_after_their_update():
     assert 0 in later and 1 in later
     with pytest.raises(ValueError, match="mode='hybrid' needs stalesync_model='runtime' and max_staleness >= 1"):
         BASE.replace(mode="hybrid", max_staleness=0)
+    with pytest.raises(ValueError, match="mode='hybrid' needs >= 2 engines"):
+        simulate(BASE.replace(mode="hybrid", max_staleness=1, devices_per_supernode=1), CAL)
 
 
 def test_overlap_beats_sync_when_separated():

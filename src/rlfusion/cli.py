@@ -42,6 +42,9 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     from rlfusion.pretrain import PretrainConfig, pretrain
 
     cfg = load_config(PretrainConfig, args.config, args.overrides)
+    if not cfg.out and (cfg.init or cfg.context_len):
+        raise ValueError(f"pretraining with init= or context_len= needs out=DIR: the default, "
+                         f"{default_base_path(cfg.model)}, is the base every run starts from")
     out = Path(cfg.out) if cfg.out else default_base_path(cfg.model)
     result = pretrain(cfg, out)
     print(f"pretrained {cfg.model}: {result.steps} steps, {result.tokens:,} tokens in "

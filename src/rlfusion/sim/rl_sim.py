@@ -156,8 +156,8 @@ class _Sim:
     def train_devices(self) -> int:
         if self.cfg.mode == "separated":
             return max(1, self.cfg.num_devices - len(self.engines) * self.cal.devices_per_engine)
-        if self.cfg.mode == "hybrid":  # the second half of the devices, as deploy.mode=hybrid places them
-            return max(1, self.cfg.num_devices // 2)
+        if self.cfg.mode == "hybrid":  # the engines of the second half, as deploy.mode=hybrid places them
+            return max(1, len(self.engines) // 2 * self.cal.devices_per_engine)
         return self.cfg.num_devices
 
     def _new_sample(self) -> Sample:

@@ -132,6 +132,9 @@ class RuntimeStaleSync:
         # hybrid: the engines of the train devices (the second half), which join each overlapped
         # rollout after their update, with `share` of its new groups (`assign_hybrid`)
         self.late = {e.name for e in sim.engines[(len(sim.engines) + 1) // 2:]} if self.hybrid else set()
+        if self.hybrid and not self.late:
+            raise ValueError(f"simulate.mode='hybrid' needs >= 2 engines (devices / devices_per_engine), got "
+                             f"{len(sim.engines)}: some devices only generate, the others also train")
         self.share = JOIN_SHARE
         self.generated: list[int] = []  # tokens generated in each update's step
         self.rollout_stats: list[dict[str, float]] = []  # per update step: its busiest engine's passes
