@@ -108,4 +108,4 @@ def test_calibration_round_trip(tmp_path):
 
 def test_bad_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="mode.*allowed"):
-        RLSimConfig(mode="hybrid")
+        RLSimConfig(mode="mixed")
