@@ -118,8 +118,9 @@ class RolloutStage:
         over the devices (every `SYNC_EVERY` engine steps, and while this device has nothing
         left to run) and the stop rule applies to the sums: `quota` is then the devices' total,
         and a device that runs out of work waits for the others instead of ending the rollout.
-        A polled `sync` (`workers.PolledSums`) may answer None — the sums are not in yet — and is
-        asked again every step until they are, the device decoding on meanwhile.
+        `sync` is a `workers.StopSums`: called with `wait=not busy`; a polled one may answer None
+        (the sums are not in yet, `sync.pending`) and is asked again every step until they are,
+        the device decoding on meanwhile.
 
         Returns finished and unfinished (aborted, partial) samples in request order, the ids of
         the groups it gave up, and how many tokens it generated."""
@@ -134,16 +135,15 @@ class RolloutStage:
                     self.cfg.group_size)
         except Exception as e:  # noqa: BLE001 — re-raised below, after the peers were told
             error = e
-        polled = getattr(sync, "pending", None) is not None  # `PolledSums`: sums may not be in yet
         while True:
             busy = error is None and self.engine.has_unfinished()
-            if sync is None or not busy or steps % SYNC_EVERY == 0 or (polled and sync.pending):
+            if sync is None or not busy or steps % SYNC_EVERY == 0 or sync.pending:
                 counts = (len(run.finished_groups), len(must_finish - run.finished_groups), int(busy),
                           int(error is not None))
                 # a failing device keeps joining the sums with its error flag, so no peer is left
                 # waiting in a collective; everyone stops on the same call
                 if sync is not None:
-                    counts = sync(*counts, wait=not busy) if polled else sync(*counts)
+                    counts = sync(*counts, wait=not busy)
                 if counts is not None and rollout_stops(*counts, quota=quota, drop_overdue=drop_overdue):
                     peer_failed = bool(counts[3]) and error is None
                     break

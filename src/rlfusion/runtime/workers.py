@@ -63,17 +63,18 @@ def _no_stop_sync() -> dict[str, float]:
     return {"stop_sync_calls": 0.0, "stop_sync_s": 0.0}
 
 
-class PolledSums:
-    """The stop rule's counts summed over the rollout devices without making them meet: each
-    call posts this device's counts in a non-blocking all-reduce (when none is in flight) and
-    returns the sums of the one in flight once every device posted, else None — the device
-    decodes on meanwhile. With `wait` (nothing left to run here) it waits for them. Every device
-    gets the same sums from the same all-reduce and decides the stop on them alone, so they all
-    stop after the same one and none is left in flight. Hybrid placement needs this: its train
-    devices join a rollout only after their update, while the others have long been decoding."""
+class StopSums:
+    """The stop rule's counts summed over the rollout devices (an all-reduce of 4 integers).
+    Lock-step (`polled=False`): every call waits for the sums, so the devices meet there.
+    Polled: a call posts this device's counts (when no sum is in flight) and returns the sums of
+    the one in flight once every device posted, else None — the device decodes on meanwhile;
+    `wait` (nothing left to run here) waits for them. Every device gets the same sums from the
+    same all-reduce and decides the stop on them alone, so they all stop after the same one and
+    none is left in flight. Hybrid placement polls: its train devices join a rollout only after
+    their update, while the others have long been decoding."""
 
-    def __init__(self, group: Any, stats: dict[str, float]):
-        self.group, self.stats = group, stats
+    def __init__(self, group: Any, stats: dict[str, float], polled: bool):
+        self.group, self.stats, self.polled = group, stats, polled
         self.work: Any = None
         self.counts: torch.Tensor | None = None
 
@@ -86,11 +87,11 @@ class PolledSums:
             self.counts = torch.tensor(counts, dtype=torch.int64)
             self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
             self.stats["stop_sync_calls"] += 1
-        if not wait and not self.work.is_completed():
+        if self.polled and not wait and not self.work.is_completed():
             return None
         start = time.perf_counter()
         self.work.wait()
-        self.stats["stop_sync_s"] += time.perf_counter() - start
+        self.stats["stop_sync_s"] += time.perf_counter() - start  # waiting for the peers included
         self.work = None
         return self.counts.tolist()
 
@@ -348,23 +349,13 @@ class DeviceWorker:
         """StaleSync's partial rollout (`RolloutStage.run_groups`) inside the same switch as
         `rollout`; finished samples are scored here when reward and reference live here. The
         samples go back to the controller's book (partial ones resume in a later rollout)."""
-        sync = None
-        if len(self.plan.rollout) > 1:
-            sync = (PolledSums(self.rollout_group, self._stop_sync) if self.plan.mode == "hybrid"
-                    else self._sum_over_rollout_devices)
+        sync = (StopSums(self.rollout_group, self._stop_sync, polled=self.plan.mode == "hybrid")
+                if len(self.plan.rollout) > 1 else None)
         with self.switch.rollout():
             out = self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync)
         if score_here:
             self.score_and_reference(out["finished"])
         return out
-
-    def _sum_over_rollout_devices(self, *counts: int) -> list[int]:
-        start = time.perf_counter()
-        t = torch.tensor(counts, dtype=torch.int64)
-        dist.all_reduce(t, group=self.rollout_group)
-        self._stop_sync["stop_sync_calls"] += 1
-        self._stop_sync["stop_sync_s"] += time.perf_counter() - start  # waiting for the peers included
-        return t.tolist()
 
     # ---- scoring (reward and reference on devices other than the rollout's) ----
 
