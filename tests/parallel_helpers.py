@@ -121,9 +121,42 @@ def compare_a2a(cfg_changes: list[dict], ep: int, ranks_per_node: int, rows: int
     return out
 
 
-def layouts_and_a2a(cases, a2a_args) -> dict:
-    """One world for everything: the layout comparisons, then the all-to-all comparison."""
-    return {"layouts": train_and_compare(cases), "a2a": compare_a2a(*a2a_args)}
+def _local_grads(cfg, layout: ParallelLayout, tokens, n_micro: int, link: bool):
+    """One forward + backward step: the global loss and this rank's gradients (its shards)."""
+    torch.manual_seed(0)
+    pm = parallelize(MoETransformer(cfg).train(), layout, n_microbatches=n_micro)
+    if link:  # an emulated link: transfers arrive late, so chunks really wait on each other
+        pm.emulate_link(latency_s=2e-4, bytes_per_s=5e7)
+    loss = pm.forward_backward(pm.shard_batch(tokens[:, :-1]), pm.shard_batch(tokens[:, 1:]))
+    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+             for n, p in pm.named_parameters()}
+    return loss, grads, pm.comm_counter()
+
+
+def compare_overlap(cases: list[tuple[str, dict, dict, int]], chunks: int = 3) -> dict[str, dict]:
+    """Per case: the overlapped expert all-to-all (`a2a_chunks=chunks`, over an emulated link)
+    against the blocking one, same init and data: loss and every local gradient."""
+    out = {}
+    for name, layout_kw, cfg_changes, n_micro in cases:
+        cfg = small_config(**cfg_changes)
+        tokens = make_batches(cfg, 1, 8, 12)[0]
+        loss, grads, blocking = _local_grads(cfg, ParallelLayout(**layout_kw), tokens, n_micro, False)
+        loss_o, grads_o, overlapped = _local_grads(cfg, ParallelLayout(**layout_kw, a2a_chunks=chunks), tokens,
+                                                   n_micro, True)
+        local = [n for n in grads if grads[n].numel()]  # (an FSDP shard may be empty on a rank)
+        out[name] = {"loss_diff": abs(loss - loss_o), "names": sorted(grads) == sorted(grads_o),
+                     "grad_diff": max((grads[n] - grads_o[n]).abs().max().item() for n in local),
+                     "grad_max": max(grads[n].abs().max().item() for n in local),
+                     "blocking_calls": blocking.calls, "overlapped_calls": overlapped.calls,
+                     "overlapped_wait_s": overlapped.wait_s}
+    return out
+
+
+def layouts_and_a2a(cases, a2a_args, overlap_cases=()) -> dict:
+    """One world for everything: the layout comparisons, the all-to-all comparison, and the
+    overlapped all-to-all against the blocking one."""
+    return {"layouts": train_and_compare(cases), "a2a": compare_a2a(*a2a_args),
+            "overlap": compare_overlap(list(overlap_cases))}
 
 
 def run_world_checked(fn, world_size: int, *args, timeout: float = 240) -> list[dict]:

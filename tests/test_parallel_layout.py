@@ -75,3 +75,26 @@ def test_expert_groups_follow_the_convention():
 def test_describe():
     assert ParallelLayout(pp=2, vpp=2, tp=2).describe() == "tp2×pp2×vpp2"
     assert ParallelLayout().describe() == "single"
+
+
+def test_a2a_chunks_must_be_a_count_and_needs_expert_parallelism():
+    from rlfusion.parallel.layout import ParallelLayout
+    from parallel_helpers import small_config
+
+    with pytest.raises(ValueError, match=r"layout.a2a_chunks=-1 is invalid: must be an integer >= 0"):
+        ParallelLayout(dp=2, ep=2, a2a_chunks=-1)
+    with pytest.raises(ValueError, match=r"layout.a2a_chunks=2 is invalid: must be 0 unless ep > 1"):
+        ParallelLayout(dp=2, a2a_chunks=2).validate(2, small_config())
+    ParallelLayout(dp=2, ep=2, a2a_chunks=2).validate(2, small_config())
+
+
+def test_emulated_link_serializes_transfers_and_adds_latency(monkeypatch):
+    from rlfusion.parallel import expert_parallel
+
+    now = [10.0]
+    monkeypatch.setattr(expert_parallel.time, "perf_counter", lambda: now[0])
+    link = expert_parallel.LinkModel(latency_s=0.5, bytes_per_s=100.0)
+    assert link.arrival(100) == 10.0 + 1.0 + 0.5  # 1 s on the wire, then the latency
+    assert link.arrival(200) == 11.0 + 2.0 + 0.5  # queued behind the first transfer
+    now[0] = 20.0  # the link idle again: starts at once
+    assert link.arrival(0) == 20.5

@@ -95,7 +95,14 @@ class GroupedExperts(nn.Module):
         return (F.silu(x_ND @ self.w_gate_EDF[e]) * (x_ND @ self.w_up_EDF[e])) @ self.w_down_EFD[e]
 
     def forward(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor,
-                weights_NK: torch.Tensor) -> torch.Tensor:
+                weights_NK: torch.Tensor, shared=None) -> torch.Tensor:
+        """The routed experts' combined output, plus `shared(x_ND)` (the always-on experts)
+        when given: an implementation that waits on something (an expert-parallel one, on its
+        tokens in flight) may compute that meanwhile."""
+        y_ND = self._routed(x_ND, topk_ids_NK, weights_NK)
+        return y_ND if shared is None else y_ND + shared(x_ND)
+
+    def _routed(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         N, K = topk_ids_NK.shape
         if N <= self.dense_max_tokens and not torch.is_grad_enabled():
             return self._dense(x_ND, topk_ids_NK, weights_NK)
@@ -141,10 +148,12 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         topk_ids, weights, self.aux_loss = self.router(x_ND)
-        y_ND = self.experts(x_ND, topk_ids, weights)
-        if self.shared is not None:
-            shared_ND = self.shared(x_ND)
-            if self.shared_gate is not None:
-                shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
-            y_ND = y_ND + shared_ND
+        y_ND = self.experts(x_ND, topk_ids, weights, self.shared_output if self.shared is not None else None)
         return y_ND.view_as(x_BTD)
+
+    def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The shared experts' part of the output (gated per token where the model says so)."""
+        shared_ND = self.shared(x_ND)
+        if self.shared_gate is not None:
+            shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
+        return shared_ND

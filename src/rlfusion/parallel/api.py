@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from rlfusion.model.moe import Router
 from rlfusion.model.transformer import Block, MoETransformer
 from rlfusion.parallel.data_parallel import apply_fsdp, shard_batch
-from rlfusion.parallel.expert_parallel import CommCounter, ExpertParallelExperts
+from rlfusion.parallel.expert_parallel import CommCounter, ExpertParallelExperts, LinkModel
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import ParallelMesh, build_mesh
 from rlfusion.parallel.pipeline import PaddedRouting, build_schedule, split_model, stage_indices
@@ -160,12 +160,23 @@ class ParallelModel:
     # ---- weights and counters ----------------------------------------------------------------
 
     def comm_counter(self) -> CommCounter:
+        """This rank's expert all-to-all figures since the last reset: bytes sent, calls, and
+        the seconds it waited on them (its exposed expert communication)."""
         total = CommCounter()
         for e in self.experts:
             total.sent_bytes += e.counter.sent_bytes
             total.internode_bytes += e.counter.internode_bytes
             total.calls += e.counter.calls
+            total.wait_s += e.counter.wait_s
         return total
+
+    def emulate_link(self, latency_s: float, bytes_per_s: float) -> None:
+        """Give this rank's expert all-to-alls an emulated link (`expert_parallel.LinkModel`),
+        one for all its layers, as one network port would be: for measuring how much of that
+        communication computation hides where the real link is nearly free."""
+        link = LinkModel(latency_s, bytes_per_s)
+        for e in self.experts:
+            e.link = link
 
     def reset_comm_counters(self) -> None:
         for e in self.experts:

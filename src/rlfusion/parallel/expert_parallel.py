@@ -25,7 +25,9 @@ L experts per rank, F expert FFN width.
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +42,15 @@ from rlfusion.parallel.mesh import A2AGroup, ParallelMesh
 @dataclass
 class CommCounter:
     """Bytes this rank sent through expert all-to-alls (forward and backward, payload and
-    routing metadata), and the part that went to ranks on another node."""
+    routing metadata), the part that went to ranks on another node, and the seconds this rank
+    waited for them: the exposed communication, the part no computation covered (a blocking
+    all-to-all is exposed whole; an overlapped one only where its chunk's wait found it still
+    in flight)."""
 
     sent_bytes: int = 0
     internode_bytes: int = 0
     calls: int = 0
+    wait_s: float = 0.0
 
     def record(self, in_splits: list[int], g: A2AGroup, row_bytes: int) -> None:
         self.calls += 1
@@ -56,36 +62,127 @@ class CommCounter:
 
     def reset(self) -> None:
         self.sent_bytes = self.internode_bytes = self.calls = 0
+        self.wait_s = 0.0
 
 
-def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: A2AGroup,
-         counter: CommCounter) -> torch.Tensor:
-    counter.record(in_splits, g, x.element_size() * math.prod(x.shape[1:]))
+@dataclass
+class LinkModel:
+    """An emulated link for measuring overlap where the real one is nearly free (loopback gloo
+    on one machine): an all-to-all's bytes (the more of what this rank sends to and receives
+    from its peers) cross at `bytes_per_s` after `latency_s`, one transfer at a time per rank,
+    in the background from the moment it is issued. Waiting on it returns no earlier than that
+    arrival, so a rank that computes meanwhile loses nothing and one that waits at once loses
+    all of it. Set on a rank's expert modules by `ParallelModel.emulate_link` (benchmarks)."""
+
+    latency_s: float
+    bytes_per_s: float
+    free_at: float = 0.0  # when this rank's link finishes the transfers queued on it
+
+    def arrival(self, nbytes: int) -> float:
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + nbytes / self.bytes_per_s
+        return self.free_at + self.latency_s
+
+
+class InFlight:
+    """One all-to-all issued asynchronously; `wait()` returns its output."""
+
+    def __init__(self, out: torch.Tensor, work, arrive: float, counter: CommCounter):
+        self.out, self.work, self.arrive, self.counter = out, work, arrive, counter
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+        delay = self.arrive - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        self.counter.wait_s += time.perf_counter() - start
+        self.work = None
+        return self.out
+
+
+def start_a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: A2AGroup,
+              counter: CommCounter, link: LinkModel | None = None) -> InFlight:
+    """Issue an all-to-all of rows (uneven splits) without waiting for it."""
+    row_bytes = x.element_size() * math.prod(x.shape[1:])
+    counter.record(in_splits, g, row_bytes)
     if g.size == 1:
-        return x.clone()
+        return InFlight(x.clone(), None, 0.0, counter)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group)
-    return out
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group, async_op=True)
+    arrive = 0.0
+    if link is not None:
+        others = [j for j in range(g.size) if j != g.index]
+        arrive = link.arrival(row_bytes * max(sum(in_splits[j] for j in others),
+                                              sum(out_splits[j] for j in others)))
+    return InFlight(out, work, arrive, counter)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all of rows; backward sends gradients back along the same splits."""
+class _Pair:
+    """The two halves of one differentiable all-to-all: forward's transfer, then backward's."""
+
+    def __init__(self, out_splits, in_splits, g, counter, link):
+        self.args = (out_splits, in_splits, g, counter, link)
+        self.forward: InFlight | None = None
+        self.backward: InFlight | None = None
+
+
+class _Start(torch.autograd.Function):
+    """Issues the all-to-all. Its backward waits for the gradient's transfer back, which
+    `_Wait`'s backward issued, so whatever autograd runs between the two covers it."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, g, counter):
-        ctx.args = (out_splits, in_splits, g, counter)
-        return _a2a(x, out_splits, in_splits, g, counter)
+    def forward(ctx, x, pair):
+        ctx.pair = pair
+        pair.forward = start_a2a(x, *pair.args)
+        return pair.forward.out  # filled in the background: only `_Wait` reads it
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, g, counter = ctx.args
-        return _a2a(grad.contiguous(), in_splits, out_splits, g, counter), None, None, None, None
+        return ctx.pair.backward.wait(), None  # `grad` is what `_Wait`'s backward sent
 
 
-def all_to_all_rows(x, out_splits, in_splits, g: A2AGroup, counter: CommCounter) -> torch.Tensor:
-    if x.is_floating_point() and torch.is_grad_enabled():
-        return _AllToAll.apply(x, out_splits, in_splits, g, counter)
-    return _a2a(x, out_splits, in_splits, g, counter)
+class _Wait(torch.autograd.Function):
+    """Waits for the all-to-all `_Start` issued. Its backward issues the gradient's transfer
+    back along the same splits and leaves the waiting to `_Start`'s backward."""
+
+    @staticmethod
+    def forward(ctx, out, pair):
+        ctx.pair = pair
+        pair.forward.wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, g, counter, link = ctx.pair.args
+        ctx.pair.backward = start_a2a(grad.contiguous(), in_splits, out_splits, g, counter, link)
+        return grad, None  # only for its shape: `_Start`'s backward returns the transfer
+
+
+class Transfer:
+    """An all-to-all of rows in flight, differentiable when autograd records: `wait()` gives
+    the rows; in backward the gradients travel back asynchronously the same way."""
+
+    def __init__(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: A2AGroup,
+                 counter: CommCounter, link: LinkModel | None):
+        self.grad = x.is_floating_point() and torch.is_grad_enabled() and x.requires_grad
+        if self.grad:
+            self.pair = _Pair(out_splits, in_splits, g, counter, link)
+            self.out = _Start.apply(x, self.pair)
+        else:
+            self.inflight = start_a2a(x, out_splits, in_splits, g, counter, link)
+
+    def wait(self) -> torch.Tensor:
+        if self.grad:
+            return _Wait.apply(self.out, self.pair)
+        return self.inflight.wait()
+
+
+def all_to_all_rows(x, out_splits, in_splits, g: A2AGroup, counter: CommCounter,
+                    link: LinkModel | None = None) -> torch.Tensor:
+    """A blocking all-to-all of rows (issued and waited for at once)."""
+    return Transfer(x, out_splits, in_splits, g, counter, link).wait()
 
 
 # ---- TP slices: tokens replicated over TP are split before dispatch, gathered after combine --
@@ -132,7 +229,14 @@ class _GatherRows(torch.autograd.Function):
 
 
 class ExpertParallelExperts(nn.Module):
-    """This rank's slice of a layer's routed experts, called like `GroupedExperts`."""
+    """This rank's slice of a layer's routed experts, called like `GroupedExperts`.
+
+    `chunks` (the layout's `a2a_chunks`): 0 runs each all-to-all blocking, in the plain model's
+    order (routed experts, then the shared ones). n >= 1 overlaps: the layer's tokens split into
+    n chunks; the shared experts compute while the first chunk's tokens are in flight, each
+    chunk's experts while the next chunk's dispatch and the previous one's combine are, and in
+    backward autograd runs the same interleaving in reverse (each transfer's gradient is issued
+    where its forward was waited for and waited for where it was issued)."""
 
     def __init__(self, experts: GroupedExperts, mesh: ParallelMesh):
         super().__init__()
@@ -141,6 +245,7 @@ class ExpertParallelExperts(nn.Module):
         self.edp_group, self.dp = mesh.edp_group, mesh.layout.dp
         self.tp, self.tp_index = mesh.layout.tp, mesh.coord("tp")
         self.tp_group = mesh.group("tp") if self.tp > 1 else None
+        self.chunks = mesh.layout.a2a_chunks
         self.num_local = num_experts // self.ep.size
         self.first_expert = self.ep.index * self.num_local
         local = slice(self.first_expert, self.first_expert + self.num_local)
@@ -148,74 +253,137 @@ class ExpertParallelExperts(nn.Module):
         self.w_up_EDF = nn.Parameter(experts.w_up_EDF.detach()[local].clone())
         self.w_down_EFD = nn.Parameter(experts.w_down_EFD.detach()[local].clone())
         self.counter = CommCounter()
+        self.link: LinkModel | None = None  # an emulated link (benchmarks), else the real one
         # Logical expert id → physical slot after a migration (`parallel/balance.py`); slot s
         # lives on EP member s // L. None: the identity, as built.
         self.expert_to_slot_E: torch.Tensor | None = None
 
-    def forward(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor,
-                weights_NK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, weights_NK: torch.Tensor,
+                shared=None) -> torch.Tensor:
         if self.expert_to_slot_E is not None:  # the router's math stays in logical ids
             topk_ids_NK = self.expert_to_slot_E[topk_ids_NK]
+        full_ND = x_ND  # the shared experts are TP-sharded: every TP rank runs them on all rows
         if self.tp > 1:
             sizes = _row_sizes(len(x_ND), self.tp)
             x_ND = _SliceRows.apply(x_ND, sizes, self.tp_index, self.tp_group)
             weights_NK = _SliceRows.apply(weights_NK, sizes, self.tp_index, self.tp_group)
             start = sum(sizes[:self.tp_index])
             topk_ids_NK = topk_ids_NK[start:start + sizes[self.tp_index]]
-        if self.rail is not None:
-            y_ND = self._hierarchical(x_ND, topk_ids_NK, weights_NK)
-        else:
-            y_ND = self._exchange(x_ND, topk_ids_NK, weights_NK, self.ep)
+        # overlapped: the shared experts' first half of the rows computes under the first
+        # chunk's dispatch, the second under the last chunk's combine (and in backward, in
+        # reverse, under the first combine's and the last dispatch's gradients)
+        half = len(full_ND) // 2
+        sides = ((lambda: shared(full_ND[:half])), (lambda: shared(full_ND[half:]))) if shared and self.chunks else None
+        routed = self._hierarchical if self.rail is not None else self._flat
+        y_ND, side_ND = routed(x_ND, topk_ids_NK, weights_NK, sides)
         if self.tp > 1:
             y_ND = _GatherRows.apply(y_ND, sizes, self.tp_index, self.tp_group)
-        return y_ND
+        if shared is None:
+            return y_ND
+        return y_ND + (torch.cat(side_ND) if side_ND else shared(full_ND))
 
     # ---- the two algorithms ------------------------------------------------------------------
 
-    def _exchange(self, x_nD, ids_nK, w_nK, g: A2AGroup) -> torch.Tensor:
-        """Flat dispatch → local experts → combine inside `g`.
+    @staticmethod
+    def _chunk_rows(n: int, chunks: int) -> list[slice]:
+        """Contiguous row ranges of `chunks` chunks (one range for 0: blocking); every rank runs
+        as many, empty or not, so their all-to-alls pair up."""
+        sizes = _row_sizes(n, max(1, chunks))
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [slice(a, a + k) for a, k in zip(starts, sizes)]
+
+    def _flat(self, x_nD, ids_nK, w_nK, sides=None):
+        """Flat dispatch → local experts → combine in the EP group, chunk by chunk. Returns the
+        output and what `sides` returned (None without)."""
+        return self._pipeline(x_nD, ids_nK, w_nK, self.ep, self.chunks, sides)
+
+    def _pipeline(self, x_nD, ids_nK, w_nK, g: A2AGroup, chunks: int, sides=None):
+        """Dispatch → local experts → combine inside `g` over `chunks` chunks of the rows (0:
+        one, blocking), each chunk's transfers issued ahead of the work that waits for them;
+        `sides` (two callables): work that runs while the first dispatch is in flight, and
+        while the last combine is.
 
         `ids_nK` are expert ids relative to the group's first expert (member j holds
-        `[j*L, (j+1)*L)`), or -1 for pairs handled elsewhere.
-        """
-        K, L = ids_nK.shape[1], self.num_local
-        flat = ids_nK.reshape(-1)
-        pairs = (flat >= 0).nonzero().squeeze(1)
-        pairs = pairs[torch.argsort(flat[pairs], stable=True)]  # expert order, as the plain model
-        tok = pairs // K
-        send_counts_PL = torch.bincount(flat[pairs], minlength=g.size * L).view(g.size, L)
-        recv_counts_PL = _a2a(send_counts_PL, [1] * g.size, [1] * g.size, g, self.counter)
-        in_splits, out_splits = send_counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist()
-        recv_x_RD = all_to_all_rows(x_nD[tok], out_splits, in_splits, g, self.counter)
-        local_ids_R = torch.arange(L, device=x_nD.device).repeat(g.size).repeat_interleave(
-            recv_counts_PL.flatten())
-        y_RD = self._run_local(recv_x_RD, local_ids_R)
-        y_pairs = all_to_all_rows(y_RD, in_splits, out_splits, g, self.counter)
-        y_pairs = y_pairs * w_nK.reshape(-1)[pairs].unsqueeze(-1)
-        return torch.zeros_like(x_nD).index_add_(0, tok, y_pairs)
+        `[j*L, (j+1)*L)`), or -1 for pairs handled elsewhere."""
+        K, L, P = ids_nK.shape[1], self.num_local, g.size
+        plans = []  # per chunk: its (token, expert) pairs in expert order and their tokens
+        counts = []
+        for rows in self._chunk_rows(len(x_nD), chunks):
+            flat = ids_nK[rows].reshape(-1)
+            pairs = (flat >= 0).nonzero().squeeze(1)
+            pairs = pairs[torch.argsort(flat[pairs], stable=True)]  # expert order, as the plain model
+            plans.append((rows, pairs, pairs // K + rows.start))
+            counts.append(torch.bincount(flat[pairs], minlength=P * L).view(P, L))
+        send_CPL = torch.stack(counts)  # one exchange of every chunk's counts
+        recv_CPL = start_a2a(send_CPL.transpose(0, 1).contiguous(), [1] * P, [1] * P, g, self.counter,
+                             self.link).wait().transpose(0, 1)
+        in_splits, out_splits = send_CPL.sum(2).tolist(), recv_CPL.sum(2).tolist()
+        local_ids = [torch.arange(L, device=x_nD.device).repeat(P).repeat_interleave(r.flatten())
+                     for r in recv_CPL]
+        dispatch = [None] * len(plans)
 
-    def _hierarchical(self, x_nD, ids_nK, w_nK) -> torch.Tensor:
-        """Stage 1: one copy per (token, node) over the rail group; stage 2: `_exchange` in node."""
+        def issue(c):
+            dispatch[c] = Transfer(x_nD[plans[c][2]], out_splits[c], in_splits[c], g, self.counter, self.link)
+
+        issue(0)
+        side_out = [sides[0]()] if sides else None
+        combine = []
+        for c in range(len(plans)):
+            if c + 1 < len(plans):
+                issue(c + 1)
+            y_RD = self._run_local(dispatch[c].wait(), local_ids[c])
+            combine.append(Transfer(y_RD, in_splits[c], out_splits[c], g, self.counter, self.link))
+        if sides:
+            side_out.append(sides[1]())
+        y_ND = torch.zeros_like(x_nD)
+        for (rows, pairs, tok), back in zip(plans, combine):
+            w = w_nK[rows].reshape(-1)[pairs].unsqueeze(-1)
+            y_ND = y_ND.index_add(0, tok, back.wait() * w)
+        return y_ND, side_out
+
+    def _hierarchical(self, x_nD, ids_nK, w_nK, sides=None):
+        """Stage 1: one copy per (token, node) over the rail group; stage 2: the flat exchange
+        inside the node. Chunk by chunk, the next chunk's rail transfers and the previous one's
+        way back are in flight while a chunk's node stage runs."""
         rail, per_node = self.rail, self.node.size * self.num_local
         node_nK = ids_nK // per_node
-        toks, ids, ws = [], [], []
-        for m in range(rail.size):
-            hit_nK = node_nK == m
-            sel = hit_nK.any(1).nonzero().squeeze(1)
-            toks.append(sel)
-            ids.append(torch.where(hit_nK, ids_nK - m * per_node, -1)[sel].to(torch.int32))
-            ws.append(torch.where(hit_nK, w_nK, 0.0)[sel])
-        tok = torch.cat(toks)
-        in_splits = [len(t) for t in toks]
+        plans = []
+        for rows in self._chunk_rows(len(x_nD), self.chunks):
+            toks, ids, ws = [], [], []
+            for m in range(rail.size):
+                hit_nK = node_nK[rows] == m
+                sel = hit_nK.any(1).nonzero().squeeze(1)
+                toks.append(sel + rows.start)
+                ids.append(torch.where(hit_nK, ids_nK[rows] - m * per_node, -1)[sel].to(torch.int32))
+                ws.append(torch.where(hit_nK, w_nK[rows], 0.0)[sel])
+            plans.append((torch.cat(toks), torch.cat(ids), torch.cat(ws), [len(t) for t in toks]))
         ones = [1] * rail.size
-        out_splits = _a2a(torch.tensor(in_splits, device=x_nD.device), ones, ones, rail,
-                          self.counter).tolist()
-        rx_RD = all_to_all_rows(x_nD[tok], out_splits, in_splits, rail, self.counter)
-        rids_RK = all_to_all_rows(torch.cat(ids), out_splits, in_splits, rail, self.counter).long()
-        rw_RK = all_to_all_rows(torch.cat(ws), out_splits, in_splits, rail, self.counter)
-        y_RD = self._exchange(rx_RD, rids_RK, rw_RK, self.node)
-        y_back = all_to_all_rows(y_RD, in_splits, out_splits, rail, self.counter)
-        return torch.zeros_like(x_nD).index_add_(0, tok, y_back)
+        send_CM = torch.tensor([p[3] for p in plans], device=x_nD.device)
+        recv_CM = start_a2a(send_CM.t().contiguous(), ones, ones, rail, self.counter,
+                            self.link).wait().t()
+        out_splits = recv_CM.tolist()
+        sends = [None] * len(plans)
+
+        def issue(c):
+            tok, ids, ws, in_splits = plans[c]
+            sends[c] = [Transfer(t, out_splits[c], in_splits, rail, self.counter, self.link)
+                        for t in (x_nD[tok], ids, ws)]
+
+        issue(0)
+        side_out = [sides[0]()] if sides else None
+        backs = []
+        for c in range(len(plans)):
+            if c + 1 < len(plans):
+                issue(c + 1)
+            rx_RD, rids_RK, rw_RK = (t.wait() for t in sends[c])
+            y_RD, _ = self._pipeline(rx_RD, rids_RK.long(), rw_RK, self.node, 0)
+            backs.append(Transfer(y_RD, plans[c][3], out_splits[c], rail, self.counter, self.link))
+        if sides:
+            side_out.append(sides[1]())
+        y_ND = torch.zeros_like(x_nD)
+        for (tok, *_), back in zip(plans, backs):
+            y_ND = y_ND.index_add(0, tok, back.wait())
+        return y_ND, side_out
 
     def _run_local(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor) -> torch.Tensor:
         order = torch.argsort(local_ids_R, stable=True)

@@ -22,6 +22,10 @@ Axes. The world is `pp × dp × tp` ranks, ordered with `tp` fastest, then `dp`,
   expert all-to-all looks at it: with `hierarchical_a2a` tokens cross nodes once per
   (token, node), then spread inside the node; without it the byte counters still report what
   a flat all-to-all sends across node boundaries.
+- `a2a_chunks`: 0 runs each expert all-to-all blocking; n >= 1 overlaps them with computation
+  (each MoE layer's tokens in n chunks: the shared experts compute under the first chunk's
+  dispatch, each chunk's experts under the next chunk's dispatch and the previous one's
+  combine). Same results either way; only when each rank waits changes.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ class ParallelLayout:
     ep: int = 1
     ranks_per_node: int = 0
     hierarchical_a2a: bool = False
+    a2a_chunks: int = 0
 
     def __post_init__(self) -> None:
         for key in FIELDS:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"layout.{key}={value!r} is invalid: must be an integer >= 1")
+        if not isinstance(self.a2a_chunks, int) or self.a2a_chunks < 0:
+            raise ValueError(f"layout.a2a_chunks={self.a2a_chunks!r} is invalid: must be an integer >= 0 "
+                             "(0 = blocking expert all-to-all, n = overlapped in n chunks)")
         if self.ranks_per_node < 0:
             raise ValueError(f"layout.ranks_per_node={self.ranks_per_node!r} is invalid: "
                              "must be >= 0 (0 = all ranks on one node)")
@@ -73,6 +81,8 @@ class ParallelLayout:
         parts = [f"{k}{getattr(self, k)}" for k in FIELDS if getattr(self, k) > 1]
         if self.hierarchical_a2a:
             parts.append(f"hier(rpn{self.ranks_per_node})")
+        if self.a2a_chunks:
+            parts.append(f"overlap{self.a2a_chunks}")
         return "×".join(parts) or "single"
 
     def validate(self, world_size: int, cfg: ModelConfig) -> None:
@@ -131,6 +141,8 @@ class ParallelLayout:
         if self.ranks_per_node:
             need(self.world_size % self.ranks_per_node == 0, "ranks_per_node",
                  f"must divide the world size {self.world_size}")
+        need(self.a2a_chunks == 0 or self.ep > 1, "a2a_chunks",
+             "must be 0 unless ep > 1 (it overlaps the expert all-to-all)")
         if self.hierarchical_a2a:
             need(self.ep > 1, "ep", "must be > 1 with hierarchical_a2a=True")
             need(self.ranks_per_node > 0 and self.ep % self.ranks_per_node == 0,

@@ -63,7 +63,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 _HEADER = (f"{'#':>3}  {'layout':<42} {'step s':>7} {'MFU':>6} {'mem GB':>7} {'comm':>6} "
-           f"{'bubble':>7} {'EP a2a hid':>10}  recompute/swap")
+           f"{'bubble':>7} {'EP a2a exposed':>16}  recompute/swap")
 _KINDS = ("layer", "attn", "mlp", "attn_norm", "mlp_norm")
 
 
@@ -100,7 +100,8 @@ def _row(rank: int, est: StepEstimate) -> str:
     hidden = (1.0 - est.ep_comm_exposed_s / est.ep_comm_total_s) if est.ep_comm_total_s else 1.0
     return (f"{rank:>3}  {est.plan.label():<42} {est.step_s:>7.2f} {est.mfu:>6.1%} "
             f"{est.memory.total_GB:>7.1f} {est.comm_share:>6.1%} "
-            f"{est.bubble_s / est.step_s:>7.1%} {hidden:>10.0%}  {memory_choice(est)}")
+            f"{est.bubble_s / est.step_s:>7.1%} {est.ep_comm_exposed_s:>6.2f}s ({1 - hidden:>4.0%})  "
+            f"{memory_choice(est)}")
 
 
 def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResult,
@@ -137,7 +138,9 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
 def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> list[str]:
     """Every constant the ranking rests on that is not a property of the plan itself."""
     from rlfusion.sim.memory import RESERVED_GB
-    from rlfusion.sim.step import OPTIMIZER_STEP_BYTES
+    from rlfusion.sim.step import OPTIMIZER_STEP_BYTES, ep_overlap_measurement
+
+    overlap = ep_overlap_measurement()
 
     best = result.best
     return [
@@ -155,7 +158,8 @@ def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> lis
         f"(sharded over DP/EDP with the distributed optimizer), {RESERVED_GB:.0f} GB reserved, "
         "MoE dispatch buffers, fp32 logits of one micro-batch, one staging layer",
         "communication: alpha-beta ring collectives; TP all-gather/reduce-scatter exposed; EP "
-        "all-to-all hierarchical, overlapped with compute of another micro-batch; PP sends "
+        f"all-to-all hierarchical, overlapped with the layer's compute at the measured efficiency "
+        f"{overlap['efficiency']:.0%} ({overlap['source']}); PP sends "
         "exposed; DP reduce-scatter/all-gather hidden behind backward/forward when shorter",
         f"pipeline: 1F1B bubble (PP-1) stage times, / VPP when interleaved; optimizer step "
         f"{OPTIMIZER_STEP_BYTES} B per local parameter at memory bandwidth",

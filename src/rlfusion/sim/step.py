@@ -8,8 +8,10 @@ memory formulas in `memory.py`, collective formulas in `comm.py`. Step time:
 with `m` micro-batches and `t_stage` the slowest stage's fwd+bwd time per micro-batch
 (compute, recompute, TP collectives, exposed EP all-to-all, PP send/recv, exposed swap).
 This is the 1F1B bubble `(PP-1) t_stage`, divided by VPP for the interleaved schedule.
-Overlap rules: EP all-to-all hides behind the compute of the same layer of another
-micro-batch (exposed = max(0, a2a - compute)) when `ep_overlap`; the DP gradient
+Overlap rules: EP all-to-all hides behind the compute of the same layer when `ep_overlap`, as
+far as the overlapped execution (`parallel.expert_parallel`, `layout.a2a_chunks`) was
+measured to hide it: exposed = a2a - efficiency * min(a2a, compute), the efficiency read from
+`ep_overlap.json` beside this file (`python bench/ep_overlap.py --record` writes it); the DP gradient
 reduce-scatter hides behind the last micro-batch's backward and the parameter all-gather
 behind the first micro-batch's forward; TP collectives and PP sends are fully exposed.
 
@@ -23,7 +25,10 @@ time as `_layer_time` counts it, swap seconds = 2 x bytes / host link bandwidth;
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlfusion.sim import comm
 from rlfusion.sim.costs import (BF16, LayerCost, attention_matmul_params, model_flops_per_token,
@@ -34,6 +39,22 @@ from rlfusion.sim.memory_plan import MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
 
 OPTIMIZER_STEP_BYTES = 32  # bytes touched per locally-updated parameter by fused Adam
+EP_OVERLAP_FILE = Path(__file__).with_name("ep_overlap.json")
+
+
+@functools.cache
+def ep_overlap_measurement() -> dict:
+    """The measured overlap of the expert all-to-all (`bench/ep_overlap.py --record`): its
+    `efficiency` is the share of the all-to-all that computation hid where there was compute
+    enough to cover it (1 - exposed overlapped / exposed blocking), with how it was measured."""
+    return json.loads(EP_OVERLAP_FILE.read_text())
+
+
+def ep_exposed_s(a2a_s: float, compute_s: float, overlap: bool) -> float:
+    """Seconds of a layer's expert all-to-all no computation covers."""
+    if not overlap:
+        return a2a_s
+    return a2a_s - ep_overlap_measurement()["efficiency"] * min(a2a_s, compute_s)
 
 
 @dataclass(frozen=True)
@@ -190,7 +211,7 @@ def _stage_time(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan,
         c, r, t, e = _layer_time(layer, job, plan, cluster)
         compute, recompute, tp_comm, ep_comm = compute + c, recompute + r, tp_comm + t, ep_comm + e
         fwd += c / 3.0
-        ep_exposed += max(0.0, e - c) if plan.ep_overlap else e
+        ep_exposed += ep_exposed_s(e, c, plan.ep_overlap)
         if (plan.swap and plan.recompute not in ("full", "planned")  # planned: added later
                 and layer.activation.swappable):
             moved = layer.activation.swappable * local / host_rate  # each way
@@ -237,7 +258,7 @@ def _indexed_stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
     for layer in layers:  # only three distinct layer kinds: time each once
         if id(layer) not in times:
             c, r, t, e = _layer_time(layer, job, plan, cluster)
-            times[id(layer)] = c + r + t + (max(0.0, e - c) if plan.ep_overlap else e)
+            times[id(layer)] = c + r + t + ep_exposed_s(e, c, plan.ep_overlap)
     owner = partition([times[id(x)] for x in layers], plan.pp * plan.vpp)
     stages: list[list[tuple[int, LayerCost]]] = [[] for _ in range(plan.pp)]
     for i, (layer, chunk) in enumerate(zip(layers, owner)):
