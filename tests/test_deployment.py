@@ -237,6 +237,12 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
     # with a pass that contributes nothing
     ({"deploy.train_ep": 2, "optim.microbatch_tokens": 64}, "3 longest"),
     ({"deploy.train_fsdp": "true"}, None),
+    # the expert all-to-all overlapped with computation, in chunks; with a rank that joins the
+    # other's second micro-batch with a pass that contributes nothing; with whole layers
+    # recomputed (the replay issues the chunks' transfers again)
+    ({"deploy.train_ep": 2, "deploy.train_a2a_chunks": 2}, None),
+    ({"deploy.train_ep": 2, "deploy.train_a2a_chunks": 3, "optim.microbatch_tokens": 64}, "3 longest"),
+    ({"deploy.train_ep": 2, "deploy.train_a2a_chunks": 2, "optim.recompute": "full"}, None),
     # FSDP's all-gathers and reduce-scatters are collectives too: the rank with one micro-batch
     # joins the other's second with a pass that contributes nothing
     ({"deploy.train_fsdp": "true", "optim.microbatch_tokens": 64}, "3 longest"),
@@ -296,6 +302,8 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         want = reference.update(kept)
         got = _update(trainer, trajs)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        if cfg.deploy.train_ep > 1:  # the update's expert all-to-all, measured
+            assert got["ep_a2a_mb"] > 0 and got["ep_a2a_exposed_s"] >= 0
         if cfg.optim.recompute != "none" and not cfg.deploy.train_pp > 1:
             assert got["activation_mb"] > 0
         if pick == "twice":

@@ -64,6 +64,10 @@ class DeployConfig:
     # and broadcast to the rollout devices
     train_tp: int = 1
     train_ep: int = 1
+    # with train_ep > 1: 0 runs each expert all-to-all of the update blocking; n >= 1 overlaps
+    # it with computation (each MoE layer's tokens in n chunks, the shared experts and the other
+    # chunks' experts computing while a chunk's tokens travel; parallel/expert_parallel.py)
+    train_a2a_chunks: int = 0
     # pipeline stages of the actor's training layout (1F1B; with train_vpp > 1, interleaved
     # 1F1B with that many model chunks per stage): train devices = train_pp x data parallel x
     # train_tp, the pipeline's micro-batches are optim.microbatch_tokens each
@@ -90,6 +94,8 @@ class DeployConfig:
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
             "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),
             "train_ep": (self.train_ep >= 1, "must be >= 1 (1 = every device holds every expert)"),
+            "train_a2a_chunks": (self.train_a2a_chunks >= 0 and (self.train_a2a_chunks == 0 or self.train_ep > 1),
+                                 "must be >= 0, and 0 unless train_ep > 1 (it overlaps the expert all-to-all)"),
             "train_pp": (self.train_pp >= 1, "must be >= 1 (1 = no pipeline)"),
             "train_vpp": (self.train_vpp >= 1 and (self.train_vpp == 1 or self.train_pp > 1),
                           "must be >= 1, and 1 unless train_pp > 1 (model chunks per pipeline stage)"),
@@ -151,6 +157,7 @@ class DeploymentPlan:
     reward: tuple[int, ...]
     train_tp: int = 1  # the actor's training layout (`deploy.train_tp`, `train_ep`, `train_pp`, ...)
     train_ep: int = 1
+    train_a2a_chunks: int = 0
     train_fsdp: bool = False
     train_pp: int = 1
     train_vpp: int = 1
@@ -165,7 +172,7 @@ class DeploymentPlan:
             scorers = devices[k:] if on_train else devices[:k]
             plan = cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers,
                        train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
-                       train_pp=cfg.train_pp, train_vpp=cfg.train_vpp)
+                       train_pp=cfg.train_pp, train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks)
             return plan._checked(cfg)
         if cfg.mode == "hybrid":
             train = devices[(n + 1) // 2:]
@@ -173,7 +180,7 @@ class DeploymentPlan:
         actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
         plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
                    train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
-                   train_pp=cfg.train_pp, train_vpp=cfg.train_vpp)
+                   train_pp=cfg.train_pp, train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks)
         if cfg.train_layout and len(plan.train) != n:
             raise ValueError(f"{cfg.layout_name} is invalid with {n} devices in "
                              f"mode '{cfg.mode}': the training layout spans every device, so reference and reward may "
@@ -216,7 +223,7 @@ class DeploymentPlan:
         from rlfusion.parallel.layout import ParallelLayout
 
         return ParallelLayout(dp=self.train_dp, tp=self.train_tp, pp=self.train_pp, vpp=self.train_vpp,
-                              ep=self.train_ep)
+                              ep=self.train_ep, a2a_chunks=self.train_a2a_chunks)
 
     @property
     def train_layout(self) -> bool:

@@ -445,6 +445,9 @@ class DeviceWorker:
                 raise RunError(f"the update on device {self.device}: {e} (deploy.queue_timeout_s)") from None
         trajs = dataflow.to_trajectories(batch)
         metrics: dict[str, float] = {}
+        experts = self.pm is not None and self.pm.experts
+        if experts:
+            self.pm.reset_comm_counters()
         with self.switch.train():
             if self.critic is not None:
                 with self._span("critic"):
@@ -452,7 +455,20 @@ class DeviceWorker:
                     gae_advantages(trajs, self.cfg.algo, self.dp_group)
                     metrics.update(self.critic.update(trajs))
             metrics.update(self.actor.update(trajs))
+        if experts:
+            metrics.update(self._expert_comm())
         return metrics
+
+    def _expert_comm(self) -> dict[str, float]:
+        """The update's expert all-to-all on the train devices (a collective over them): the
+        longest any device waited on it (its exposed communication, `deploy.train_a2a_chunks`
+        hides it behind computation) and the megabytes the devices sent."""
+        c = self.pm.comm_counter()
+        waited, sent = torch.tensor([c.wait_s]), torch.tensor([float(c.sent_bytes)])
+        if self.train_group is not None:
+            dist.all_reduce(waited, op=dist.ReduceOp.MAX, group=self.train_group)
+            dist.all_reduce(sent, group=self.train_group)
+        return {"ep_a2a_exposed_s": float(waited), "ep_a2a_mb": float(sent) / 1e6}
 
     def sync_weights(self) -> int:
         """Separated mode: the first train device broadcasts the new weights to the rollout
