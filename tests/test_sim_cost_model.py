@@ -101,3 +101,16 @@ def test_invalid_plan_raises():
     job = TrainJob(get_preset("tiny"), seq_len=256, global_batch=8)
     with pytest.raises(ValueError, match="chips"):
         estimate_step(job, ParallelPlan(1, 1, 1, 1, 2, 1), get_cluster("cpu", 4))
+
+
+def test_expert_all_to_all_hides_at_the_measured_efficiency():
+    """The planner hides the EP all-to-all behind the layer's MoE compute only as far as
+    `bench/ep_overlap.py` measured the overlapped execution hiding it (recorded beside the
+    cost model), never more than the compute there is."""
+    from rlfusion.sim.step import ep_exposed_s, ep_overlap_measurement
+
+    eta = ep_overlap_measurement()["efficiency"]
+    assert 0 < eta <= 1 and "bench/ep_overlap.py" in ep_overlap_measurement()["source"]
+    assert ep_exposed_s(2.0, 5.0, overlap=False) == 2.0
+    assert ep_exposed_s(2.0, 5.0, overlap=True) == pytest.approx(2.0 * (1 - eta))  # compute covers it
+    assert ep_exposed_s(2.0, 0.5, overlap=True) == pytest.approx(2.0 - eta * 0.5)  # only 0.5 s to hide behind

@@ -8,9 +8,10 @@ memory formulas in `memory.py`, collective formulas in `comm.py`. Step time:
 with `m` micro-batches and `t_stage` the slowest stage's fwd+bwd time per micro-batch
 (compute, recompute, TP collectives, exposed EP all-to-all, PP send/recv, exposed swap).
 This is the 1F1B bubble `(PP-1) t_stage`, divided by VPP for the interleaved schedule.
-Overlap rules: EP all-to-all hides behind the compute of the same layer when `ep_overlap`, as
-far as the overlapped execution (`parallel.expert_parallel`, `layout.a2a_chunks`) was
-measured to hide it: exposed = a2a - efficiency * min(a2a, compute), the efficiency read from
+Overlap rules: EP all-to-all hides behind the compute of the same layer's MoE block (router,
+shared and routed experts; not attention) when `ep_overlap`, as far as the overlapped
+execution (`parallel.expert_parallel`, `layout.a2a_chunks`) was measured to hide it:
+exposed = a2a - efficiency * min(a2a, MoE compute), the efficiency read from
 `ep_overlap.json` beside this file (`python bench/ep_overlap.py --record` writes it); the DP gradient
 reduce-scatter hides behind the last micro-batch's backward and the parameter all-gather
 behind the first micro-batch's forward; TP collectives and PP sends are fully exposed.
@@ -51,7 +52,8 @@ def ep_overlap_measurement() -> dict:
 
 
 def ep_exposed_s(a2a_s: float, compute_s: float, overlap: bool) -> float:
-    """Seconds of a layer's expert all-to-all no computation covers."""
+    """Seconds of a layer's expert all-to-all no computation covers (`compute_s`: the work
+    that can cover it)."""
     if not overlap:
         return a2a_s
     return a2a_s - ep_overlap_measurement()["efficiency"] * min(a2a_s, compute_s)
@@ -110,8 +112,10 @@ def _efficiency(cluster: ClusterSpec, rows: float) -> float:
 
 
 def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
-                ) -> tuple[float, float, float, float]:
-    """(fwd+bwd compute, recompute, tp comm, ep comm) seconds of one layer, one micro-batch."""
+                ) -> tuple[float, float, float, float, float]:
+    """(fwd+bwd compute, recompute, tp comm, ep comm, cover) seconds of one layer, one
+    micro-batch; `cover`: the fwd+bwd compute of its MoE block (router, shared and routed
+    experts), the work the overlapped all-to-all hides behind (attention is not)."""
     model, peak = job.model, cluster.chip.peak_tflops * 1e12
     tokens = plan.micro_batch * job.seq_len
     local = tokens / plan.tp  # tokens per rank (sequence parallel)
@@ -121,8 +125,12 @@ def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: Cl
            + layer.attn_core_flops * local / (peak * cluster.chip.attention_efficiency))
     attn_bwd = 1.5 * layer.attn_core_flops * local / (peak * cluster.chip.attention_efficiency)
     imbalance = job.expert_imbalance(plan.ep)
+    cover = 0.0
     if layer.expert_flops:
-        fwd += layer.expert_flops * local * imbalance / (peak * _efficiency(cluster, expert_rows))
+        routed = layer.expert_flops * local * imbalance / (peak * _efficiency(cluster, expert_rows))
+        fwd += routed
+        moe_matmuls = layer.matmul_flops - 2.0 * attention_matmul_params(model)
+        cover = 3.0 * (routed + max(0.0, moe_matmuls) * local / dense_rate)
     compute = 3.0 * fwd + attn_bwd
     recompute = {"none": 0.0, "full": fwd, "planned": 0.0,  # planned: added per stage later
                  "selective": layer.recompute_flops * local / dense_rate}[plan.recompute]
@@ -140,7 +148,7 @@ def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: Cl
                                      plan.hierarchical_a2a)
         ep_comm = 4 * imbalance * comm.all_to_all_time(vol, cluster, plan.ep, local_ranks,
                                            plan.hierarchical_a2a)
-    return compute, recompute, tp_comm, ep_comm
+    return compute, recompute, tp_comm, ep_comm, cover
 
 
 def _module_profiles(index: int, layer: LayerCost, job: TrainJob, plan: ParallelPlan,
@@ -208,10 +216,10 @@ def _stage_time(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan,
     host_rate = cluster.host.bandwidth_GBps * 1e9
     local = plan.micro_batch * job.seq_len / plan.tp
     for layer in layers:
-        c, r, t, e = _layer_time(layer, job, plan, cluster)
+        c, r, t, e, cover = _layer_time(layer, job, plan, cluster)
         compute, recompute, tp_comm, ep_comm = compute + c, recompute + r, tp_comm + t, ep_comm + e
         fwd += c / 3.0
-        ep_exposed += ep_exposed_s(e, c, plan.ep_overlap)
+        ep_exposed += ep_exposed_s(e, cover, plan.ep_overlap)
         if (plan.swap and plan.recompute not in ("full", "planned")  # planned: added later
                 and layer.activation.swappable):
             moved = layer.activation.swappable * local / host_rate  # each way
@@ -257,8 +265,8 @@ def _indexed_stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
     times: dict[int, float] = {}
     for layer in layers:  # only three distinct layer kinds: time each once
         if id(layer) not in times:
-            c, r, t, e = _layer_time(layer, job, plan, cluster)
-            times[id(layer)] = c + r + t + ep_exposed_s(e, c, plan.ep_overlap)
+            c, r, t, e, cover = _layer_time(layer, job, plan, cluster)
+            times[id(layer)] = c + r + t + ep_exposed_s(e, cover, plan.ep_overlap)
     owner = partition([times[id(x)] for x in layers], plan.pp * plan.vpp)
     stages: list[list[tuple[int, LayerCost]]] = [[] for _ in range(plan.pp)]
     for i, (layer, chunk) in enumerate(zip(layers, owner)):
