@@ -37,6 +37,7 @@ OVERLAP_CASES = [
     ("ep4 hierarchical a2a, 2 nodes × 2 ranks", dict(dp=4, ep=4, ranks_per_node=2, hierarchical_a2a=True), {}, 1),
     ("tp2×ep2", dict(dp=2, tp=2, ep=4), {}, 1),
     ("pp2×ep2 (1F1B)", dict(pp=2, dp=2, ep=2), {}, 2),
+    ("pp2×vpp2×ep2 (interleaved 1F1B)", dict(pp=2, vpp=2, dp=2, ep=2), {}, 4),
     ("ep4 gated shared experts, aux loss", dict(dp=4, ep=4), dict(shared_expert_gate=True, aux_loss_coef=0.01), 1),
 ]
 
