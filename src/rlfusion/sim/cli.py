@@ -158,7 +158,7 @@ def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> lis
         f"(sharded over DP/EDP with the distributed optimizer), {RESERVED_GB:.0f} GB reserved, "
         "MoE dispatch buffers, fp32 logits of one micro-batch, one staging layer",
         "communication: alpha-beta ring collectives; TP all-gather/reduce-scatter exposed; EP "
-        f"all-to-all hierarchical, overlapped with the layer's compute at the measured efficiency "
+        f"all-to-all hierarchical, overlapped with the layer's MoE compute (router, shared and routed experts) at the measured efficiency "
         f"{overlap['efficiency']:.0%} ({overlap['source']}); PP sends "
         "exposed; DP reduce-scatter/all-gather hidden behind backward/forward when shorter",
         f"pipeline: 1F1B bubble (PP-1) stage times, / VPP when interleaved; optimizer step "
