@@ -227,6 +227,22 @@ class _GatherRows(torch.autograd.Function):
         return grad[start:start + sizes[index]].contiguous(), None, None, None
 
 
+def _overlapped(n: int, sides, start, work) -> tuple[list, list | None]:
+    """Chunks 0..n-1 in a pipeline: chunk c+1's `start(c + 1)` (its transfers issued) before
+    chunk c's `work(c, started)`; `sides` (two callables, or None) run after the first start
+    and after the last work. Returns what each `work` returned and what the sides did."""
+    started = [start(0)]
+    side_out = [sides[0]()] if sides else None
+    done = []
+    for c in range(n):
+        if c + 1 < n:
+            started.append(start(c + 1))
+        done.append(work(c, started[c]))
+    if sides:
+        side_out.append(sides[1]())
+    return done, side_out
+
+
 class ExpertParallelExperts(nn.Module):
     """This rank's slice of a layer's routed experts, called like `GroupedExperts`.
 
@@ -319,21 +335,11 @@ class ExpertParallelExperts(nn.Module):
         in_splits, out_splits = send_CPL.sum(2).tolist(), recv_CPL.sum(2).tolist()
         local_ids = [torch.arange(L, device=x_nD.device).repeat(P).repeat_interleave(r.flatten())
                      for r in recv_CPL]
-        dispatch = [None] * len(plans)
-
-        def issue(c):
-            dispatch[c] = Transfer(x_nD[plans[c][2]], out_splits[c], in_splits[c], g, self.counter, self.link)
-
-        issue(0)
-        side_out = [sides[0]()] if sides else None
-        combine = []
-        for c in range(len(plans)):
-            if c + 1 < len(plans):
-                issue(c + 1)
-            y_RD = self._run_local(dispatch[c].wait(), local_ids[c])
-            combine.append(Transfer(y_RD, in_splits[c], out_splits[c], g, self.counter, self.link))
-        if sides:
-            side_out.append(sides[1]())
+        combine, side_out = _overlapped(
+            len(plans), sides,
+            lambda c: Transfer(x_nD[plans[c][2]], out_splits[c], in_splits[c], g, self.counter, self.link),
+            lambda c, dispatch: Transfer(self._run_local(dispatch.wait(), local_ids[c]), in_splits[c],
+                                         out_splits[c], g, self.counter, self.link))
         y_ND = torch.zeros_like(x_nD)
         for (rows, pairs, tok), back in zip(plans, combine):
             w = w_nK[rows].reshape(-1)[pairs].unsqueeze(-1)
@@ -361,24 +367,16 @@ class ExpertParallelExperts(nn.Module):
         recv_CM = start_a2a(send_CM.t().contiguous(), ones, ones, rail, self.counter,
                             self.link).wait().t()
         out_splits = recv_CM.tolist()
-        sends = [None] * len(plans)
-
-        def issue(c):
+        def send(c):
             tok, ids, ws, in_splits = plans[c]
-            sends[c] = [Transfer(t, out_splits[c], in_splits, rail, self.counter, self.link)
-                        for t in (x_nD[tok], ids, ws)]
+            return [Transfer(t, out_splits[c], in_splits, rail, self.counter, self.link) for t in (x_nD[tok], ids, ws)]
 
-        issue(0)
-        side_out = [sides[0]()] if sides else None
-        backs = []
-        for c in range(len(plans)):
-            if c + 1 < len(plans):
-                issue(c + 1)
-            rx_RD, rids_RK, rw_RK = (t.wait() for t in sends[c])
+        def node_stage(c, sent):
+            rx_RD, rids_RK, rw_RK = (t.wait() for t in sent)
             y_RD, _ = self._pipeline(rx_RD, rids_RK.long(), rw_RK, self.node, 0)
-            backs.append(Transfer(y_RD, plans[c][3], out_splits[c], rail, self.counter, self.link))
-        if sides:
-            side_out.append(sides[1]())
+            return Transfer(y_RD, plans[c][3], out_splits[c], rail, self.counter, self.link)
+
+        backs, side_out = _overlapped(len(plans), sides, send, node_stage)
         y_ND = torch.zeros_like(x_nD)
         for (tok, *_), back in zip(plans, backs):
             y_ND = y_ND.index_add(0, tok, back.wait())
