@@ -98,3 +98,20 @@ def test_emulated_link_serializes_transfers_and_adds_latency(monkeypatch):
     assert link.arrival(200) == 11.0 + 2.0 + 0.5  # queued behind the first transfer
     now[0] = 20.0  # the link idle again: starts at once
     assert link.arrival(0) == 20.5
+
+
+def test_a_wait_on_the_link_is_counted_and_long_ones_reach_the_timeline():
+    import time
+
+    import torch
+
+    from rlfusion.parallel.expert_parallel import TRACE_MIN_WAIT_S, CommCounter, InFlight
+
+    seen = []
+    counter = CommCounter(on_wait=lambda start, end: seen.append(end - start))
+    InFlight(torch.zeros(1), None, time.perf_counter() + 4 * TRACE_MIN_WAIT_S, counter).wait()
+    InFlight(torch.zeros(1), None, 0.0, counter).wait()  # already arrived: no span
+    assert len(seen) == 1 and seen[0] >= 3 * TRACE_MIN_WAIT_S
+    assert counter.wait_s >= seen[0]
+    counter.reset()
+    assert counter.wait_s == 0 and counter.on_wait is not None  # the hook outlives a reset

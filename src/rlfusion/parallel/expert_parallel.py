@@ -28,7 +28,8 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from torch import nn
 
 from rlfusion.model.moe import GroupedExperts
 from rlfusion.parallel.mesh import A2AGroup, ParallelMesh
+
+
+TRACE_MIN_WAIT_S = 5e-4
 
 
 @dataclass
@@ -51,6 +55,9 @@ class CommCounter:
     internode_bytes: int = 0
     calls: int = 0
     wait_s: float = 0.0
+    # called with (wall start, wall end) of each wait of at least TRACE_MIN_WAIT_S (a run's
+    # device timeline records them); shorter ones only add to `wait_s`
+    on_wait: Callable[[float, float], None] | None = field(default=None, repr=False, compare=False)
 
     def record(self, in_splits: list[int], g: A2AGroup, row_bytes: int) -> None:
         self.calls += 1
@@ -91,12 +98,15 @@ class InFlight:
         self.out, self.work, self.arrive, self.counter = out, work, arrive, counter
 
     def wait(self) -> torch.Tensor:
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         if self.work is not None:
             self.work.wait()
         while time.perf_counter() < self.arrive:  # spin: a device waiting on its link stays
             pass                                    # its own (a sleep hands the core away)
-        self.counter.wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.counter.wait_s += waited
+        if self.counter.on_wait is not None and waited >= TRACE_MIN_WAIT_S:
+            self.counter.on_wait(wall, wall + waited)
         self.work = None
         return self.out
 

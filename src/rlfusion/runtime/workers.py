@@ -56,6 +56,7 @@ from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, R
                                      gae_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 
+A2A_WAIT = "a2a wait"  # timeline phase: a train device waiting on its expert all-to-all (inside "train")
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
 
 
@@ -235,6 +236,8 @@ class DeviceWorker:
         if self.layout.pp > 1:  # this device's stages are all it keeps of the model
             self.train_model = self.switch.train_model = None
         self.layout_state = LayoutState(self.pm, self._param_index)
+        for experts in self.pm.experts:  # the update's waits on expert all-to-all, in the timeline
+            experts.counter.on_wait = self._a2a_wait
         groups = self._read_groups()
         if groups:
             plan = self.plan
@@ -458,6 +461,9 @@ class DeviceWorker:
         if experts:
             metrics.update(self._expert_comm())
         return metrics
+
+    def _a2a_wait(self, start: float, end: float) -> None:
+        self.spans.append((A2A_WAIT, start, end))
 
     def _expert_comm(self) -> dict[str, float]:
         """The update's expert all-to-all on the train devices (a collective over them): the
