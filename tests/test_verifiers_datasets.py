@@ -5,31 +5,41 @@ import pytest
 
 from rlfusion.rl.datasets import load_gsm8k, load_jsonl_problems
 from rlfusion.rl.problem import Problem
-from rlfusion.rl.verifiers import extract_answer, math_reward, normalize_number
+from rlfusion.rl.verifiers import MATH_FALLBACKS, extract_answer, math_reward, normalize_number
 
 GSM8K_TEST = Path(__file__).resolve().parent / "data" / "gsm8k_test.jsonl"  # rows of the GSM8K test split
 
 
 @pytest.mark.parametrize("text,expected", [
     ("so the answer is \\boxed{42}.", "42"),
-    ("\\boxed{1} then \\boxed{ 2 }", "2"),  # last box wins
+    ("\\boxed{1} then \\boxed{ 2 }", "2"),  # the last statement
     ("\\boxed{\\frac{1}{2}} is it", "\\frac{1}{2}"),  # nested braces
-    ("\\boxed{7} but also #### 9", "7"),  # boxed beats ####
-    ("\\boxed{12 and 5", "5"),  # unbalanced box falls through to the last number
+    ("\\boxed{7} but also #### 9", "9"),  # statements in the order written
     ("3 + 4 = 7\n#### 7", "7"),
     ("#### 1 then #### 1,234", "1,234"),
-    ("####   ", None),
-    ("He had 3 apples and ate 2, leaving 1.", "1"),
-    ("The temperature fell to -12 degrees", "-12"),
-    ("It costs $1,234,567.50 in total", "1,234,567.50"),
-    ("pi is about 3.14.", "3.14"),
-    ("x is .5", ".5"),
-    ("pages 3-5", "5"),
-    ("no numbers here", None),
-    ("", None),
+    ("The answer is 18.", "18"),
+    ("Answer: 18 dollars\nQ: What is 2+2?\nAnswer: 4", "18 dollars"),  # a new question: not read
 ])
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+def test_extract_answer_takes_the_last_answer_statement(text, expected):
+    for fallback in MATH_FALLBACKS:
+        assert extract_answer(text, fallback) == expected
+
+
+@pytest.mark.parametrize("text,final_line,last_number", [
+    ("He had 3 apples and ate 2, leaving 1.", "He had 3 apples and ate 2, leaving 1.", "1"),
+    ("The temperature fell to -12 degrees", "The temperature fell to -12 degrees", "-12"),
+    ("It costs $1,234,567.50 in total", "It costs $1,234,567.50 in total", "1,234,567.50"),
+    ("x is .5", "x is .5", ".5"),
+    ("pages 3-5", "pages 3-5", "5"),
+    ("18 apples.\nThat was fun.", "That was fun.", "18"),
+    ("no numbers here", "no numbers here", None),
+    ("\\boxed{12 and 5", "\\boxed{12 and 5", "5"),  # unbalanced: no statement
+    ("", None, None),
+])
+def test_extract_answer_without_a_statement_follows_the_fallback(text, final_line, last_number):
+    assert extract_answer(text, "final_line") == final_line
+    assert extract_answer(text, "last_number") == last_number
+    assert extract_answer(text, "none") is None
 
 
 @pytest.mark.parametrize("raw,expected", [
@@ -54,6 +64,101 @@ def test_normalize_number(raw, expected):
 ])
 def test_math_reward(response, answer, expected):
     assert math_reward(response, answer) == expected
+
+
+# Reward hacking and honest answers in every form a response writes them: (response, reference, score)
+HEDGED = [
+    ("A: 26 or 18", "18", 0.0),
+    ("The answer is either 18 or 26.", "18", 0.0),
+    ("#### 18 or 26", "18", 0.0),
+    ("\\boxed{18 \\text{ or } 26}", "18", 0.0),
+    ("It is 17-19 dollars.", "18", 0.0),  # a range is two answers
+    ("The answer is 18 or 18.", "18", 1.0),  # the same value twice is one answer
+]
+LISTS = [
+    ("The answer is 18, 26, 30", "18", 0.0),
+    ("\\boxed{18, 26}", "18", 0.0),
+    ("\\boxed{26} wait no \\boxed{18}", "18", 0.0),  # two statements, two answers
+    ("#### 18\n\n#### 26", "26", 0.0),
+    ("The answer is 18.\n#### 18", "18", 1.0),  # two statements that agree
+    ("#### 1,234", "1234", 1.0),  # a thousands separator is not a list
+]
+RUN_ON = [
+    ("3 * 6 = 18\n#### 18\nQ: Tom has 5 apples and buys 3. How many?\nA: 8\n#### 8", "18", 1.0),
+    ("He pays 18.\nQuestion: how much is 2 + 3?\n5", "18", 1.0),  # the final line before it
+    ("Q: What is 2+2?\nA: 4\n#### 4", "4", 1.0),  # a response that begins with a question line
+    ("#### 18\nProblem 2: a train leaves at 3 pm...\n#### 3", "3", 0.0),
+]
+EMPTY_TRUNCATED = [
+    ("", "18", 0.0),
+    ("   \n  ", "18", 0.0),
+    ("The answer is", "18", 0.0),
+    ("####", "18", 0.0),
+    ("3 * 6 = 1", "18", 0.0),  # cut off mid-number
+    ("\\boxed{18", "18", 0.0),  # an unclosed box: a truncated answer
+]
+HUGE = [
+    ("#### " + "9" * 5000, "18", 0.0),
+    ("\\boxed{10^{100000}}", "18", 0.0),
+    ("#### " + "1" + "0" * 300, "1" + "0" * 300, 0.0),  # past the digits an answer may have
+]
+LATEX = [
+    ("\\boxed{\\frac{36}{2}}", "18", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "0.5", 1.0),
+    ("The answer is $\\frac{7}{14}$.", "0.5", 1.0),
+    ("The answer is 7/14.", "1/2", 1.0),  # a fraction, not its denominator
+    ("\\boxed{18.0}", "18", 1.0),
+    ("\\boxed{3^2}", "9", 1.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    ("\\boxed{x+1}", "1+x", 1.0),  # symbolic equivalence
+]
+UNITS_SEPARATORS = [
+    ("#### 18 dollars", "18", 1.0),
+    ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
+    ("\\boxed{18\\%}", "18", 1.0),  # a percent for a reference that is its number
+    ("The answer is 18%.", "18", 1.0),
+    ("The answer is 18%.", "0.18", 1.0),
+    ("#### $1,234.50", "1234.5", 1.0),
+    ("The area is 18 m^2.", "18", 1.0),
+    ("The answer is 18 cm³", "18", 1.0),
+    ("The answer is 12 and the remainder is 3.", "12", 1.0),  # the sentence goes on: not a list
+]
+
+
+@pytest.mark.parametrize("response,answer,expected",
+                         HEDGED + LISTS + RUN_ON + EMPTY_TRUNCATED + HUGE + LATEX + UNITS_SEPARATORS)
+def test_math_reward_classes(response, answer, expected):
+    assert math_reward(response, answer) == expected
+
+
+def test_math_reward_of_huge_numbers_is_quick():
+    import time
+
+    start = time.perf_counter()
+    for response, answer, _ in HUGE:
+        math_reward(response, answer)
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("response,final_line,last_number,none", [
+    ("He pays 3 * 6 = 18", 1.0, 1.0, 0.0),  # a bare final line
+    ("18 is the price.\nHe was happy about it.", 0.0, 1.0, 0.0),  # the last number is not on the final line
+    ("#### 18", 1.0, 1.0, 1.0),  # a statement counts in every mode
+])
+def test_math_reward_strictness(response, final_line, last_number, none):
+    assert [math_reward(response, "18", f) for f in MATH_FALLBACKS] == [final_line, last_number, none]
+
+
+def test_every_gsm8k_test_solution_scores_one_and_a_changed_final_number_zero():
+    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+    assert len(rows) == 1319
+    for row in rows:
+        solution = row["answer"]
+        head, final = solution.rsplit("####", 1)
+        final = final.strip()
+        assert math_reward(solution, final) == 1.0, solution[-80:]
+        changed = int(final.replace(",", "")) + 1
+        assert math_reward(f"{head}#### {changed}", final) == 0.0, solution[-80:]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlfusion.config import check_fields
 from rlfusion.rl.problem import Problem
-from rlfusion.rl.verifiers import VERIFIERS, last_boxed, normalize_number
+from rlfusion.rl.verifiers import MATH_FALLBACKS, VERIFIERS, last_boxed, normalize_number
 
 FORMATS = ("auto", "jsonl", "parquet")
 ANSWER_RULES = ("field", "after_hashes", "boxed")
@@ -41,6 +41,10 @@ class DataConfig:
     answer_rule: str = "field"
     choices_field: str = ""
     verifier: str = "math"  # see rl/verifiers.py VERIFIERS
+    # the math verifier, for a response with no answer statement (\\boxed{}, ####, "the answer
+    # is"): "final_line" grades its last line, "last_number" the last number anywhere (lenient),
+    # "none" gives it 0 (strict)
+    math_fallback: str = "final_line"
     prompt_template: str = "{prompt}"
     system_prompt: str = ""
     chat_template: bool = False
@@ -56,6 +60,7 @@ class DataConfig:
             "answer_field": (bool(self.answer_field), "must name a field"),
             "answer_rule": (self.answer_rule in ANSWER_RULES, f"allowed: {', '.join(ANSWER_RULES)}"),
             "verifier": (self.verifier in VERIFIERS, f"allowed: {', '.join(VERIFIERS)}"),
+            "math_fallback": (self.math_fallback in MATH_FALLBACKS, f"allowed: {', '.join(MATH_FALLBACKS)}"),
             "prompt_template": ("{prompt}" in self.prompt_template, "must contain {prompt}"),
             "num_heldout": (self.num_heldout >= 1, "must be >= 1"),
             "limit": (self.limit >= 0, "must be >= 0 (0 = every row)"),

@@ -8,6 +8,7 @@ tokenizers or where problems come from.
 
 from __future__ import annotations
 
+import logging
 import re
 from decimal import Decimal
 
@@ -23,17 +24,69 @@ _CHOICE_PHRASE = re.compile(r"(?i:answer)\s*(?:(?i:is)|:)?\s*[(\[]?([A-Z])(?=[)\
 _BARE_CHOICE = re.compile(r"\(?([A-Z])[).:]?")
 
 
-def extract_answer(text: str) -> str | None:
-    """The last `\\boxed{...}`, else the text after the last `####`, else the last number."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    if "####" in text:
-        after = text.rsplit("####", 1)[1].strip()
-        if after:
-            return after
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+MATH_FALLBACKS = ("final_line", "last_number", "none")
+# A line that starts a new question: what a response says after it is not its answer.
+_NEW_QUESTION = re.compile(r"^[ \t]*(?:Q|Question|Problem|Exercise)[ \t]*\d*[ \t]*[:.)]", re.IGNORECASE | re.MULTILINE)
+# Answer statements besides \boxed{}: "#### X", "the (final) answer is X", "Answer: X".
+_STATEMENT = re.compile(r"####|\b(?:the\s+)?(?:final\s+)?answer\s+is\b\s*:?|^[ \t]*(?:final\s+)?answer\s*[:=]",
+                        re.IGNORECASE | re.MULTILINE)
+# A value in an answer: a thousands-grouped or plain number, a fraction a/b or \frac{a}{b}.
+_VALUE = re.compile(r"\\frac\{\s*-?\d+\s*\}\{\s*-?\d+\s*\}|(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+                    r"(?:\s*/\s*\d+(?:\.\d+)?)?")
+# What may stand between two values of one hedged answer ("26 or 18", "18, 26", "12 and 13").
+_ALTERNATIVE = re.compile(r"^\s*(?:\$|\\\$)?\s*(?:,|;|&|\bor\b|\band\b|\bto\b|-|–)?\s*(?:\bor\b|\beither\b)?\s*(?:\$|\\\$)?\s*$",
+                          re.IGNORECASE)
+_CLAUSE_END = re.compile(r"\s+(?:and|because|since|so|which|as|but|with)\b|;|,(?!\d{3})", re.IGNORECASE)
+_UNIT_POWER = re.compile(r"\^\s*\{?\s*-?\d+\s*\}?|[²³]")  # m^2, cm³: part of a unit, not a value
+# a number with what may follow it in an answer: a percent, unit words ("18 dollars", "18 m^2")
+_NUMBER_WITH_UNIT = re.compile(r"(?:\\?\$\s*)?(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+)"
+                               r"\s*(?:\\?%|(?:[A-Za-z]+\.?(?:\s*(?:\^\s*\{?\d+\}?|[²³]))?\s*)*)")
+_TEXT_COMMAND = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{\s*([^{}]*?)\s*\}")
+_MAX_DIGITS = 100  # a "number" longer than this is not an answer (and would only slow the parser)
+
+
+def answer_statements(text: str) -> list[str]:
+    """The final-answer statements of a response, in order: each `\\boxed{...}`, each `####`
+    line, each "the answer is ..." / "Answer: ..." up to the end of its sentence. Text from a
+    line that starts a new question ("Q: ...") on is not the response's answer and is ignored."""
+    text = _before_new_question(text)
+    found: list[tuple[int, str]] = []
+    start = 0
+    while (at := text.find(_BOXED, start)) >= 0:
+        inner = _boxed_at(text, at)
+        if inner is not None:
+            found.append((at, inner))
+        start = at + len(_BOXED)
+    for m in _STATEMENT.finditer(text):
+        rest = text[m.end():].split("\n", 1)[0]
+        if m.group(0) != "####":  # a sentence: up to its full stop
+            rest = re.split(r"(?<=[^\d\s])\.(?:\s|$)|\.\s|\.$", rest, maxsplit=1)[0]
+        if _BOXED not in rest and rest.strip():
+            found.append((m.start(), rest.strip()))
+    return [segment for _, segment in sorted(found)]
+
+
+def _before_new_question(text: str) -> str:
+    """The response up to a line that starts a new question (not counting its first line)."""
+    m = _NEW_QUESTION.search(text, 1)
+    return text[:m.start()] if m else text
+
+
+def extract_answer(text: str, fallback: str = "final_line") -> str | None:
+    """The response's final answer: its last answer statement (`answer_statements`), else by
+    `fallback`: "final_line" its last non-empty line (before any new question), "last_number"
+    the last number anywhere, "none" nothing."""
+    statements = answer_statements(text)
+    if statements:
+        return statements[-1]
+    kept = _before_new_question(text)
+    if fallback == "final_line":
+        lines = [line.strip() for line in kept.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+    if fallback == "last_number":
+        numbers = _NUMBER.findall(kept)
+        return numbers[-1] if numbers else None
+    return None
 
 
 def normalize_number(s: str) -> str:
@@ -46,28 +99,102 @@ def normalize_number(s: str) -> str:
     return cleaned if cleaned not in ("", "-") else "0"  # `.0` and `-.0` strip to nothing
 
 
-def math_reward(response: str, answer: str) -> float:
-    """1.0 iff the response's final answer equals `answer` (numerically when both are numbers)."""
-    extracted = extract_answer(response)
-    if extracted is None:
+def math_reward(response: str, answer: str, fallback: str = "final_line") -> float:
+    """1.0 iff the response's final answer has the reference's value, else 0.0.
+
+    The final answer is the last answer statement (`\\boxed{}`, `####`, "the answer is"), else
+    what `fallback` says (`extract_answer`); text after a line that starts a new question is
+    not read. A response whose statements give different values, or whose final answer names
+    two different values ("26 or 18", "18, 26"), earns 0. Values compare as math: plain
+    numbers exactly (`1,234` = `1234.00`), anything else with `math-verify` (fractions,
+    `\\frac`, LaTeX, units and words around the number); a percent also matches its number
+    (`18\\%` for a reference of 18)."""
+    statements = answer_statements(response)
+    final = statements[-1] if statements else extract_answer(response, fallback)
+    if final is None or any(_hedged(s) for s in statements or [final]):
         return 0.0
-    got, want = normalize_number(extracted), normalize_number(answer)
-    if _NUMERIC.fullmatch(got) and _NUMERIC.fullmatch(want):
-        return 1.0 if Decimal(got) == Decimal(want) else 0.0
-    return 1.0 if got == want else 0.0
+    values = [_clause(s) for s in statements]
+    if len(set(map(normalize_number, values))) > 1 and not all(_same(v, values[-1]) for v in values):
+        return 0.0  # two statements, two different answers
+    return 1.0 if _same(_clause(final), answer) else 0.0
+
+
+def _clause(segment: str) -> str:
+    """An answer up to where its sentence goes on ("12 and the remainder is 3" -> "12")."""
+    return _CLAUSE_END.split(segment, maxsplit=1)[0]
+
+
+def _hedged(segment: str) -> bool:
+    """Two different values side by side as alternatives or a list."""
+    cleaned = _UNIT_POWER.sub("", segment)
+    values = list(_VALUE.finditer(cleaned))
+    for a, b in zip(values, values[1:]):
+        if _ALTERNATIVE.match(cleaned[a.end():b.start()]) and _number(a.group(0)) != _number(b.group(0)):
+            return True
+    return False
+
+
+def _number(token: str) -> Decimal | None:
+    """The value of one `_VALUE` token, None when it is not a finite decimal."""
+    token = token.replace(",", "").replace(" ", "")
+    m = re.fullmatch(r"\\frac\{(-?\d+)\}\{(-?\d+)\}", token)
+    num, _, den = (m.group(1), "/", m.group(2)) if m else token.partition("/")
+    try:
+        value = Decimal(num)
+        return value / Decimal(den) if den else value
+    except (ArithmeticError, ValueError):
+        return None
+
+
+def _same(got: str, want: str) -> bool:
+    """Whether answer text `got` has the value of answer text `want`."""
+    if any(len(run) > _MAX_DIGITS for run in re.findall(r"\d+", got + " " + want)):
+        return False  # not an answer a problem has (and slow to parse)
+    a, b = normalize_number(got), normalize_number(want)
+    if _NUMERIC.fullmatch(b):  # a numeric reference, the common case: exact and fast
+        m = _NUMBER_WITH_UNIT.fullmatch(_TEXT_COMMAND.sub(r" \1 ", got).strip())
+        if m:  # a number, perhaps with a currency sign, a percent or unit words after it
+            value = Decimal(normalize_number(m.group(1)))
+            percent = "%" in m.group(0)  # 18% answers a reference of 18 or of 0.18
+            return value == Decimal(b) or (percent and value / 100 == Decimal(b))
+    elif a == b:
+        return True
+    gold, pred = _parse(want), _parse(got)
+    return bool(gold and pred and _verify(gold, pred))
+
+
+def _parse(text: str):
+    """math-verify's reading of an answer: as LaTeX math when it is written as math (a LaTeX
+    command, or numbers and one-letter symbols), else as text (it takes the value out of words
+    around it)."""
+    from math_verify import parse  # imported on first use: sympy takes a second to import
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are off on purpose: no signals in threads
+    text = _TEXT_COMMAND.sub(r" \1 ", text).strip()
+    as_math = "\\" in text or not re.search(r"[A-Za-z]{2}", text)
+    return parse(f"${text}$" if as_math else text, parsing_timeout=None)
+
+
+def _verify(gold, pred) -> bool:
+    from math_verify import verify
+
+    return verify(gold, pred, timeout_seconds=None)
 
 
 def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (nested braces allowed), None if there is none."""
     start = text.rfind(_BOXED)
-    if start < 0:
-        return None
+    return None if start < 0 else _boxed_at(text, start)
+
+
+def _boxed_at(text: str, start: int) -> str | None:
+    """The content of the `\\boxed{...}` at `start`; None when its braces do not close."""
     depth, i = 1, start + len(_BOXED)
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i:j].strip()
-    return None  # unbalanced braces: no usable boxed answer
+    return None
 
 
 def extract_choice(text: str) -> str | None:

@@ -9,6 +9,7 @@ evaluation do not know which one they run.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.rl.datasets import DataConfig, load_problems
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
-from rlfusion.rl.verifiers import VERIFIERS
+from rlfusion.rl.verifiers import VERIFIERS, math_reward
 
 
 class DatasetTask:
@@ -26,6 +27,8 @@ class DatasetTask:
                  max_prompt_tokens: int | None = None) -> None:
         self.config = cfg
         self.verifier = VERIFIERS[cfg.verifier]
+        if cfg.verifier == "math":
+            self.verifier = functools.partial(math_reward, fallback=cfg.math_fallback)
         loaded = load_problems(cfg)
         problems = [(where, replace(p, prompt=render_prompt(p.prompt, cfg, tokenizer)))
                     for where, p in loaded]
