@@ -70,3 +70,10 @@ def huge_int(response: str, problem) -> int:
 def exits(response: str, problem) -> float:
     import sys
     sys.exit(3)
+
+
+def fails_on_every_fourth(response: str, problem) -> float:
+    """Raises for about a quarter of the responses (by length), else the length reward."""
+    if len(response) % 4 == 0:
+        raise ValueError("flaky scorer")
+    return float(len(response) % 3 == 0)

@@ -1,5 +1,7 @@
-"""A broken reward function or reward model ends the run with one `RewardError` that names the
-`reward=` spec and the sample: it returned a non-number, raised, or hung past the timeout."""
+"""A reward function or reward model that fails (returns a non-number or one out of range, raises,
+or hangs past the timeout) fails those samples: reward 0 and a `reward_failed` mark, counted by
+the advantage stage. When most recent rewards failed the run ends with one `RewardError` that
+names the `reward=` spec and the sample."""
 
 from __future__ import annotations
 
@@ -39,18 +41,49 @@ def _trajs(prompts: list[str] = PROMPTS) -> list[Trajectory]:
                        versions=[0] * 7, finish_reason="stop") for i, p in enumerate(prompts)]
 
 
-def _stage(spec: str, timeout_s: float | None = 5.0, **algo) -> RewardStage:
-    return RewardStage(load_reward_fn(spec), _Tok(), AlgoConfig(**algo), 16, name=spec, timeout_s=timeout_s)
+def _stage(spec: str, timeout_s: float | None = 5.0, reward_range=(-math.inf, math.inf), failure_limit=0.5,
+           **algo) -> RewardStage:
+    return RewardStage(load_reward_fn(spec), _Tok(), AlgoConfig(**algo), 16, name=spec, timeout_s=timeout_s,
+                       reward_range=reward_range, failure_limit=failure_limit)
 
 
 @pytest.mark.parametrize("timeout_s", [None, 5.0])  # inline and on the daemon thread
-def test_none_names_spec_sample_and_prompt(timeout_s):
+def test_a_failed_sample_is_recorded_and_the_run_goes_on(timeout_s):
+    stage = _stage("reward_fns:none_on_12_plus_7", timeout_s)
+    trajs = _trajs()
+    stage.score(trajs)  # 1 of 5 failed: not most
+    assert [t.reward_failed for t in trajs] == [False, False, False, True, False]
+    assert trajs[3].reward == trajs[3].correct == 0.0
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_most_failing_names_spec_sample_and_prompt(timeout_s):
+    stage = _stage("reward_fns:none_on_12_plus_7", timeout_s)
     with pytest.raises(RewardError) as info:
-        _stage("reward_fns:none_on_12_plus_7", timeout_s).score(_trajs())
+        stage.score(_trajs(["12+7="] * 5))
     msg = str(info.value)
-    assert "reward='reward_fns:none_on_12_plus_7' returned None for sample 3 of 5" in msg
-    assert "'12+7='" in msg and "'answer3'" in msg and "must return a finite number" in msg
+    assert "reward='reward_fns:none_on_12_plus_7' returned None for sample 0 of 5" in msg
+    assert "'12+7='" in msg and "'answer0'" in msg and "must return a finite number" in msg
+    assert "5 of the last 5 samples' rewards failed (more than reward_failure_limit=0.5)" in msg
     assert isinstance(info.value, RunError)  # the CLI prints it as one line, exit 2
+
+
+def test_the_failure_share_is_over_the_recent_samples():
+    stage = _stage("reward_fns:none_on_12_plus_7", failure_limit=0.5)
+    for _ in range(20):  # 1 in 5 fails, for 100 samples: never most of the last 64
+        stage.score(_trajs())
+    assert sum(stage.recent) == 13 and len(stage.recent) == 64
+    with pytest.raises(RewardError, match="of the last 64 samples"):
+        for _ in range(13):  # every sample fails from here: the window tips past half
+            stage.score(_trajs(["12+7="] * 5))
+
+
+def test_out_of_range_fails_the_sample():
+    stage = _stage("reward_fns:length_reward", reward_range=(0.0, 0.5))
+    trajs = _trajs()
+    stage.score(trajs[:1] * 0 + trajs)  # length_reward is 0 or 1: the 1s are out of range
+    expected = [float(len(f"answer{i}") % 3 == 0) for i in range(len(trajs))]
+    assert [t.reward_failed for t in trajs] == [e > 0.5 for e in expected]
 
 
 @pytest.mark.parametrize("spec, shown", [("reward_fns:string_reward", "'1.0'"),
@@ -173,3 +206,36 @@ def test_a_number_too_large_and_sys_exit_are_reward_faults(timeout_s):
         _stage("reward_fns:huge_int", timeout_s).score(_trajs())
     with pytest.raises(RewardError, match="raised SystemExit: 3 on sample 0"):
         _stage("reward_fns:exits", timeout_s).score(_trajs())
+
+
+@pytest.mark.parametrize("policy", ["zero", "drop"])
+def test_the_advantage_stage_counts_failed_rewards_and_drops_their_groups_on_request(policy):
+    from rlfusion.queue.client import DistQueue
+    from rlfusion.runtime import dataflow
+    from rlfusion.runtime.stages import advantage_stage
+
+    cfg = TrainConfig(reward_on_failure=policy)
+    g = cfg.rollout.group_size
+    trajs = []
+    for group in range(3):  # group 1 has one failed sample; every group has mixed rewards
+        for i in range(g):
+            t = _trajs(["1+1="])[0]
+            t.group_id, t.sample, t.reward = group, i, float(i % 2)
+            t.correct, t.reward_failed = t.reward, group == 1 and i == 0
+            trajs.append(t)
+    queue = DistQueue(dataflow.queue_config(g))
+    queue.put(dataflow.trajectory_columns(trajs, dataflow.ROLLOUT.writes + dataflow.REWARD.writes),
+              group_ids=[t.group_id for t in trajs], versions=[0] * len(trajs))
+    rows, _, summary = advantage_stage(queue, cfg, len(trajs), 1)
+    assert summary["reward_failures"] == 1 and summary["reward_failed_groups"] == 1
+    trained = {r.group_id for r in rows if r.train}
+    assert trained == ({0, 1, 2} if policy == "zero" else {0, 2})
+
+
+def test_bad_reward_failure_settings_are_refused():
+    with pytest.raises(ValueError, match="reward_on_failure='skip' is invalid: allowed: zero, drop"):
+        TrainConfig(reward_on_failure="skip")
+    with pytest.raises(ValueError, match="reward_max=0.0 is invalid: must be more than reward_min=1"):
+        TrainConfig(reward_min=1.0, reward_max=0.0)
+    with pytest.raises(ValueError, match=r"reward_failure_limit=1.0 is invalid: must be in \[0, 1\)"):
+        TrainConfig(reward_failure_limit=1.0)

@@ -217,3 +217,15 @@ def test_queue_dataflow_equals_direct_stage_calls(base, tmp_path, over):
         assert torch.equal(a, b), k
     assert via_queue.version == 2 and any(  # the updates did change the weights
         not torch.equal(p, q) for p, q in zip(via_queue.model.parameters(), RLTrainer(cfg, tmp_path / "c", base).model.parameters()))
+
+
+@pytest.mark.parametrize("policy", ["zero", "drop"])
+def test_a_run_whose_reward_sometimes_fails_goes_on_and_counts_the_failures(base, tmp_path, policy):
+    cfg = _cfg(base, tmp_path, f"flaky-{policy}", max_steps=3, reward='"reward_fns:fails_on_every_fourth"',
+               reward_failure_limit=0.9, reward_on_failure=policy)
+    trainer = RLTrainer(cfg, tmp_path / f"flaky-{policy}", base)
+    metrics = [trainer.train_step() for _ in range(3)]
+    assert all("reward_failures" in m for m in metrics)
+    assert sum(m["reward_failures"] for m in metrics) > 0  # some of the 24 responses have a length divisible by 4
+    if policy == "drop":
+        assert all(m["kept_fraction"] <= 1 - m["reward_failed_groups"] / cfg.rollout.prompts_per_step for m in metrics)

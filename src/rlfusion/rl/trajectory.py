@@ -38,6 +38,7 @@ class Trajectory:
     returns: list[float] | None = None
     sample: int = 0
     correct: float = 0.0  # the task's score, before any shaping (`reward` is shaped)
+    reward_failed: bool = False  # the user's reward function failed for it (its reward is 0)
     kl: float = 0.0  # summed per-token KL estimate against the reference policy
     train: bool = True  # kept for the update (dynamic sampling may drop its group)
     row_id: int = -1  # its DistQueue row, once it has one

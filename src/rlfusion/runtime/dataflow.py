@@ -42,6 +42,7 @@ TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
     ColumnSpec("truncated", "int8"),  # stopped at max_new_tokens
     ColumnSpec("reward", "float64"),
     ColumnSpec("correct", "float64"),  # the task score, before any shaping
+    ColumnSpec("reward_failed", "int8"),  # 1 = the user's reward failed for it (reward 0)
     ColumnSpec("ref_logprobs", "float32", variable_length=True),
     ColumnSpec("kl", "float64"),  # the sample's summed KL estimate against the reference
     ColumnSpec("advantage", "float64"),
@@ -61,9 +62,10 @@ class Stage:
 
 ROLLOUT = Stage("rollout", (), ("problem", "prompt_ids", "response_ids", "behaviour_logprobs", "versions",
                                 "finish_reason", "sample", "num_tokens", "response_len", "truncated"))
-REWARD = Stage("reward", ("problem", "response_ids"), ("reward", "correct"))
+REWARD = Stage("reward", ("problem", "response_ids"), ("reward", "correct", "reward_failed"))
 REFERENCE = Stage("reference", ("prompt_ids", "response_ids", "behaviour_logprobs"), ("ref_logprobs", "kl"))
-ADVANTAGE = Stage("advantage", ("reward", "correct", "sample", "num_tokens", "response_len", "truncated"),
+ADVANTAGE = Stage("advantage", ("reward", "correct", "reward_failed", "sample", "num_tokens", "response_len",
+                                "truncated"),
                   ("advantage", "shaped_reward", "train"))
 
 
@@ -104,6 +106,7 @@ class RowNumbers:
     num_tokens: int
     response_len: int
     truncated: bool
+    reward_failed: bool = False
     kl: float = 0.0
     advantage: float = 0.0
     train: bool = True
@@ -114,6 +117,7 @@ _GETTERS: dict[str, Callable[[Any], Any]] = {
     "shaped_reward": lambda t: t.reward,
     "response_len": lambda t: len(t.response_ids),
     "truncated": lambda t: int(t.finish_reason == "length"),
+    "reward_failed": lambda t: int(t.reward_failed),
 }
 
 
@@ -146,5 +150,6 @@ def to_numbers(batch: Batch) -> list[RowNumbers]:
     """The advantage stage's read (`advantage_reads`) as `RowNumbers`, in batch order."""
     c = batch.columns
     return [RowNumbers(r, g, c["sample"][i], c["reward"][i], c["correct"][i], c["num_tokens"][i],
-                       c["response_len"][i], bool(c["truncated"][i]), c["kl"][i] if "kl" in c else 0.0)
+                       c["response_len"][i], bool(c["truncated"][i]), reward_failed=bool(c["reward_failed"][i]),
+                       kl=c["kl"][i] if "kl" in c else 0.0)
             for i, (r, g) in enumerate(zip(batch.row_ids, batch.group_ids))]

@@ -10,8 +10,10 @@ they are placed or scheduled.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -240,16 +242,24 @@ def _clip(e: BaseException, limit: int = 300) -> str:
 class RewardStage:
     """Rule reward per sample (`RewardFn`) or a batched reward model (`RewardModel.score`).
 
-    `name` is the `reward=` spec, for messages ("task": the task's verifier). A user's reward
-    code that raises, returns anything but a finite number, or (with `timeout_s`) does not
-    return within `timeout_s` seconds for one `score` call ends the run with a `RewardError`
-    naming the spec and the sample. The task's verifier is trusted code and runs inline; user
-    code runs on a reusable daemon thread (`DaemonCaller`) that the stage stops waiting for
-    after the timeout: the run stops, the process exits, the thread dies with it.
+    `name` is the `reward=` spec, for messages ("task": the task's verifier). User reward code
+    that raises, returns anything but a finite number in `reward_range`, or (with `timeout_s`)
+    does not return within `timeout_s` seconds for one `score` call fails those samples, not
+    the run: each failed sample gets reward 0 and its `reward_failed` mark (the advantage stage
+    counts them and, with `reward_on_failure=drop`, leaves their groups out of the update).
+    When more than `failure_limit` of the last `FAILURE_WINDOW` samples this stage scored
+    failed (all so far, early in a run), the run stops with a `RewardError` that names the spec,
+    the share and the first failure of the batch. The task's verifier is trusted code: it runs
+    inline and its errors propagate. User code runs on a reusable daemon thread
+    (`DaemonCaller`) that the stage stops waiting for after the timeout (a thread cannot be
+    killed; it is abandoned, and the next call starts a fresh one).
     """
 
+    FAILURE_WINDOW = 64
+
     def __init__(self, reward: RewardFn | RewardModel, tokenizer: Tokenizer, algo: AlgoConfig,
-                 max_new_tokens: int, *, name: str = "", timeout_s: float | None = None):
+                 max_new_tokens: int, *, name: str = "", timeout_s: float | None = None,
+                 reward_range: tuple[float, float] = (-math.inf, math.inf), failure_limit: float = 0.5):
         self.reward, self.tokenizer, self.algo = reward, tokenizer, algo
         self.max_new_tokens = max_new_tokens
         self.name = name or describe_reward(reward)
@@ -257,6 +267,8 @@ class RewardStage:
             raise ValueError(f"reward timeout_s={timeout_s} must be > 0")
         self.timeout_s = timeout_s if name != "task" else None
         self.caller = DaemonCaller(f"reward {self.name}") if self.timeout_s is not None else None
+        self.reward_range, self.failure_limit = reward_range, failure_limit
+        self.recent: collections.deque[bool] = collections.deque(maxlen=self.FAILURE_WINDOW)  # failed?
 
     def _answer_ids(self, ids: list[int]) -> list[int]:
         """The response up to its first end token: what is scored (a replayed response,
@@ -267,27 +279,29 @@ class RewardStage:
     def score(self, trajs: list[Trajectory]) -> None:
         texts = [self.tokenizer.decode(self._answer_ids(t.response_ids)) for t in trajs]
         if self.caller is None:
-            scores = self._scores(trajs, texts)
+            scores, failures = self._scores(trajs, texts)
         else:
             grad, device = torch.is_grad_enabled(), _cuda_device()
             at = [0]  # the sample the reward function is on (for the timeout message)
 
-            def job() -> list[Any]:  # grad mode and the CUDA device are per thread
+            def job() -> tuple[list[float | None], list[tuple[str, BaseException | None]]]:  # grad mode and the CUDA device are per thread
                 torch.set_grad_enabled(grad)
                 if device is not None:
                     torch.cuda.set_device(device)
                 return self._scores(trajs, texts, at)
 
             try:
-                scores = self.caller.call(job, self.timeout_s)
+                scores, failures = self.caller.call(job, self.timeout_s)
             except CallTimeout:
                 where = (f"a reward model scoring {len(trajs)} samples" if hasattr(self.reward, "score")
                          else f"{len(trajs)} samples; stuck on sample {at[0]}: {self._sample(trajs, texts, at[0])}")
-                raise RewardError(f"reward={self.name!r} did not return within {self.timeout_s:g} s ({where}); "
-                                  f"raise reward_timeout_s= or fix the function") from None
+                scores = [None] * len(trajs)
+                failures = [(f"reward={self.name!r} did not return within {self.timeout_s:g} s ({where}); "
+                             f"raise reward_timeout_s= or fix the function", None)]
         for t, score in zip(trajs, scores):
-            t.correct = score
-            t.reward = score
+            t.reward_failed = score is None
+            t.correct = t.reward = 0.0 if score is None else score
+        self._check_failures(scores, failures)
         if self.algo.overlong_buffer:
             lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
             penalty = overlong_penalty(lengths, self.max_new_tokens, self.algo.overlong_buffer,
@@ -295,44 +309,75 @@ class RewardStage:
             for t, p in zip(trajs, penalty.tolist()):
                 t.reward += p
 
-    def _scores(self, trajs: list[Trajectory], texts: list[str], at: list[int] | None = None) -> list[float]:
-        """One finite float per sample, or a `RewardError` that says which sample and why."""
+    def _check_failures(self, scores: list[float | None], failures: list[tuple[str, BaseException | None]]) -> None:
+        """Count the batch's failures; stop the run when most recent samples failed."""
+        self.recent.extend(score is None for score in scores)
+        failed = sum(self.recent)
+        if failures and failed > self.failure_limit * len(self.recent):
+            message, cause = failures[0]
+            raise RewardError(f"{message} — {failed} of the last {len(self.recent)} samples' rewards failed "
+                              f"(more than reward_failure_limit={self.failure_limit:g})") from cause
+
+    def _scores(self, trajs: list[Trajectory], texts: list[str], at: list[int] | None = None
+                ) -> tuple[list[float | None], list[tuple[str, BaseException | None]]]:
+        """One finite float per sample, None where the reward failed, and each failure's
+        description (naming the spec and the sample) with the exception it raised, if any. The
+        task's verifier is trusted: it raises."""
+        trusted = self.name == "task"
+        lo, hi = self.reward_range
         if hasattr(self.reward, "score"):
             try:
                 raw = self.reward.score([t.problem.prompt for t in trajs], texts)
             except USER_CODE_ERRORS as e:
-                raise RewardError(f"reward={self.name!r}: score() raised {type(e).__name__}: {_clip(e)} "
-                                  f"(scoring {len(trajs)} samples)") from e
+                return [None] * len(trajs), [(f"reward={self.name!r}: score() raised {type(e).__name__}: "
+                                              f"{_clip(e)} (scoring {len(trajs)} samples)", e)]
             try:
                 raw = list(raw)
             except TypeError:
-                raise RewardError(f"reward={self.name!r}: score() returned {_shown(raw)}; it must "
-                                  f"return one finite number per sample") from None
+                return [None] * len(trajs), [(f"reward={self.name!r}: score() returned {_shown(raw)}; it must "
+                                              f"return one finite number per sample", None)]
             if len(raw) != len(trajs):
-                raise RewardError(f"reward={self.name!r}: reward model returned {len(raw)} scores "
-                                  f"for {len(trajs)} samples")
+                return [None] * len(trajs), [(f"reward={self.name!r}: reward model returned {len(raw)} scores "
+                                              f"for {len(trajs)} samples", None)]
             what = "a reward model's score() must return finite numbers"
         else:
-            raw = []
+            raw, failures = [], []
             for i, (text, t) in enumerate(zip(texts, trajs)):
                 if at is not None:
                     at[0] = i
                 try:
                     raw.append(self.reward(text, t.problem))
                 except USER_CODE_ERRORS as e:
-                    raise RewardError(f"reward={self.name!r} raised {type(e).__name__}: {_clip(e)} on sample {i} "
-                                      f"of {len(trajs)} ({self._sample(trajs, texts, i)})") from e
+                    if trusted:
+                        raise
+                    raw.append(_FAILED)
+                    failures.append((f"reward={self.name!r} raised {type(e).__name__}: {_clip(e)} on sample {i} "
+                                     f"of {len(trajs)} ({self._sample(trajs, texts, i)})", e))
             what = "a reward function must return a finite number"
-        scores = [finite_score(v) for v in raw]
-        for i, (v, score) in enumerate(zip(raw, scores)):
-            if score is None:
-                raise RewardError(f"reward={self.name!r} returned {_shown(v)} for sample {i} of {len(trajs)} "
-                                  f"({self._sample(trajs, texts, i)}); {what}")
-        return scores
+        scores: list[float | None] = []
+        failures = [] if hasattr(self.reward, "score") else failures
+        for i, v in enumerate(raw):
+            score = None if v is _FAILED else finite_score(v)
+            if v is not _FAILED and score is None:
+                message = (f"reward={self.name!r} returned {_shown(v)} for sample {i} of {len(trajs)} "
+                           f"({self._sample(trajs, texts, i)}); {what}")
+                if trusted:
+                    raise RewardError(message)
+                failures.append((message, None))
+            elif score is not None and not lo <= score <= hi:
+                failures.append((f"reward={self.name!r} returned {score:g} for sample {i} of {len(trajs)} "
+                                 f"({self._sample(trajs, texts, i)}), outside reward_min={lo:g} .. reward_max={hi:g}",
+                                 None))
+                score = None
+            scores.append(score)
+        return scores, failures
 
     @staticmethod
     def _sample(trajs: list[Trajectory], texts: list[str], i: int) -> str:
         return f"prompt {snippet(str(getattr(trajs[i].problem, 'prompt', '?')))}, response {snippet(texts[i])}"
+
+
+_FAILED = object()  # a sample whose reward function raised
 
 
 def _shown(value: Any) -> str:
@@ -414,7 +459,9 @@ def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int, cost: SeqC
     out: dict[str, float] = {}
     if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward":
         out.update(apply_kl_reward_penalty(rows, cfg.algo))
-    kept = {id(r) for r in compute_advantages(rows, cfg.algo, cfg.rollout.group_size)}
+    failed_groups = {r.group_id for r in rows if r.reward_failed}
+    scored = rows if cfg.reward_on_failure == "zero" else [r for r in rows if r.group_id not in failed_groups]
+    kept = {id(r) for r in compute_advantages(scored, cfg.algo, cfg.rollout.group_size)} if scored else set()
     for r in rows:
         r.train = id(r) in kept
     queue.put(dataflow.trajectory_columns(rows, dataflow.ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
@@ -428,6 +475,8 @@ def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int, cost: SeqC
         "response_length_max": max(r.response_len for r in rows),
         "truncated_fraction": sum(r.truncated for r in rows) / count,
         "update_tokens": sum(r.num_tokens for r in train),
+        "reward_failures": sum(r.reward_failed for r in rows),  # samples whose user reward failed
+        "reward_failed_groups": len(failed_groups),
     })
     return rows, shards, out
 

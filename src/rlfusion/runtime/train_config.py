@@ -180,7 +180,15 @@ class TrainConfig:
     eval_problems: int = 500  # at most the held-out set; with data.path the default lowers to data.num_heldout
     checkpoint_every: int = 25
     reward: str = "task"  # "task" (the task's verifier) or "module:function"
-    reward_timeout_s: float = 60.0  # a user reward's longest scoring call (one batch); past it the run stops
+    reward_timeout_s: float = 60.0  # a user reward's longest scoring call (one batch); past it the batch fails
+    # A sample whose user reward raised, timed out or returned a non-finite number or one outside
+    # [reward_min, reward_max] gets reward 0 ("zero": it still trains) or leaves the update with its
+    # group ("drop"); either way it is counted (`reward_failures`). The run stops when more than
+    # reward_failure_limit of the last 64 samples a device scored failed.
+    reward_on_failure: str = "zero"
+    reward_min: float = -1e6  # the defaults bound nothing a reward means; set your reward's range
+    reward_max: float = 1e6
+    reward_failure_limit: float = 0.5
     threads: int = 2
     # the model's context length (prompt + response) in this run; 0 = the base checkpoint's. The
     # models' positions are rotary, derived rather than stored, so a longer context loads the same
@@ -212,6 +220,10 @@ class TrainConfig:
             "reward": (self.reward == "task" or ":" in self.reward,
                        "allowed: 'task' or 'module:function'"),
             "reward_timeout_s": (self.reward_timeout_s > 0, "must be > 0"),
+            "reward_on_failure": (self.reward_on_failure in ("zero", "drop"), "allowed: zero, drop"),
+            "reward_max": (self.reward_min < self.reward_max, f"must be more than reward_min={self.reward_min:g}"),
+            "reward_failure_limit": (0 <= self.reward_failure_limit < 1,
+                                     "must be in [0, 1) (the share of failed rewards that stops a run)"),
             "threads": (self.threads >= 1, "must be >= 1"),
             "context_len": (self.context_len == 0 or self.context_len > self.rollout.max_new_tokens,
                             f"must be 0 (the base's) or more than rollout.max_new_tokens="

@@ -143,7 +143,9 @@ class DeviceWorker:
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         reward_fn = self.task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
         self.reward = (RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens,
-                                   name=cfg.reward, timeout_s=cfg.reward_timeout_s)
+                                   name=cfg.reward, timeout_s=cfg.reward_timeout_s,
+                                   reward_range=(cfg.reward_min, cfg.reward_max),
+                                   failure_limit=cfg.reward_failure_limit)
                        if "reward" in roles else None)
         self.reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens)
                           if "reference" in roles and cfg.algo.kl_coef else None)
