@@ -23,6 +23,9 @@ against the bytes that moved between the devices through the queue (`driver_byte
 controller / (controller + queue)). Last, the per-device speed two busy devices get relative to
 one alone (each phase's separated time, halved, over its colocated time per device): colocated
 splits the same work over two devices, so colocated / separated approaches about twice that speed.
+Scoring: the busier device's reward spans per colocated step over the step
+(`reward_scoring_share_of_step`; the default run's task verifier), and what the math verifier
+(math-verify behind it) takes for a step's 256 samples, timed on GSM8K test solutions here.
 
     python bench/fusion.py            # 9 rounds (~2 min)
     python bench/fusion.py --quick    # 3 rounds
@@ -180,6 +183,33 @@ def main() -> None:
     print(f"target colocated_utilization: {med['colocated']['util']:.2f} (goal >= 0.9)")
     print(f"target driver_bytes_share: {med['colocated']['driver_share']:.3f} (goal <= 0.01)")
     print(f"target switch_share_of_step_colocated: {med['colocated']['switch_s'] / med['colocated']['step_s']:.3f} (goal <= 0.05)")
+    # scoring: the busier device's reward spans per colocated step (the task's verifier), and
+    # what the math verifier takes for as many GSM8K-style responses on this process
+    reward_s = statistics.median(max(x["device0/reward"], x["device1/reward"]) for x in rows["colocated"])
+    math_s = math_verifier_seconds(256)
+    print(f"scoring a step's 256 samples: the task's verifier {reward_s * 1e3:.1f} ms on the busier device; the "
+          f"math verifier on 256 GSM8K solutions {math_s * 1e3:.1f} ms in one process "
+          f"({math_s / med['colocated']['step_s']:.1%} of the colocated step)")
+    print(f"target reward_scoring_share_of_step: {reward_s / med['colocated']['step_s']:.3f} (goal <= 0.05)")
+
+
+def math_verifier_seconds(samples: int) -> float:
+    """Seconds the math verifier (`rl/verifiers.math_reward`, math-verify behind it) takes to
+    score `samples` GSM8K test solutions against their answers (median of 3 passes)."""
+    import json
+
+    from rlfusion.rl.verifiers import math_reward
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k_test.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:samples]]
+    pairs = [(r["answer"], r["answer"].rsplit("####", 1)[1].strip()) for r in rows]
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for solution, answer in pairs:
+            math_reward(solution, answer)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
