@@ -239,3 +239,9 @@ def test_bad_reward_failure_settings_are_refused():
         TrainConfig(reward_min=1.0, reward_max=0.0)
     with pytest.raises(ValueError, match=r"reward_failure_limit=1.0 is invalid: must be in \[0, 1\)"):
         TrainConfig(reward_failure_limit=1.0)
+
+
+def test_an_error_in_the_task_verifier_stops_at_once_in_one_line():
+    stage = RewardStage(reward_fns.divides_by_zero, _Tok(), AlgoConfig(), 16, name="task")
+    with pytest.raises(RewardError, match="reward='task' raised ZeroDivisionError: division by zero on sample 0"):
+        stage.score(_trajs())

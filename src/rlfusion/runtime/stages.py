@@ -348,11 +348,12 @@ class RewardStage:
                 try:
                     raw.append(self.reward(text, t.problem))
                 except USER_CODE_ERRORS as e:
+                    message = (f"reward={self.name!r} raised {type(e).__name__}: {_clip(e)} on sample {i} "
+                               f"of {len(trajs)} ({self._sample(trajs, texts, i)})")
                     if trusted:
-                        raise
+                        raise RewardError(message) from e
                     raw.append(_FAILED)
-                    failures.append((f"reward={self.name!r} raised {type(e).__name__}: {_clip(e)} on sample {i} "
-                                     f"of {len(trajs)} ({self._sample(trajs, texts, i)})", e))
+                    failures.append((message, e))
             what = "a reward function must return a finite number"
         scores: list[float | None] = []
         failures = [] if hasattr(self.reward, "score") else failures
