@@ -530,9 +530,14 @@ def test_ray_modes_run_under_the_bound(tmp_path, monkeypatch):
             # rollout after its update with the new weights, so half of each batch is not stale
             assert trainer.overlap and [m["staleness_mean"] for m in ms[:2]] == [0, 1]
             assert all(m["staleness_max"] == 1 for m in ms[1:]) and [m["staleness_mean"] for m in ms[2:]] == [0.5, 0.5]
-            spans = [s for s in trainer.timeline.spans if s.step == 2]
+            # (over the whole run: which step's report a span arrives in depends on the timing)
+            spans = trainer.timeline.spans
             train = [s for s in spans if s.device == "device1" and s.phase == "train"]
-            joined = [s for s in spans if s.device == "device1" and s.phase == "rollout"]
+            rollout1 = [s for s in spans if s.device == "device1" and s.phase == "rollout"]
             roll = [s for s in spans if s.device == "device0" and s.phase == "rollout"]
-            assert train and joined and roll and train[0].end_s <= joined[0].start_s
-            assert roll[0].start_s < train[0].end_s  # device 0 decodes while device 1 updates
+            # device 1 never generates and trains at once, and after an update it joins a rollout
+            assert not any(t.start_s < r.end_s and r.start_s < t.end_s for t in train for r in rollout1)
+            joined = [(t, r) for t in train for r in rollout1 if t.end_s <= r.start_s]
+            assert train and joined and roll
+            # device 0 decodes while device 1 updates
+            assert any(r.start_s < t.end_s and t.start_s < r.end_s for t in train for r in roll)
