@@ -25,7 +25,6 @@ L experts per rank, F expert FFN width.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -186,12 +185,6 @@ class Transfer:
         if self.grad:
             return _Wait.apply(self.out, self.pair)
         return self.inflight.wait()
-
-
-def all_to_all_rows(x, out_splits, in_splits, g: A2AGroup, counter: CommCounter,
-                    link: LinkModel | None = None) -> torch.Tensor:
-    """A blocking all-to-all of rows (issued and waited for at once)."""
-    return Transfer(x, out_splits, in_splits, g, counter, link).wait()
 
 
 # ---- TP slices: tokens replicated over TP are split before dispatch, gathered after combine --

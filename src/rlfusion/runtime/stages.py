@@ -325,6 +325,7 @@ class RewardStage:
         task's verifier is trusted: it raises."""
         trusted = self.name == "task"
         lo, hi = self.reward_range
+        failures: list[tuple[str, BaseException | None]] = []
         if hasattr(self.reward, "score"):
             try:
                 raw = self.reward.score([t.problem.prompt for t in trajs], texts)
@@ -341,7 +342,7 @@ class RewardStage:
                                               f"for {len(trajs)} samples", None)]
             what = "a reward model's score() must return finite numbers"
         else:
-            raw, failures = [], []
+            raw = []
             for i, (text, t) in enumerate(zip(texts, trajs)):
                 if at is not None:
                     at[0] = i
@@ -356,7 +357,6 @@ class RewardStage:
                     failures.append((message, e))
             what = "a reward function must return a finite number"
         scores: list[float | None] = []
-        failures = [] if hasattr(self.reward, "score") else failures
         for i, v in enumerate(raw):
             score = None if v is _FAILED else finite_score(v)
             if v is not _FAILED and score is None:
