@@ -88,3 +88,21 @@ def make_hf_model(family: str, path: Path | None = None, seed: int = 0, tokenize
         if tokenizer:
             make_tokenizer(path)
     return model
+
+
+FAKE_VLLM_DIR = Path(__file__).parent / "fake_vllm"  # holds the package `vllm`: the fake
+
+
+def fake_vllm():
+    """The fake `vllm` module (`tests/fake_vllm/vllm`), loaded from its file under its own name
+    `fake_vllm.vllm`: it never takes the place of a real vLLM unless a test puts it there."""
+    import importlib.util
+    import sys
+
+    name = "fake_vllm.vllm"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, FAKE_VLLM_DIR / "vllm" / "__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

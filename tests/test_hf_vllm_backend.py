@@ -1,127 +1,33 @@
-"""The vLLM rollout backend (engine/vllm_backend.py) against a fake `vllm` module.
-
-The fake runs the native engine behind vLLM's offline API surface (`LLM.llm_engine.add_request /
-step / abort_request`, cumulative `RequestOutput`s, `collective_rpc` into the worker extension,
-`sleep` / `wake_up`), and its worker rebuilds a native model from the HF-named tensors it is
-sent, so a wrong name or layout in a weight update changes what it generates."""
+"""The vLLM rollout backend (engine/vllm_backend.py) against a fake `vllm` module
+(`tests/fake_vllm/vllm`: the native engine behind vLLM's offline API surface, whose worker
+rebuilds a native model from the HF-named tensors it is sent, so a wrong name or layout in a
+weight update changes what it generates)."""
 
 import sys
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from hf_helpers import make_hf_model  # noqa: E402
+from hf_helpers import fake_vllm, make_hf_model  # noqa: E402
 from rlfusion.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from rlfusion.engine.types import Request, SamplingParams  # noqa: E402
 from rlfusion.engine.vllm_backend import VLLMEngine, WeightLoaderExtension  # noqa: E402
 from rlfusion.fusion.buckets import pack, plan_buckets, specs_of  # noqa: E402
-from rlfusion.model.hf import load_hf, state_from_hf, state_to_hf  # noqa: E402
+from rlfusion.model.hf import load_hf  # noqa: E402
 
 
-@dataclass
-class _Logprob:
-    logprob: float
-
-
-@dataclass
-class _Seq:
-    token_ids: list
-    logprobs: list
-    finish_reason: str | None
-
-
-@dataclass
-class _Output:
-    request_id: str
-    outputs: list
-    finished: bool
-
-
-class _FakeModel:
-    def __init__(self, native, family):
-        self.native, self.family, self.received = native, family, {}
-        self.expected, self.reloads = set(state_to_hf(native, family)), 0
-
-    def parameters(self):
-        return self.native.parameters()
-
-    def load_weights(self, weights):
-        self.received.update(dict(weights))
-        if set(self.received) >= self.expected:  # every tensor has come: rebuild the policy
-            self.native.load_state_dict(state_from_hf(self.received, self.native.config, self.family),
-                                        strict=False)
-            self.received, self.reloads = {}, self.reloads + 1
-
-
-class _FakeEngineCore:
-    def __init__(self, native):
-        self.engine = LLMEngine(native, EngineConfig(max_num_seqs=8))
-        self.live: dict[str, Request] = {}
-
-    def add_request(self, request_id, prompt, params):
-        p = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=max(0, params.top_k),
-                           max_new_tokens=params.max_tokens, stop_ids=tuple(params.stop_token_ids))
-        self.live[request_id] = Request(request_id, list(prompt["prompt_token_ids"]), p)
-        self.engine.add_request(self.live[request_id])
-
-    def _output(self, rid, reason):
-        r = self.live[rid]
-        lps = [{t: _Logprob(lp)} for t, lp in zip(r.output_ids, r.logprobs)]
-        return _Output(rid, [_Seq(list(r.output_ids), lps, reason)], reason is not None)
-
-    def step(self):
-        done = {c.request_id: c.finish_reason for c in self.engine.step()}
-        outs = [self._output(rid, done.get(rid)) for rid in self.live]
-        for rid in done:
-            del self.live[rid]
-        return outs
-
-    def abort_request(self, ids):
-        self.engine.abort(ids)
-        for rid in ids:
-            self.live.pop(rid, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.live)
-
-
-class _FakeLLM:
-    def __init__(self, model, **kwargs):
-        self.kwargs = kwargs
-        native, _, meta = load_hf(model)
-        module, _, name = kwargs["worker_extension_cls"].rpartition(".")
-        worker_cls = type("Worker", (getattr(sys.modules[module], name),), {})
-        self.worker = worker_cls()
-        self.worker.model_runner = types.SimpleNamespace(model=_FakeModel(native, meta["family"]))
-        self.llm_engine = _FakeEngineCore(native)
-        self.sleeping = None
-
-    def collective_rpc(self, method, args=()):
-        return [getattr(self.worker, method)(*args)]
-
-    def sleep(self, level):
-        self.sleeping = level
-
-    def wake_up(self):
-        self.sleeping = None
-
-
-class _FakeSamplingParams:
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
-
-
-FAKE_VLLM = types.SimpleNamespace(LLM=_FakeLLM, SamplingParams=_FakeSamplingParams)
 
 
 @pytest.fixture
 def hf_dir(tmp_path):
     make_hf_model("qwen3_moe", tmp_path)
     return tmp_path
+
+
+FAKE_VLLM = fake_vllm()
 
 
 def _engine(path) -> tuple[VLLMEngine, torch.nn.Module]:
@@ -198,14 +104,23 @@ def test_sleep_and_wake(hf_dir):
     with pytest.raises(RuntimeError, match="cannot sleep with 1 unfinished requests"):
         engine.sleep()
     engine.abort(["0"])
-    engine.sleep(level=2)
-    assert engine.llm.sleeping == 2
+    engine.sleep(level=1)
+    assert engine.llm.sleeping == 1
     with pytest.raises(RuntimeError, match=r"asleep: call wake_up\(\) before add_request"):
         engine.add_request(_requests(1)[0])
     with pytest.raises(ValueError, match="sleep level=3"):
         engine.wake_up() or engine.sleep(level=3)
     assert engine.llm.sleeping is None
     assert len(engine.generate(_requests(1))[0].output_ids) > 0
+    # level 2 drops the weights: generating needs a full weight load first
+    native, _, _ = load_hf(hf_dir)
+    engine.sleep(level=2)
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="without a full weight update"):
+        engine.generate(_requests(1))
+    engine.abort(["0"])
+    assert engine.load_state(native.state_dict(), 64 * 1024) > 0
+    assert engine.generate(_requests(1))[0].output_ids == _native_greedy(native, _requests(1))[0].output_ids
 
 
 def test_worker_extension_moves_tensors_to_the_model_device():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from rlfusion.engine.runner import ModelRunner
 from rlfusion.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from rlfusion.engine.types import Completion, Request
@@ -37,8 +39,36 @@ class LLMEngine:
         self.policy_version = 0  # stamped on every generated token
         self.num_steps = 0
 
+    holds_weights = False  # generates from the module it was given: nothing to load into it
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
+
+    # ---- what the RL roles use beside generation (`engine/vllm_backend.VLLMEngine` has the same) ----
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache while the device does something else (the weights are the
+        model's, not the engine's, so every level frees the same)."""
+        if self.has_unfinished():
+            raise RuntimeError("cannot sleep with unfinished requests; abort them first")
+        self.runner.cache.release()
+
+    def wake_up(self) -> None:
+        self.runner.cache.restore()
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.runner.cache.nbytes
+
+    def take_stats(self) -> dict[str, float]:
+        """Decode / prefill passes, their rows (prefill: tokens) and seconds since the last call."""
+        return self.runner.take_stats()
+
+    def rng_state(self) -> torch.Tensor:
+        return self.runner.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.runner.generator.set_state(state)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -17,6 +17,8 @@ top-k/top-p truncation, which the native engine leaves out: keep top_k=0, top_p=
 
 from __future__ import annotations
 
+import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import torch
 
 from rlfusion.engine.engine import run_to_completion
 from rlfusion.engine.types import Completion, Request
-from rlfusion.fusion.buckets import Bucket, unpack
+from rlfusion.fusion.buckets import Bucket, pack, plan_buckets, specs_of, unpack
 
 EXTRA = "gpu"
 
@@ -49,25 +51,48 @@ class WeightLoaderExtension:
 
 
 class VLLMEngine:
-    """One vLLM engine over an HF folder (export a native model with `model/hf.save_hf` first)."""
+    """One vLLM engine over an HF folder (export a native model with `model/hf.save_hf` first,
+    or build it with `from_model`). Requests carry token ids, so vLLM never loads a tokenizer."""
+
+    holds_weights = True  # its own copy of the policy: `load_state` after every change
 
     def __init__(self, hf_path: str | Path, native_config, family: str, *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 dtype: str = "bfloat16", vllm_module: Any = None) -> None:
+                 max_num_seqs: int = 256, dtype: str = "bfloat16", vllm_module: Any = None) -> None:
         from rlfusion.model.hf import HFNames
 
         self._vllm = vllm_module or _import_vllm()
         self.llm = self._vllm.LLM(
             model=str(hf_path), seed=seed, dtype=dtype, enable_sleep_mode=True,
             gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len or native_config.max_seq_len,
-            logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len or native_config.max_seq_len, max_num_seqs=max_num_seqs,
+            skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightLoaderExtension")
         self.names = HFNames(native_config, family)
         self.policy_version = 0
         self.asleep = False
+        self.num_steps = 0
         self._requests: dict[str, Request] = {}  # unfinished, as submitted
         self._latest: dict[str, Any] = {}  # last cumulative vLLM output per request
+        self._stats = _fresh_stats()
+        self._folder: tempfile.TemporaryDirectory | None = None  # an exported policy's, kept while the engine lives
+
+    @classmethod
+    def from_model(cls, model, hf_path: str | Path | None = None, **kwargs: Any) -> "VLLMEngine":
+        """An engine for a native `model`: over `hf_path` when the run's base is an HF folder of
+        it, else over an export of `model` to a temporary folder (`ValueError` when its family
+        cannot hold it, see `check_servable`)."""
+        from rlfusion.model.hf import infer_family, save_hf
+
+        check_servable(model)
+        family = infer_family(model.config)
+        folder = None
+        if hf_path is None:
+            folder = tempfile.TemporaryDirectory(prefix="rlfusion-vllm-")
+            hf_path = save_hf(model, folder.name, family=family)
+        engine = cls(hf_path, model.config, family, **kwargs)
+        engine._folder = folder
+        return engine
 
     # ---- generation ----
 
@@ -89,12 +114,32 @@ class VLLMEngine:
 
     def step(self) -> list[Completion]:
         self._check_awake("step")
-        finished = []
+        start, finished, rows, tokens = time.perf_counter(), [], 0, 0
         for out in self.llm.llm_engine.step():
+            before = self._latest.get(out.request_id)
+            new = len(out.outputs[0].token_ids) - (len(before.outputs[0].token_ids) if before is not None else 0)
+            rows, tokens = rows + (new > 0), tokens + new
             self._latest[out.request_id] = out
             if out.finished:
                 finished.append(self._completion(out.request_id, _finish_reason(out)))
+        self.num_steps += 1
+        st = self._stats  # vLLM schedules prefill and decode in one step: all of it counts as decode
+        st["decode_passes"] += 1
+        st["decode_rows"] += tokens
+        st["decode_s"] += time.perf_counter() - start
         return finished
+
+    def take_stats(self) -> dict[str, float]:
+        """Steps (as decode passes), the tokens they generated and their seconds since the last call."""
+        out, self._stats = self._stats, _fresh_stats()
+        return out
+
+    def rng_state(self) -> torch.Tensor:
+        """vLLM's sampler state is its own: a resumed run samples anew (an empty state)."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        pass  # see `rng_state`
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stop the given requests now; partial outputs come back with reason `aborted`."""
@@ -121,6 +166,16 @@ class VLLMEngine:
                           list(req.versions) + [self.policy_version] * len(new_ids), reason, req.params)
 
     # ---- weights and memory ----
+
+    def load_state(self, state: dict[str, torch.Tensor], bucket_bytes: int) -> int:
+        """Load a native state dict (the policy's) in flat buckets of at most `bucket_bytes`;
+        returns the number of HF tensors loaded."""
+        buckets = ((bucket, pack(bucket, state)) for bucket in plan_buckets(specs_of(state), bucket_bytes))
+        return self.update_weights(buckets)
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0  # vLLM's KV cache is its own allocator's (`gpu_memory_utilization`), not a tensor here
 
     def update_weights(self, buckets: Iterable[tuple[Bucket, torch.Tensor]]) -> int:
         """Load new policy weights, one flat bucket at a time (native names, see
@@ -151,6 +206,19 @@ class VLLMEngine:
     def _check_awake(self, what: str) -> None:
         if self.asleep:
             raise RuntimeError(f"vLLM engine is asleep: call wake_up() before {what}()")
+
+
+def check_servable(model) -> None:
+    """`ValueError` unless vLLM can serve `model` as it is: an HF family holds its architecture
+    and its routers carry no expert bias the family lacks (`model/hf.py`)."""
+    from rlfusion.model.hf import infer_family, state_to_hf_checks
+
+    state_to_hf_checks(model, infer_family(model.config))
+
+
+def _fresh_stats() -> dict[str, float]:
+    return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
+                          "prefill_tokens", "prefill_s"), 0.0)
 
 
 def _finish_reason(out) -> str:

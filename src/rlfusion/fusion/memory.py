@@ -61,6 +61,7 @@ class MemoryLedger:
         self._peaks: dict[str, int] = {}
         self._alloc_peaks: dict[str, int] = {}
         self._cuda_index = _cuda_index(device) if read_allocator else None
+        self.reads_allocator = read_allocator
 
     # ---- what is held -------------------------------------------------------------------
 

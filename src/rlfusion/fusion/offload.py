@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+from rlfusion.parallel.data_parallel import local_tensor
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,6 @@ class OffloadStats:
 class _Entry:
     storage: torch.UntypedStorage  # the device storage, 0 bytes while offloaded
     host_U: torch.Tensor  # uint8 copy of its bytes
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds this rank's data (the local shard of a DTensor)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -37,23 +37,31 @@ from rlfusion.fusion.reshard import infer_to_train, train_to_infer
 class DeviceSwitch:
     """One device's switch. `policy` is what the engine generates from, `train_model` what the
     optimizer updates (the same module unless the actor trains in a layout, `pm`, whose
-    parameters are then the trained ones); `cache` is
-    the engine's KV cache (None on a device without rollout); `span(phase)` records a span of
-    the device's timeline."""
+    parameters are then the trained ones); `engine` is the rollout engine (None on a device
+    without rollout): the native one generates from `policy` itself and only its KV cache
+    comes and goes; one that holds its own weights (vLLM) also gets the policy's weights loaded
+    in buckets whenever they changed, and sleeps at level 2 (weights dropped too) on a device
+    whose actor trains, level 1 elsewhere. `where` is the device's torch device: on CUDA the
+    ledger also reads the allocator's peaks and every switch hands freed blocks back to the
+    driver (`torch.cuda.empty_cache`). `span(phase)` records a span of the device's timeline."""
 
-    def __init__(self, device: int, policy: torch.nn.Module, train_model: torch.nn.Module, cache: Any,
-                 bucket_bytes: int, fully_shared: bool, span: Callable[[str], Any]):
-        self.policy, self.train_model, self.cache = policy, train_model, cache
+    def __init__(self, device: int, policy: torch.nn.Module, train_model: torch.nn.Module, engine: Any,
+                 bucket_bytes: int, fully_shared: bool, span: Callable[[str], Any],
+                 where: torch.device = torch.device("cpu")):
+        self.policy, self.train_model, self.engine = policy, train_model, engine
         self.bucket_bytes, self.fully_shared, self.span = bucket_bytes, fully_shared, span
-        self.ledger = MemoryLedger(f"device{device}")
+        self.where = torch.device(where)
+        self.ledger = _ledger(device, self.where)
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         self.pm: Any = None  # the actor's training layout (ParallelModel), when it has one
         self.optimizer: torch.optim.Optimizer | None = None
         self.critic: Any = None  # (model, optimizer) of PPO's value model: resident in every phase
         self.reference: torch.nn.Module | None = None
         self.offloads = self.restores = 0  # optimizer state moves to host and back (the ledger's count)
-        if cache is not None:
-            cache.release()  # allocated only while generating
+        self.loads = 0  # weight loads into an engine that holds its own (the ledger's count)
+        self.stale_engine = engine is not None and engine.holds_weights  # its weights lag the policy's
+        if engine is not None:
+            engine.sleep(1)  # memory only while generating
 
     def attach(self, *, optimizer: torch.optim.Optimizer | None = None, pm: Any = None,
                reference: torch.nn.Module | None = None, critic: Any = None) -> None:
@@ -102,14 +110,34 @@ class DeviceSwitch:
             moved = self.optimizer_pool.offload(optimizer_tensors(self.optimizer))
             self.offloads += moved.num_storages > 0  # (none before the first update: AdamW's state is lazy)
             self.account()
-        self.cache.restore()
+        self._return_memory()
+        self.engine.wake_up()
+        if self.stale_engine:
+            with torch.no_grad():
+                self.engine.load_state(self.policy.state_dict(), self.bucket_bytes)
+            self.stale_engine, self.loads = False, self.loads + 1
         self.account()
 
     def _leave_rollout(self) -> None:
-        self.cache.release()
+        # an engine with its own weights on a device that trains drops them (they change)
+        level = 2 if self.engine.holds_weights and self.optimizer is not None else 1
+        self.engine.sleep(level)
+        self.stale_engine = self.stale_engine or (self.engine.holds_weights and level == 2)
         if self.pm is not None:  # the replica never outlives the rollout
             infer_to_train(self.pm, self.policy)
+        self._return_memory()
         self.account()
+
+    def policy_changed(self) -> None:
+        """The policy's weights changed outside an update (a checkpoint loaded): an engine
+        holding its own loads them before it next generates."""
+        self.stale_engine = self.engine is not None and self.engine.holds_weights
+
+    def _return_memory(self) -> None:
+        """On CUDA, hand the blocks the switch freed back to the driver, so the next phase (or
+        another process on the GPU, such as vLLM's engine core) can take them."""
+        if self.where.type == "cuda":
+            torch.cuda.empty_cache()
 
     def enter_train(self) -> None:
         """Optimizer state back on the device before an update (or a checkpoint of it)."""
@@ -125,6 +153,7 @@ class DeviceSwitch:
         with self.span("train"), self.ledger.phase("train"):
             yield
             self.account()
+        self.policy_changed()
 
     @contextmanager
     def reference_pass(self) -> Iterator[None]:
@@ -162,6 +191,7 @@ class DeviceSwitch:
                     for name, view in unpack(bucket, flat).items():
                         state[name].copy_(view)
                     moved += flat.numel() * flat.element_size()
+            self.policy_changed()
             return moved
 
     # ---- the ledger ----
@@ -178,8 +208,8 @@ class DeviceSwitch:
             led.track("optimizer", optimizer_tensors(self.optimizer))
             led.track("grads", [p.grad for p in train if p.grad is not None])
             led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
-        if self.cache is not None:
-            led.set("kv_cache", self.cache.nbytes)
+        if self.engine is not None:
+            led.set("kv_cache", self.engine.cache_bytes)
         if self.critic is not None:
             model, optimizer = self.critic
             led.track("weights", list(model.parameters()), name="critic")
@@ -196,15 +226,23 @@ class DeviceSwitch:
         ok = True
         if {"switch", "train", "rollout"} <= set(peaks):
             ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=self.bucket_bytes if self.pm is not None else 0)
+        allocator = self.ledger.allocator_peaks()
         self.ledger = _fresh_ledger(self.ledger)
-        out = {"peaks": peaks, "zero_redundancy": ok, "offloads": self.offloads, "restores": self.restores}
-        self.offloads = self.restores = 0
+        out = {"peaks": peaks, "allocator_peaks": allocator, "zero_redundancy": ok, "offloads": self.offloads,
+               "restores": self.restores, "engine_loads": self.loads}
+        self.offloads = self.restores = self.loads = 0
         return out
+
+
+def _ledger(device: int, where: torch.device) -> MemoryLedger:
+    if where.type == "cuda":  # the allocator's peaks per phase beside the tracked tensors
+        return MemoryLedger(f"cuda:{where.index or 0}", read_allocator=True)
+    return MemoryLedger(f"device{device}")
 
 
 def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
     """A ledger with the same current bytes and no phase peaks yet (peaks are per step)."""
-    new = MemoryLedger(old.device)
+    new = MemoryLedger(old.device, read_allocator=old.reads_allocator)
     for location, cats in old.snapshot().items():
         for category, nbytes in cats.items():
             if nbytes:

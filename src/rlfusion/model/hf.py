@@ -381,17 +381,23 @@ def _is_mtp(name: str, cfg: ModelConfig) -> bool:
     return len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_layers
 
 
+def state_to_hf_checks(model: MoETransformer, family: str) -> None:
+    """`ValueError` unless `family` holds `model` exactly: its architecture, and no router expert
+    bias where the family has none."""
+    _check_exportable(model.config, family)
+    bias = max((float(r.expert_bias.abs().max()) for r in model.routers()), default=0.0)
+    if family != "deepseek_v3" and bias:
+        raise ValueError(f"router expert_bias is non-zero (max |bias| = {bias:.3g}) and {family} has "
+                         f"no expert bias: the export would route differently; zero it first")
+
+
 def state_to_hf(model: MoETransformer, family: str) -> dict[str, torch.Tensor]:
     """HF tensors (per-expert hub layout) of a native model. Folds `routed_scaling_factor` into
     the expert down projections for the Qwen families (they have no such factor); a Qwen2-MoE
     export of a model without a shared-expert gate writes a zero gate (sigmoid(0) = 1/2) and
     doubles the shared down projection."""
     cfg = model.config
-    _check_exportable(cfg, family)
-    bias = max((float(r.expert_bias.abs().max()) for r in model.routers()), default=0.0)
-    if family != "deepseek_v3" and bias:
-        raise ValueError(f"router expert_bias is non-zero (max |bias| = {bias:.3g}) and {family} has "
-                         f"no expert bias: the export would route differently; zero it first")
+    state_to_hf_checks(model, family)
     to_hf = HFNames(cfg, family)
     out = {}
     for native, w in model.state_dict().items():

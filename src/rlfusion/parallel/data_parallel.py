@@ -94,7 +94,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: s
         squares = squares + torch.stack(whole).sum()
     if expert_params:  # every rank joins the sum, also one whose local experts got no tokens
         experts = [p.grad.detach() for p in params if p.grad is not None and id(p) in expert_params]
-        expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum() if experts else torch.zeros(())
+        expert_sq = (torch.stack([g.pow(2).sum() for g in experts]).sum() if experts
+                     else torch.zeros((), device=local_tensor(params[0]).device))
         if ep_group is not None:
             dist.all_reduce(expert_sq, group=ep_group)
         squares = squares + expert_sq
@@ -113,7 +114,7 @@ def _sharded_squares(grads: list[DTensor]) -> torch.Tensor:
     holds the same values, so it is not summed) — a collective per such group, not per tensor.
     A partial placement (not expected in gradients) goes through `full_tensor()`."""
     groups: dict[tuple, tuple[Any, tuple[int, ...], list[torch.Tensor]]] = {}
-    total = torch.zeros(())
+    total = torch.zeros((), device=grads[0].to_local().device if grads else None)
     for g in grads:
         if any(p.is_partial() for p in g.placements):
             total = total + g.full_tensor().pow(2).sum()
@@ -174,8 +175,14 @@ def filler_pass(model: nn.Module, backward: bool) -> None:
     collectives of another rank's pass. The routers' load counts are left as they were."""
     routers = model.routers()
     counts = [r.tokens_per_expert.clone() for r in routers]
-    out = model(torch.zeros(1, 1, dtype=torch.long), packed=PackedSeqs.from_lengths([1]))
+    device = local_tensor(next(model.parameters())).device
+    out = model(torch.zeros(1, 1, dtype=torch.long, device=device), packed=PackedSeqs.from_lengths([1]))
     if backward:
         (out.float().sum() * 0.0).backward()
     for r, c in zip(routers, counts):
         r.tokens_per_expert.copy_(c)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds this rank's data (the local shard of a DTensor)."""
+    return t._local_tensor if isinstance(t, DTensor) else t

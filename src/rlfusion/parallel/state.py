@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rlfusion.fusion.offload import local_tensor
+from rlfusion.parallel.data_parallel import local_tensor
 from rlfusion.parallel.api import ParallelModel
 
 

@@ -70,7 +70,8 @@ class PackedBatch:
         return int(self.loss_mask_N.sum())
 
 
-def pack(trajs: list[Trajectory]) -> PackedBatch:
+def pack(trajs: list[Trajectory], device: torch.device | str | None = None) -> PackedBatch:
+    """The samples as one packed batch, its tensors on `device` (default: the CPU)."""
     tokens, targets, mask, seq_idx, adv, behaviour, ref = [], [], [], [], [], [], []
     for s, t in enumerate(trajs):
         ids = t.prompt_ids + t.response_ids
@@ -84,10 +85,11 @@ def pack(trajs: list[Trajectory]) -> PackedBatch:
         if t.ref_logprobs is not None:
             ref += [0.0] * (P - 1) + list(t.ref_logprobs) + [0.0]
     has_ref = bool(trajs) and all(t.ref_logprobs is not None for t in trajs)
-    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
     return PackedBatch(
-        tokens_N=torch.tensor(tokens), targets_N=torch.tensor(targets), loss_mask_N=f32(mask),
-        seq_idx_N=torch.tensor(seq_idx), advantages_N=f32(adv), behaviour_logprobs_N=f32(behaviour),
+        tokens_N=i64(tokens), targets_N=i64(targets), loss_mask_N=f32(mask),
+        seq_idx_N=i64(seq_idx), advantages_N=f32(adv), behaviour_logprobs_N=f32(behaviour),
         ref_logprobs_N=f32(ref) if has_ref else None,
         packed=PackedSeqs.from_lengths([t.num_tokens for t in trajs]))
 
@@ -111,6 +113,11 @@ def split_by_token_budget(items: list, max_tokens: int, size=lambda t: t.num_tok
 def response_values(batch: PackedBatch, values_N: torch.Tensor, trajs: list[Trajectory]) -> list[torch.Tensor]:
     """Split a per-position tensor into each trajectory's response-aligned values."""
     return list(values_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in trajs]))
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters live (where its input batches go)."""
+    return next(model.parameters()).device
 
 
 def token_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

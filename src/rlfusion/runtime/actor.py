@@ -53,6 +53,7 @@ class ActorStage:
         self.pipeline = layout is not None and layout.layout.pp > 1
         self.stage_group = layout.mesh.group("pp") if self.pipeline else None
         self.params = list(layout.parameters() if self.pipeline else model.parameters())
+        self.device = layout.device if layout is not None else self.params[0].device  # where batches go
         # `layout`: the `ParallelModel` when `model` is split over a training layout. Its routed
         # experts' shards are summed over their expert-data-parallel group (not the dp group),
         # and its forward passes are collectives (expert all-to-all) across data-parallel ranks,
@@ -123,7 +124,7 @@ class ActorStage:
             if micro is None:
                 filler_pass(self.model, backward=False)
                 continue
-            batch = pack(micro)
+            batch = pack(micro, self.device)
             logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
             per_seq = logprobs_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in micro])
             for t, lp in zip(micro, per_seq):
@@ -268,7 +269,7 @@ class ActorStage:
         if largest is None or sum(t.num_tokens for t in largest) < most:  # another rank's is larger
             forward = lambda: filler_pass(self.model, backward=False)  # noqa: E731  (joins its collectives)
         else:
-            forward = lambda: token_logprobs(self.model, pack(largest), self.temperature)  # noqa: E731
+            forward = lambda: token_logprobs(self.model, pack(largest, self.device), self.temperature)  # noqa: E731
         plan = measured_plan(self.model, forward, self.optim_cfg.activation_budget_mb * 2**20)
         # one plan for every rank: a recomputed module replays its collectives (expert
         # all-to-all, TP) in backward, which a rank that keeps it would not join
@@ -282,14 +283,14 @@ class ActorStage:
         apply_plan(self.model, plan, self.pool)
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
-        batch = pack(micro)
+        batch = pack(micro, self.device)
         logprobs_N, logits_NV = token_logprobs(self.model, batch, self.temperature)
         mask = batch.loss_mask_N
         if on_policy:
             proximal = logprobs_N.detach()
         else:
             proximal = torch.zeros_like(logprobs_N)
-            proximal[mask.bool()] = torch.tensor([x for t in micro for x in t.proximal_logprobs])
+            proximal[mask.bool()] = torch.tensor([x for t in micro for x in t.proximal_logprobs], device=self.device)
         loss, metrics = self._loss(logprobs_N, logits_NV, proximal, batch.behaviour_logprobs_N,
                                    batch.advantages_N, mask, batch.seq_idx_N, batch.ref_logprobs_N,
                                    num_tokens, num_seqs)
@@ -325,7 +326,7 @@ class ActorStage:
         passes' collectives (expert all-to-all, FSDP) pair up."""
         tokens_BT, side_BTK, valid_BT, n = self._padded(trajs)
         b, T = tokens_BT.shape[0] // n, tokens_BT.shape[1]
-        rows_N = torch.arange(b).repeat_interleave(T)
+        rows_N = torch.arange(b, device=self.device).repeat_interleave(T)
         metrics: dict[str, float] = {}
         bad: list[float] = []
         micro = iter(range(n))
@@ -353,7 +354,9 @@ class ActorStage:
                 metrics[k] = metrics.get(k, 0.0) + v * float(mask_N.sum()) / num_tokens
             return loss
 
-        self.pm.pipeline_pass(tokens_BT, side_BTK, loss_fn, n, valid_BT, backward=backward)
+        device = self.device
+        self.pm.pipeline_pass(tokens_BT.to(device), side_BTK.to(device), loss_fn, n, valid_BT.to(device),
+                              backward=backward)
         return metrics, (bad[0] if bad else None)
 
     def _padded(self, trajs: list[Trajectory]):

@@ -25,6 +25,7 @@ places one Ray actor per device from it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from rlfusion.config import check_fields
 
 MODES = ("separated", "colocated", "fully_shared", "hybrid")
 BACKENDS = ("ray", "local")
+DEVICES = ("auto", "cpu", "cuda")
 ROLES = ("rollout", "train", "reference", "reward")
 SCORERS = ("auto", "rollout", "train")
 
@@ -41,12 +43,16 @@ class DeployConfig:
     """`backend="ray"` starts one Ray actor per device (`ray_address` "" = a local cluster, else
     e.g. "auto" or "10.0.0.1:6379" to join one started with `ray start`); `"local"` runs the
     stages in the driver process (one device, for debugging). `num_devices` 0 = every device of
-    this machine: its GPUs, else its CPU cores / `threads_per_device`."""
+    this machine: its GPUs, else its CPU cores / `threads_per_device`. `device`: what a device
+    is — "cpu" (a process of `threads_per_device` threads, gloo between them), "cuda" (one GPU
+    each, NCCL between them for GPU tensors and gloo for host ones) or "auto" (cuda when the
+    Ray cluster, or with backend "local" this machine, has GPUs)."""
 
     mode: str = "colocated"
     num_devices: int = 0
     threads_per_device: int = 1
     backend: str = "ray"
+    device: str = "auto"
     ray_address: str = ""
     bucket_mb: float = 4.0  # weight-sync bucket size
     # synchronous rollout on several devices that also score: a device that finishes early
@@ -90,6 +96,7 @@ class DeployConfig:
             "num_devices": (self.num_devices >= 0, "must be >= 0 (0 = every device of this machine)"),
             "threads_per_device": (self.threads_per_device >= 1, "must be >= 1"),
             "backend": (self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
+            "device": (self.device in DEVICES, f"allowed: {', '.join(DEVICES)}"),
             "bucket_mb": (self.bucket_mb > 0, "must be > 0"),
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
             "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),
@@ -139,7 +146,7 @@ class DeployConfig:
             return 1
         import torch
 
-        if torch.cuda.is_available():
+        if self.device != "cpu" and torch.cuda.is_available():
             return torch.cuda.device_count()
         return max(1, (os.cpu_count() or 1) // self.threads_per_device)
 
@@ -161,10 +168,22 @@ class DeploymentPlan:
     train_fsdp: bool = False
     train_pp: int = 1
     train_vpp: int = 1
+    device: str = "auto"  # `deploy.device`; the backend resolves "auto" (`on`) before the workers start
 
     @classmethod
     def build(cls, cfg: DeployConfig, overlap: bool = False) -> "DeploymentPlan":
         """`overlap`: StaleSync will run rollout and update at once (resolves `scorers="auto"`)."""
+        plan = cls._placed(cfg, overlap)
+        return dataclasses.replace(plan, device=cfg.device)
+
+    def on(self, device: str) -> "DeploymentPlan":
+        """This plan with its device kind resolved ("cpu" or "cuda")."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device kind {device!r} is invalid: allowed: cpu, cuda")
+        return dataclasses.replace(self, device=device)
+
+    @classmethod
+    def _placed(cls, cfg: DeployConfig, overlap: bool) -> "DeploymentPlan":
         n, devices = cfg.devices, tuple(range(cfg.devices))
         if cfg.mode == "separated":
             k = (n + 1) // 2

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlfusion.errors import RunError
 from rlfusion.obs.metrics import NumberUnpacker
 from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
@@ -165,7 +166,8 @@ class Devices(ABC):
     def reports(self) -> dict[int, dict[str, Any]]:
         """Each device's report since the last call (`DeviceWorker.report`): `spans` (phase,
         wall start, wall end), `engine` (the rollout engine's counts; empty without one),
-        `memory` (`peaks` per phase, `zero_redundancy`, `offloads`, `restores`) and `queue_bytes`."""
+        `memory` (`peaks` per phase, on CUDA `allocator_peaks` too, `zero_redundancy`, `offloads`,
+        `restores`, `engine_loads`) and `queue_bytes`."""
         out = {}
         for d, (spans, numbers) in enumerate(self._run([(d, "report", ()) for d in range(self.plan.num_devices)])):
             report: dict[str, Any] = {"spans": unpack_spans(spans), "engine": {}, "memory": {"peaks": {}}}
@@ -254,6 +256,7 @@ class LocalDevices(Devices):
 
     def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
         queue = DistQueue(queue_config(cfg.rollout.group_size))
+        plan = plan.on(local_device(cfg.deploy.device))
         super().__init__(cfg, plan, queue)
         self.workers = [DeviceWorker(0, plan, cfg, str(base_path), queue=queue)]
         self.workers[0].connect(None)
@@ -263,3 +266,13 @@ class LocalDevices(Devices):
 
     def _wait(self, handles: list[Any]) -> list[Any]:
         return handles
+
+
+def local_device(device: str) -> str:
+    """`deploy.device` for the driver's own process: "auto" is "cuda" when torch sees a GPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"deploy.device=cuda: torch {torch.__version__} sees no CUDA device here "
+                       f"({'a CPU-only build' if torch.version.cuda is None else 'none usable'}); set deploy.device=cpu")
+    return device

@@ -24,8 +24,9 @@ from rlfusion.runtime.workers import DeviceWorker
 
 
 class RayDevices(Devices):
-    """One Ray actor per device (placement group, `threads_per_device` CPUs each), joined in
-    one process-group world, sharing one Ray DistQueue."""
+    """One Ray actor per device (placement group, `threads_per_device` CPUs each, and one GPU
+    each with `deploy.device` cuda), joined in one process-group world, sharing one Ray
+    DistQueue."""
 
     def __init__(self, cfg: TrainConfig, plan: DeploymentPlan, base_path: str):
         if not cfg.deploy.ray_address and "ray" not in sys.modules:
@@ -38,13 +39,19 @@ class RayDevices(Devices):
         self.owns_ray = not ray.is_initialized()  # then `shutdown` stops the Ray it started
         if self.owns_ray:
             _start_ray(ray, cfg.deploy.ray_address, plan.num_devices * cfg.deploy.threads_per_device)
+        try:
+            plan = plan.on(cluster_device(cfg.deploy.device, ray.cluster_resources(), plan.num_devices))
+        except BaseException:
+            if self.owns_ray:
+                ray.shutdown()
+            raise
         super().__init__(cfg, plan, None)
         self.ray = ray
         self.count_bytes = True
         self.single_node = len(ray.nodes()) == 1
         self.workers: list[Any] = []
         threads = cfg.deploy.threads_per_device
-        self.pg = placement_group([{"CPU": threads}] * plan.num_devices, strategy="PACK")
+        self.pg = placement_group(device_bundles(plan, threads), strategy="PACK")
         try:
             self._start_workers(base_path, threads)
         except BaseException as e:  # nothing may outlive a failed start: workers, queue, the group, Ray
@@ -79,7 +86,7 @@ class RayDevices(Devices):
         # "pool": `take_finished` answers on its own thread while the device generates
         actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
         self.workers = [actor_cls.options(
-            num_cpus=threads, runtime_env=env,
+            **worker_options(plan, threads), runtime_env=env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
         ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
         address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
@@ -185,6 +192,31 @@ SHARE_MIN_SAMPLES = 8  # fewer are not worth a scoring call of their own
 
 DEAD_CHECK_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0  # how long `deploy.ray_address` may take to accept a connection
+
+
+def cluster_device(device: str, resources: dict[str, float], num_devices: int) -> str:
+    """`deploy.device` for a Ray cluster with `resources` (`ray.cluster_resources()`): "auto" is
+    "cuda" when it has GPUs; "cuda" needs one GPU per device."""
+    gpus = int(resources.get("GPU", 0))
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    if device == "cuda" and gpus < num_devices:
+        raise RunError(f"deploy.device=cuda needs one GPU per device: {num_devices} devices "
+                       f"(deploy.num_devices), and the Ray cluster has {gpus} GPU(s); lower deploy.num_devices, "
+                       f"add GPU nodes, or set deploy.device=cpu")
+    return device
+
+
+def device_bundles(plan: DeploymentPlan, threads: int) -> list[dict[str, float]]:
+    """The placement group's bundles: one per device, `threads` CPUs (and one GPU on CUDA)."""
+    bundle = {"CPU": threads, **({"GPU": 1} if plan.device == "cuda" else {})}
+    return [dict(bundle) for _ in range(plan.num_devices)]
+
+
+def worker_options(plan: DeploymentPlan, threads: int) -> dict[str, float]:
+    """What one device worker asks of its bundle: Ray then shows it only its own GPU
+    (`CUDA_VISIBLE_DEVICES`), which the worker binds as `cuda:0`."""
+    return {"num_cpus": threads, "num_gpus": 1 if plan.device == "cuda" else 0}
 
 
 def _start_ray(ray, address: str, num_cpus: int) -> None:

@@ -31,7 +31,7 @@ from rlfusion.rl.problem import Problem
 from rlfusion.rl.replay import replay_length
 from rlfusion.rl.rewards import (CallTimeout, DaemonCaller, RewardFn, RewardModel, describe_reward,
                                 finite_score, snippet)
-from rlfusion.rl.trajectory import (Trajectory, pack, response_values, split_by_token_budget,
+from rlfusion.rl.trajectory import (Trajectory, device_of, pack, response_values, split_by_token_budget,
                                    token_logprobs)
 from rlfusion.runtime import dataflow
 from rlfusion.parallel.data_parallel import group_sum, shard_rows, sum_over_replicas
@@ -50,10 +50,19 @@ SYNC_EVERY = 8  # engine steps between the rollout devices' stop-rule sums (2: -
 class RolloutStage:
     """`group_size` sampled responses per prompt from the policy the engine currently holds."""
 
-    def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int):
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed,
-                                                    min_prefill_batch=cfg.min_prefill_batch))
+    def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int,
+                 hf_path: str | None = None):
+        """`model` is the policy; with `rollout.backend=vllm` the engine serves a copy of it
+        (from `hf_path`, the run's base when that is an HF folder, else an export of `model`)."""
+        self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
+        if cfg.backend == "vllm":
+            from rlfusion.engine.vllm_backend import VLLMEngine
+
+            self.engine: Any = VLLMEngine.from_model(model, hf_path, seed=seed, max_num_seqs=cfg.max_num_seqs,
+                                                     gpu_memory_utilization=cfg.gpu_memory_utilization)
+        else:
+            self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed,
+                                                        min_prefill_batch=cfg.min_prefill_batch))
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
@@ -81,7 +90,7 @@ class RolloutStage:
         request order (group by group); `sample` is each one's index in its group."""
         if version is not None:
             self.engine.policy_version = version
-        model = self.engine.runner.model
+        model = self.model
         was_training = model.training
         model.eval()
         G = self.cfg.group_size
@@ -127,7 +136,7 @@ class RolloutStage:
         Returns finished and unfinished (aborted, partial) samples in request order, the ids of
         the groups it gave up, and how many tokens it generated."""
         self.engine.policy_version = version
-        model = self.engine.runner.model
+        model = self.model
         was_training = model.training
         model.eval()
         run = _GroupRun(self.engine, self._finish_reason)
@@ -167,10 +176,10 @@ class RolloutStage:
         return {**run.results(aborted), "dropped": dropped, "engine_steps": self.engine.num_steps}
 
     def rng_state(self) -> torch.Tensor:
-        return self.engine.runner.generator.get_state()
+        return self.engine.rng_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
-        self.engine.runner.generator.set_state(state)
+        self.engine.set_rng_state(state)
 
 
 class _GroupRun:
@@ -400,7 +409,7 @@ class ReferenceStage:
     @torch.no_grad()
     def logprobs(self, trajs: list[Trajectory]) -> None:
         for micro in split_by_token_budget(trajs, self.microbatch_tokens):
-            batch = pack(micro)
+            batch = pack(micro, device_of(self.model))
             logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
             mask = batch.loss_mask_N.bool()
             per_seq = logprobs_N[mask].split([len(t.response_ids) for t in micro])
@@ -514,14 +523,14 @@ class CriticStage:
 
     def __init__(self, base: MoETransformer, algo: AlgoConfig, optim: OptimConfig, dp_group: Any = None):
         self.model = copy.deepcopy(base).train()
-        self.model.lm_head = torch.nn.Linear(base.config.d_model, 1, bias=False)
+        self.model.lm_head = torch.nn.Linear(base.config.d_model, 1, bias=False, device=device_of(base))
         torch.nn.init.zeros_(self.model.lm_head.weight)  # V = 0 at start: advantages = returns
         self.algo, self.microbatch_tokens = algo, optim.microbatch_tokens
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr)
         self.dp_group = dp_group  # replicas on several devices: each its share of the samples
 
     def _values(self, trajs: list[Trajectory]):
-        batch = pack(trajs)
+        batch = pack(trajs, device_of(self.model))
         values_N = self.model(batch.tokens_N.unsqueeze(0), packed=batch.packed)[0, :, 0].float()
         return batch, values_N
 
@@ -545,8 +554,8 @@ class CriticStage:
             batch, values_N = self._values(micro)
             mask = batch.loss_mask_N.bool()
             old, ret = torch.zeros_like(values_N), torch.zeros_like(values_N)
-            old[mask] = torch.tensor([v for t in micro for v in t.values])
-            ret[mask] = torch.tensor([r for t in micro for r in t.returns])
+            old[mask] = torch.tensor([v for t in micro for v in t.values], device=values_N.device)
+            ret[mask] = torch.tensor([r for t in micro for r in t.returns], device=values_N.device)
             loss, m = value_loss(values_N, old, ret, batch.loss_mask_N, self.algo.value_clip,
                                  num_tokens=num_tokens)
             loss.backward()

@@ -20,6 +20,7 @@ ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
+ROLLOUT_BACKENDS = ("native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class RolloutConfig:
     replay_median: float = 40.0  # with the cap max_new_tokens=160: ~10% at the cap, p99/median = 4
     replay_sigma: float = 1.08
     replay_between: float = 0.9  # share of the log-length variance between prompt groups
+    # the engine that generates: "native" (rlfusion's continuous-batching engine, CPU or GPU) or
+    # "vllm" (the `gpu` extra; GPUs only). vLLM holds its own copy of the weights: they are
+    # loaded in buckets of deploy.bucket_mb whenever the policy changed, and on a device that
+    # also trains it sleeps (KV cache and weights freed) while the actor trains
+    backend: str = "native"
+    gpu_memory_utilization: float = 0.5  # vllm: the share of its GPU's memory it may take
 
     def __post_init__(self) -> None:
         check_fields("rollout", {
@@ -60,6 +67,8 @@ class RolloutConfig:
                               f"{self.max_new_tokens} (the cap)"),
             "replay_sigma": (self.replay_sigma > 0, "must be > 0"),
             "replay_between": (0 <= self.replay_between <= 1, "must be in [0, 1]"),
+            "backend": (self.backend in ROLLOUT_BACKENDS, f"allowed: {', '.join(ROLLOUT_BACKENDS)}"),
+            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
         }, self)
 
 

@@ -73,6 +73,8 @@ class RLTrainer:
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
         if plan.train_layout:
             _check_train_layout(cfg, plan, model.config)
+        if cfg.rollout.backend == "vllm":
+            check_vllm_rollout(cfg, model, base_path)
         if cfg.reward != "task":  # a bad spec is named here, not as a device that failed to start
             import_reward(cfg.reward)
         if cfg.deploy.backend == "ray":
@@ -255,8 +257,12 @@ class RLTrainer:
             peaks = [m["peaks"][phase] for m in memory if phase in m["peaks"]]
             if peaks:
                 out[f"memory_peak_{phase}_mb"] = max(peaks) / 2**20
+            held = [m["allocator_peaks"][phase] for m in memory if phase in m.get("allocator_peaks", {})]
+            if held:  # on CUDA: what the caching allocator really held, activations included
+                out[f"memory_allocated_peak_{phase}_mb"] = max(held) / 2**20
         out["optimizer_offloads"] = float(sum(m["offloads"] for m in memory))
         out["optimizer_restores"] = float(sum(m["restores"] for m in memory))
+        out["engine_weight_loads"] = float(sum(m["engine_loads"] for m in memory))
         # what moved: through the queue between devices, and across the controller (commands,
         # answers, reports and its own queue reads and writes; none in process)
         queue_bytes = sum(r["queue_bytes"] for r in reports.values())
@@ -401,6 +407,26 @@ def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> No
     except ValueError as e:
         raise ValueError(f"{cfg.deploy.layout_name} does not fit the model: "
                          f"{e}") from None
+
+
+def check_vllm_rollout(cfg: TrainConfig, model, base_path: Path) -> None:
+    """Refuse `rollout.backend=vllm` where it cannot run, before any worker starts: vLLM is not
+    installed, or it cannot serve this policy exactly."""
+    import importlib.util
+
+    from rlfusion.engine.vllm_backend import EXTRA, check_servable
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"rollout.backend=vllm needs vLLM, which is not installed: on a machine with CUDA GPUs "
+                         f"run pip install 'rlfusion[{EXTRA}]' (or set rollout.backend=native)")
+    if cfg.optim.router_bias_update:
+        raise ValueError("rollout.backend=vllm is invalid with optim.router_bias_update=true: the routers' "
+                         "expert bias has no place in vLLM's Qwen MoE models (use rollout.backend=native)")
+    try:
+        check_servable(model)
+    except ValueError as e:
+        raise ValueError(f"rollout.backend=vllm cannot serve base {base_path}: {e} (use an HF base, "
+                         f"base=PATH, or rollout.backend=native)") from None
 
 
 def stalesync_overlaps(cfg: TrainConfig) -> bool:

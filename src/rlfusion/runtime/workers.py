@@ -22,6 +22,7 @@ Where the actor trains in a layout (`deploy.train_tp` / `train_ep` / `train_pp` 
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from rlfusion.evaluate import greedy_completions
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
+from rlfusion.model.hf import is_hf_checkpoint
 from rlfusion.obs.metrics import NumberPacker
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.parallel.api import ParallelModel, parallelize
@@ -97,6 +99,36 @@ class StopSums:
         return self.counts.tolist()
 
 
+def bind_device(kind: str, device: int) -> torch.device:
+    """The torch device of device worker `device` ("cpu" or "cuda", `DeploymentPlan.device`). On
+    CUDA it is the one GPU this process sees (Ray shows each device worker only its own through
+    `CUDA_VISIBLE_DEVICES`; the local backend takes the current one), made current."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise RunError(f"device {device}: deploy.device={kind!r} was not resolved (allowed here: cpu, cuda)")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        build = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "no CUDA device is usable"
+        raise RunError(f"deploy.device=cuda: device {device} was given GPU {visible!r} but {build}; "
+                       f"install a CUDA build of torch or set deploy.device=cpu")
+    where = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(where)
+    return where
+
+
+def _on_host(state: Any) -> Any:
+    """`state` (nested dicts and lists of tensors) with every tensor in host memory: what leaves
+    the device for the driver, which may have no GPU."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu() if state.device.type != "cpu" else state
+    if isinstance(state, dict):
+        return {k: _on_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_host(v) for v in state)
+    return state
+
+
 def listening_store(host: str, world_size: int) -> dist.TCPStore:
     """The rendezvous store's server, listening on `host` alone. torch binds every interface
     whatever host it is given, so the socket is bound here and handed over as the listen fd."""
@@ -120,8 +152,9 @@ class DeviceWorker:
         torch.set_num_threads(cfg.deploy.threads_per_device if cfg.deploy.backend == "ray" else cfg.threads)
         torch.manual_seed(cfg.seed)
         self.device, self.plan, self.cfg = device, plan, cfg
+        self.where = bind_device(plan.device, device)  # this device's torch device
         roles = plan.roles(device)
-        model, tokenizer, _ = load_base(base_path, max_seq_len=cfg.context_len or None)
+        model, tokenizer, _ = load_base(base_path, device=self.where, max_seq_len=cfg.context_len or None)
         # `train_model` is what the optimizer updates, `policy` what the engine generates from:
         # one model, unless the actor trains in a layout: then its shards (applied in `connect`)
         # and a full replica, filled from them before every rollout
@@ -131,11 +164,12 @@ class DeviceWorker:
         # how the update's rows are split over data-parallel ranks (`optim.dp_balance`)
         self._split_cost = SeqCost.from_config(model.config) if cfg.optim.dp_balance == "cost" else None
         self.train_model = model
-        self.policy = model if self.layout is None else build_inference_model(model.config)
+        self.policy = model if self.layout is None else build_inference_model(model.config, device=self.where)
         self.pm: ParallelModel | None = None
         self.layout_state: LayoutState | None = None  # the layout's shards ↔ whole tensors (checkpoints)
         self.spans: list[tuple[str, float, float]] = []
-        self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device)
+        hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
+        self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base)
                         if "rollout" in roles else None)
         if self.layout is not None:
             release(self.policy)  # resident only while generating
@@ -154,8 +188,9 @@ class DeviceWorker:
         self.dp_group: Any = None
         self.train_group: Any = None  # every train device (more than one): the update's split goes over it
         self.switch = DeviceSwitch(device, self.policy, self.train_model,
-                                   self.rollout.engine.runner.cache if self.rollout is not None else None,
-                                   int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", self._span)
+                                   self.rollout.engine if self.rollout is not None else None,
+                                   int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", self._span,
+                                   self.where)
         if self.reference is not None:
             self.switch.attach(reference=self.reference.model)
         self.queue = queue
@@ -189,7 +224,8 @@ class DeviceWorker:
             self.queue = self.reads = queue
         train_group = None
         if address is not None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # on GPUs: NCCL for device tensors, gloo for the host tensors (counts, flags, objects)
+            backend = "cpu:gloo,cuda:nccl" if self.where.type == "cuda" else "gloo"
             store = self._store if self.device == 0 else dist.TCPStore(
                 address[0], address[1], self.plan.num_devices, is_master=False)
             dist.init_process_group(backend, store=store, rank=self.device, world_size=self.plan.num_devices)
@@ -233,7 +269,7 @@ class DeviceWorker:
         loss's per-token inputs, the first the tokens; with `deploy.hierarchical_reads` its
         first device reads them and broadcasts them to the others. Returns the data-parallel
         group (None with one). Collective: every device joins."""
-        self.pm = parallelize(self.train_model, self.layout, n_microbatches=self.layout.pp,
+        self.pm = parallelize(self.train_model, self.layout, n_microbatches=self.layout.pp, device_type=self.where.type,
                               fsdp=self.plan.train_fsdp, sum_gradients=True, ranks=list(self.plan.train))
         if self.layout.pp > 1:  # this device's stages are all it keeps of the model
             self.train_model = self.switch.train_model = None
@@ -501,7 +537,7 @@ class DeviceWorker:
         problems = [heldout[i] for i in indices]
         if not problems and self.pm is None:  # (a layout's switch is collective: join it anyway)
             return []
-        model = self.rollout.engine.runner.model
+        model = self.rollout.model
         was_training = model.training
         model.eval()
         try:
@@ -509,7 +545,7 @@ class DeviceWorker:
                 completions = greedy_completions(self.rollout.engine, self.tokenizer, problems, max_new_tokens)
         finally:
             model.train(was_training)
-            self.rollout.engine.runner.take_stats()  # the step's engine counts are the rollout's only
+            self.rollout.engine.take_stats()  # the step's engine counts are the rollout's only
         return [(float(self.task.reward(self.tokenizer.decode(c.output_ids), p)), len(c.output_ids))
                 for c, p in zip(completions, problems)]
 
@@ -520,7 +556,7 @@ class DeviceWorker:
         devices; with `keep=False` this device only joins the gathers and returns None)."""
         if self.pm is not None:
             return self.pm.full_state_dict(keep=keep)
-        return self.policy.state_dict() if keep else None
+        return _on_host(self.policy.state_dict()) if keep else None
 
     def state(self, keep: bool = True) -> dict[str, Any] | None:
         """The policy weights, optimizer state and version, whole (train devices hold identical
@@ -531,13 +567,14 @@ class DeviceWorker:
         if self.pm is not None:  # keyed by the plain model's parameter order, as a replica's
             optimizer = self.layout_state.optimizer_whole(optimizer, keep)
         weights = self.weights(keep)
-        return {"model": weights, "optimizer": optimizer, "version": self.actor.version} if keep else None
+        return {"model": weights, "optimizer": _on_host(optimizer), "version": self.actor.version} if keep else None
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.pm is None:
             self.policy.load_state_dict(state["model"])
         else:  # each device keeps its shard (its stages) of the whole tensors; the replica is filled per rollout
             self.layout_state.load_weights(state["model"])
+        self.switch.policy_changed()
         if self.actor is not None:
             self.switch.enter_train()
             optimizer = state["optimizer"]
@@ -550,7 +587,7 @@ class DeviceWorker:
             self.actor.version = state["version"]
 
     def critic_state(self) -> dict[str, Any]:
-        return {"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()}
+        return _on_host({"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()})
 
     def load_critic_state(self, state: dict[str, Any]) -> None:
         self.critic.model.load_state_dict(state["model"])
@@ -573,10 +610,11 @@ class DeviceWorker:
         spans, self.spans = self.spans, []
         numbers: dict[str, float] = {}
         if self.rollout is not None:
-            engine, self._stop_sync = {**self.rollout.engine.runner.take_stats(), **self._stop_sync}, _no_stop_sync()
+            engine, self._stop_sync = {**self.rollout.engine.take_stats(), **self._stop_sync}, _no_stop_sync()
             numbers.update({f"engine/{k}": v for k, v in engine.items()})
         memory = self.switch.memory()
         numbers.update({f"memory/peaks/{phase}": v for phase, v in memory.pop("peaks").items()})
+        numbers.update({f"memory/allocator_peaks/{phase}": v for phase, v in memory.pop("allocator_peaks").items()})
         numbers.update({f"memory/{k}": v for k, v in memory.items()})
         moved = getattr(self.queue, "wire_bytes", 0)
         numbers["queue_bytes"], self._queue_bytes = moved - self._queue_bytes, moved

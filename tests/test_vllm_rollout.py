@@ -1,0 +1,126 @@
+"""`rollout.backend=vllm` through the runtime, against the fake `vllm` module (tests/fake_vllm):
+the switch puts vLLM to sleep while the actor trains and wakes it with the new weights loaded
+in buckets, separated devices load what the bucketed broadcast brought, StaleSync's partial
+rollouts abort and resume in it, and a missing vLLM is one line naming the extra."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_helpers import FAKE_VLLM_DIR, fake_vllm, make_hf_model  # noqa: E402
+from rlfusion.cli import main  # noqa: E402
+from rlfusion.config import load_config  # noqa: E402
+from rlfusion.engine.vllm_backend import VLLMEngine  # noqa: E402
+from rlfusion.model.checkpoint import find_base  # noqa: E402
+from rlfusion.runtime.train_config import TrainConfig  # noqa: E402
+from rlfusion.runtime.trainer import RLTrainer  # noqa: E402
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "eval_problems=4",
+         "data.num_heldout=4", "algo.kl_coef=0.0"]
+
+
+@pytest.fixture
+def hf_run(tmp_path, monkeypatch):
+    """An HF base (vLLM serves an HF family), a JSONL prompt set, and the fake as `vllm`."""
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm())
+    make_hf_model("qwen3_moe", tmp_path / "base")
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(16)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(TrainConfig, None, [f"base={tmp_path / 'base'}", f"data.path={tmp_path / 'p.jsonl'}",
+                                           "rollout.backend=vllm", f"out_dir={tmp_path}", *SMALL, *extra])
+
+
+def test_colocated_vllm_sleeps_for_training_and_wakes_with_the_new_weights(hf_run):
+    cfg = _cfg(hf_run, "deploy.backend=local", "max_steps=3", "optim.lr=1e-3", "optim.warmup_steps=0",
+               "reward=reward_fns:length_reward")
+    trainer = RLTrainer(cfg, hf_run / "local", hf_run / "base")
+    try:
+        engine = trainer.devices.workers[0].rollout.engine
+        assert isinstance(engine, VLLMEngine) and engine.llm.kwargs["skip_tokenizer_init"]
+        ms = [trainer.train_step() for _ in range(3)]
+    finally:
+        trainer.close()
+    events = engine.llm.events
+    # asleep from the start; every rollout wakes it and loads the policy (it dropped the weights
+    # at level 2 when the rollout before ended, since this device trains), then it sleeps again
+    assert events[0] == "sleep1" and events[1:] == ["wake", "load", "sleep2"] * 3
+    assert [m["engine_weight_loads"] for m in ms] == [1, 1, 1]
+    assert all(m["trained"] for m in ms) and all(m["generated_tokens"] > 0 for m in ms)
+    # the tokens came from the weights the actor trains: the behaviour logprobs vLLM reported
+    # are the trainer's own (importance weights of 1), also after updates changed the policy
+    for m in ms:
+        assert m["behaviour_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial_samples(hf_run, monkeypatch):
+    # the Ray workers import the fake as `vllm`, and the reward function from this folder
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_VLLM_DIR}:{FAKE_VLLM_DIR.parent}:{os.environ.get('PYTHONPATH', '')}")
+    cfg = _cfg(hf_run, "deploy.backend=ray", "deploy.num_devices=2", "deploy.mode=separated",
+               "stalesync.enabled=true", "stalesync.max_staleness=1", "max_steps=4",
+               "rollout.lengths=replay", "rollout.replay_median=4", "reward=reward_fns:length_reward")
+    trainer = RLTrainer(cfg, hf_run / "sep", hf_run / "base")
+    partial, resumed = {}, []  # (group, sample) -> the aborted sample; (aborted, finished) pairs
+    record = trainer.stale.record
+
+    def watch(finished, unfinished, started):  # what each rollout brought back to the book
+        resumed.extend((partial[t.group_id, t.sample], t) for t in finished if (t.group_id, t.sample) in partial)
+        partial.update({(t.group_id, t.sample): t for t in unfinished if t.response_ids})
+        record(finished, unfinished, started)
+
+    trainer.stale.record = watch
+    try:
+        ms = [trainer.train_step() for _ in range(4)]
+    finally:
+        trainer.close()
+    assert all(m["staleness_max"] <= 1 for m in ms) and [m["staleness_mean"] for m in ms][:2] == [0, 1]
+    # every update is broadcast to the rollout device, which loads it into vLLM (in buckets)
+    # before its next rollout, the first one included (the policy may differ from the folder)
+    assert all(m["trained"] for m in ms) and [m["engine_weight_loads"] for m in ms] == [1, 1, 1, 1]
+    # samples aborted at a rollout's end resume in vLLM in a later one: the finished sample
+    # continues the partial one, tokens, logprobs and versions
+    assert resumed
+    for before, after in resumed:
+        n = len(before.response_ids)
+        assert len(after.response_ids) > n and after.response_ids[:n] == before.response_ids
+        assert after.behaviour_logprobs[:n] == before.behaviour_logprobs and after.versions[:n] == before.versions
+        assert after.versions == sorted(after.versions)
+
+
+def test_vllm_rollout_without_vllm_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    rc = main(["train", "rollout.backend=vllm", "deploy.backend=local", f"out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install 'rlfusion[gpu]'" in err and err.count("\n") == 1
+
+
+def test_vllm_refuses_a_base_it_cannot_serve(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm())
+    # the shipped tiny base routes with an expert bias that vLLM's Qwen MoE models do not have
+    assert find_base() is not None
+    rc = main(["train", "rollout.backend=vllm", "deploy.backend=local", f"out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot serve base" in err and "expert_bias" in err and err.count("\n") == 1
+    rc = main(["train", "rollout.backend=sglang", f"out_dir={tmp_path}"])
+    assert rc == 2 and "allowed: native, vllm" in capsys.readouterr().err
+
+
+def test_vllm_rollout_state_is_not_resumed_bit_exactly(hf_run):
+    """vLLM's sampler state is its own: a checkpoint stores an empty state for it."""
+    cfg = _cfg(hf_run, "deploy.backend=local", "max_steps=1")
+    trainer = RLTrainer(cfg, hf_run / "rng", hf_run / "base")
+    try:
+        states = trainer.devices.rng_state()
+        assert all(isinstance(s, torch.Tensor) and s.numel() == 0 for s in states)
+        trainer.devices.set_rng_state(states)
+    finally:
+        trainer.close()
