@@ -86,6 +86,7 @@ def test_ppo_token_and_seq_aggregation_and_metrics():
     close(m["approx_kl"], sum(r - 1 - math.log(r) for r in RATIOS) / 5)
     close(m["behaviour_weight_mean"], 1.0)
     close(m["behaviour_weight_capped_fraction"], 0.0)
+    close(m["behaviour_logprob_gap"], 0.0)
     seq_loss, _ = ppo_policy_loss(**batch(), agg="seq")
     close(seq_loss, ((-1.2 - 0.5) / 2 + (1.1 + 0.8 + 1.0) / 3) / 2)
 
@@ -109,6 +110,7 @@ def test_ppo_truncated_behaviour_weight():
     close(loss, (-1.2 - 0.5 * 2.0 + 1.1 * 0.5 + 0.8 + 1.0) / 5)
     close(m["behaviour_weight_mean"], (1 + 2 + 0.5 + 1 + 1) / 5)
     close(m["behaviour_weight_capped_fraction"], 1 / 5)
+    close(m["behaviour_logprob_gap"], (0 + math.log(3.0) + math.log(2.0) + 0 + 0) / 5)  # |log w| per token
 
 
 def test_ppo_with_fresh_samples_is_exactly_plain_ppo():

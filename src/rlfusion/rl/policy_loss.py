@@ -71,6 +71,9 @@ def ppo_policy_loss(
         "ratio_mean": _mean(ratio_N, valid_N),
         "behaviour_weight_mean": _mean(weight_N, valid_N),
         "behaviour_weight_capped_fraction": _mean(raw_weight_N > behaviour_weight_cap, valid_N),
+        # |proximal - behaviour| per token: with fresh samples, how far the engine's logprobs
+        # are from the trainer's on the same tokens (another engine, precision or kernels)
+        "behaviour_logprob_gap": _mean((proximal_N - behaviour_logprobs_N.detach()).abs(), valid_N),
     }
     return loss, metrics
 
