@@ -24,6 +24,7 @@ class EngineConfig:
     max_seq_len: int | None = None  # default: the model's context length
     min_prefill_batch: int = 1  # see SchedulerConfig
     seed: int = 0
+    compute_dtype: torch.dtype | None = None  # autocast the passes to it (see ModelRunner)
 
 
 class LLMEngine:
@@ -35,7 +36,7 @@ class LLMEngine:
         self.config = config
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    max_len, config.min_prefill_batch))
-        self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed)
+        self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed, config.compute_dtype)
         self.policy_version = 0  # stamped on every generated token
         self.num_steps = 0
 

@@ -8,6 +8,7 @@ Legend: B rows, T tokens per row, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -19,9 +20,13 @@ from rlfusion.model.transformer import MoETransformer
 
 
 class ModelRunner:
-    def __init__(self, model: MoETransformer, num_slots: int, max_seq_len: int, seed: int = 0):
+    def __init__(self, model: MoETransformer, num_slots: int, max_seq_len: int, seed: int = 0,
+                 compute_dtype: torch.dtype | None = None):
+        """`compute_dtype`: run the model's passes under autocast to it (bf16: matmuls in bf16,
+        the weights and the sampling's logits in fp32); None: the weights' dtype."""
         self.model = model
         self.device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.cache = model.new_kv_cache(num_slots, max_seq_len)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -41,6 +46,14 @@ class ModelRunner:
         if plan.permutation:
             self.cache.permute_slots(plan.permutation, max(s.num_cached for s in plan.decode))
         logits, st = [], self.stats
+        with autocast(self.device, self.compute_dtype):
+            self._passes(plan, logits, st)
+        seqs = plan.decode + plan.prefill
+        tokens_B, logprobs_B = sample(torch.cat(logits).float(), [s.request.params for s in seqs],
+                                      self.generator)
+        return tokens_B.tolist(), logprobs_B.tolist()
+
+    def _passes(self, plan: StepPlan, logits: list[torch.Tensor], st: dict[str, float]) -> None:
         if plan.decode:
             t0 = time.perf_counter()
             logits.append(self._decode(plan.decode))
@@ -53,10 +66,6 @@ class ModelRunner:
             st["prefill_passes"] += 1
             st["prefill_tokens"] += sum(s.num_tokens for s in plan.prefill)
             st["prefill_s"] += time.perf_counter() - t0
-        seqs = plan.decode + plan.prefill
-        tokens_B, logprobs_B = sample(torch.cat(logits), [s.request.params for s in seqs],
-                                      self.generator)
-        return tokens_B.tolist(), logprobs_B.tolist()
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         tokens_B1 = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
@@ -79,6 +88,13 @@ class ModelRunner:
             s.num_cached = n
         last_B = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return logits_1NV[0, last_B]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Autocast to `dtype` on `device`'s kind, or nothing (None)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def _fresh_stats() -> dict[str, float]:

@@ -34,6 +34,7 @@ from rlfusion.config import check_fields
 MODES = ("separated", "colocated", "fully_shared", "hybrid")
 BACKENDS = ("ray", "local")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
 ROLES = ("rollout", "train", "reference", "reward")
 SCORERS = ("auto", "rollout", "train")
 
@@ -53,6 +54,10 @@ class DeployConfig:
     threads_per_device: int = 1
     backend: str = "ray"
     device: str = "auto"
+    # the compute precision of every role's passes (rollout engine, reference, actor, critic):
+    # "fp32", or "bf16" (autocast: matmuls in bf16; weights, gradients, optimizer state, logits
+    # and losses in fp32, so the fp32 weights are the master copy); vLLM's dtype follows it
+    precision: str = "fp32"
     ray_address: str = ""
     bucket_mb: float = 4.0  # weight-sync bucket size
     # synchronous rollout on several devices that also score: a device that finishes early
@@ -97,6 +102,7 @@ class DeployConfig:
             "threads_per_device": (self.threads_per_device >= 1, "must be >= 1"),
             "backend": (self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
             "device": (self.device in DEVICES, f"allowed: {', '.join(DEVICES)}"),
+            "precision": (self.precision in PRECISIONS, f"allowed: {', '.join(PRECISIONS)}"),
             "bucket_mb": (self.bucket_mb > 0, "must be > 0"),
             "scorers": (self.scorers in SCORERS, f"allowed: {', '.join(SCORERS)}"),
             "train_tp": (self.train_tp >= 1, "must be >= 1 (1 = a full replica per train device)"),

@@ -51,18 +51,22 @@ class RolloutStage:
     """`group_size` sampled responses per prompt from the policy the engine currently holds."""
 
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int,
-                 hf_path: str | None = None):
+                 hf_path: str | None = None, compute_dtype: torch.dtype | None = None):
         """`model` is the policy; with `rollout.backend=vllm` the engine serves a copy of it
-        (from `hf_path`, the run's base when that is an HF folder, else an export of `model`)."""
+        (from `hf_path`, the run's base when that is an HF folder, else an export of `model`).
+        `compute_dtype`: the precision of its passes (`deploy.precision`; None = fp32)."""
         self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         if cfg.backend == "vllm":
             from rlfusion.engine.vllm_backend import VLLMEngine
 
-            self.engine: Any = VLLMEngine.from_model(model, hf_path, seed=seed, max_num_seqs=cfg.max_num_seqs,
-                                                     gpu_memory_utilization=cfg.gpu_memory_utilization)
+            self.engine: Any = VLLMEngine.from_model(
+                model, hf_path, seed=seed, max_num_seqs=cfg.max_num_seqs,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                dtype="bfloat16" if compute_dtype == torch.bfloat16 else "float32")
         else:
             self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed,
-                                                        min_prefill_batch=cfg.min_prefill_batch))
+                                                        min_prefill_batch=cfg.min_prefill_batch,
+                                                        compute_dtype=compute_dtype))
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 

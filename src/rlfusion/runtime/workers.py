@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlfusion.errors import RunError
+from rlfusion.engine.runner import autocast
 from rlfusion.evaluate import greedy_completions
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
@@ -58,6 +59,7 @@ from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, R
                                      gae_advantages)
 from rlfusion.runtime.train_config import TrainConfig
 
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # `deploy.precision` → autocast dtype (None: off)
 A2A_WAIT = "a2a wait"  # timeline phase: a train device waiting on its expert all-to-all (inside "train")
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
 
@@ -169,8 +171,10 @@ class DeviceWorker:
         self.layout_state: LayoutState | None = None  # the layout's shards ↔ whole tensors (checkpoints)
         self.spans: list[tuple[str, float, float]] = []
         hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
-        self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base)
-                        if "rollout" in roles else None)
+        # `deploy.precision`: every role's passes under autocast; the weights stay fp32 (the master copy)
+        self.compute_dtype = COMPUTE_DTYPES[cfg.deploy.precision]
+        self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base,
+                                     self.compute_dtype) if "rollout" in roles else None)
         if self.layout is not None:
             release(self.policy)  # resident only while generating
         self.tokenizer = tokenizer
@@ -423,7 +427,7 @@ class DeviceWorker:
             self.reward.score(trajs)
 
     def _reference(self, trajs: list[Trajectory]) -> None:
-        with self.switch.reference_pass():
+        with self.switch.reference_pass(), autocast(self.where, self.compute_dtype):
             self.reference.logprobs(trajs)
         kind = self.cfg.algo.kl_kind
         for t in trajs:  # the summed estimate KL reward shaping subtracts (metadata-sized)
@@ -489,7 +493,7 @@ class DeviceWorker:
         experts = self.pm is not None and self.pm.experts
         if experts:
             self.pm.reset_comm_counters()
-        with self.switch.train():
+        with self.switch.train(), autocast(self.where, self.compute_dtype):
             if self.critic is not None:
                 with self._span("critic"):
                     self.critic.values(trajs)
