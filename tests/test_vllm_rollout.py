@@ -96,6 +96,30 @@ def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial
         assert after.versions == sorted(after.versions)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, extra", [
+    ("colocated", ["deploy.train_ep=2"]),  # the replica filled from expert shards, then loaded into vLLM
+    ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
+])
+def test_vllm_on_ray_in_a_training_layout_and_hybrid(hf_run, monkeypatch, mode, extra):
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_VLLM_DIR}:{FAKE_VLLM_DIR.parent}:{os.environ.get('PYTHONPATH', '')}")
+    cfg = _cfg(hf_run, "deploy.backend=ray", "deploy.num_devices=2", f"deploy.mode={mode}", "max_steps=3",
+               "reward=reward_fns:length_reward", *extra)
+    trainer = RLTrainer(cfg, hf_run / mode, hf_run / "base")
+    try:
+        ms = [trainer.train_step() for _ in range(3)]
+    finally:
+        trainer.close()
+    assert all(m["trained"] and m["generated_tokens"] > 0 for m in ms)
+    if mode == "colocated":
+        # both devices wake vLLM with the weights gathered from the shards before every rollout,
+        # and it generates from exactly those: the trainer's logprobs on its tokens are vLLM's
+        assert [m["engine_weight_loads"] for m in ms] == [2, 2, 2]
+        assert all(m["behaviour_logprob_gap"] < 1e-4 for m in ms)
+    else:  # device 0 loads each broadcast; device 1 (it trains) reloads after each of its updates
+        assert all(m["engine_weight_loads"] >= 1 for m in ms) and all(m["staleness_max"] <= 1 for m in ms)
+
+
 def test_vllm_rollout_without_vllm_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     rc = main(["train", "rollout.backend=vllm", "deploy.backend=local", f"out_dir={tmp_path}"])
