@@ -2,6 +2,8 @@
 hand, hardware-derived calibrations, projections and the validation replay of bench/simulator."""
 
 import argparse
+import dataclasses
+import math
 
 import pytest
 from bench_helpers import load_bench
@@ -9,10 +11,12 @@ from bench_helpers import load_bench
 from rlfusion.model.config import get_preset
 from rlfusion.sim.calibration import Calibration
 from rlfusion.sim.cli import register_plan_command, register_simulate_command
-from rlfusion.sim.cluster_calibration import EngineAssumptions, decode_step_s
+from rlfusion.sim.cluster_calibration import (EngineAssumptions, decode_context_ms, decode_step_s,
+                                              engine_slots, engine_weight_bytes_per_chip)
+from rlfusion.sim.costs import model_layers
 from rlfusion.sim.hardware import get_cluster
-from rlfusion.sim.rl_config import RLSimConfig
-from rlfusion.sim.rl_sim import simulate
+from rlfusion.sim.rl_config import RLSimConfig, expected_longest
+from rlfusion.sim.rl_sim import _Sim, simulate
 
 # Round numbers so a step can be computed by hand: decode 1 ms per step at any batch, no
 # prefill, train 1000 tokens/s per device + 0.1 s, reference 2000 tokens/s, switch 0.01 s.
@@ -37,6 +41,39 @@ def test_colocated_step_by_hand():
     # The slower engine sets the pace; then switch 0.01, train 120 tokens / (2 x 1000) + 0.1.
     expected = 0.01 + 0.060 + 0.01 + 120 / 2000 + 0.1
     assert _step_s(TWO, FLAT) == pytest.approx(expected)
+
+
+def test_a_synchronous_barrier_waits_for_the_slowest_device(monkeypatch):
+    # as the step by hand, with engine1 at half speed (its decode and reference take twice as
+    # long: 0.040 + 0.060 = 0.100 s) and the update's slowest train device at 1.5x
+    cfg = TWO.replace(straggler_sigma=0.1)
+    monkeypatch.setattr(_Sim, "slow", lambda self, eng: 2.0 if eng.name == "engine1" else 1.0)
+    monkeypatch.setattr(_Sim, "slowest", lambda self, devices: 1.5)
+    expected = 0.01 + 0.100 + 0.01 + (120 / 2000 + 0.1) * 1.5
+    assert _step_s(cfg, FLAT) == pytest.approx(expected)
+
+
+def test_straggler_factors_are_per_engine_and_version():
+    sim = _Sim(TWO.replace(straggler_sigma=0.2, num_supernodes=1), FLAT)
+    a, b = sim.engines
+    first = sim.slow(a)
+    assert sim.slow(a) == first != sim.slow(b)  # drawn once per engine and version
+    a.version += 1
+    assert sim.slow(a) != first
+    assert _Sim(TWO, FLAT).slow(a) == 1.0 and _Sim(TWO, FLAT).slowest(64) == 1.0
+    assert sim.slowest(1) > 0 and sum(sim.slowest(64) for _ in range(20)) > sum(sim.slowest(1) for _ in range(20))
+    with pytest.raises(ValueError, match="straggler_sigma"):
+        TWO.replace(straggler_sigma=0.1, stalesync_model="runtime", max_staleness=1, partial_rollout=True)
+
+
+def test_the_expected_longest_response_grows_with_the_draws():
+    median, sigma = 1536.0, math.log(3.75) / 2.326
+    assert expected_longest(1, median, sigma) == pytest.approx(median * math.exp(sigma ** 2 / 2), rel=1e-6)
+    # two draws, by hand: E[max(L1, L2)] = 2 median e^(sigma^2/2) Phi(sigma / sqrt 2)
+    phi = 0.5 * (1 + math.erf(sigma / math.sqrt(2) / math.sqrt(2)))
+    assert expected_longest(2, median, sigma) == pytest.approx(2 * median * math.exp(sigma ** 2 / 2) * phi, rel=1e-6)
+    longest = [expected_longest(n, median, sigma) for n in (2048, 4096, 8192)]
+    assert longest == sorted(longest) and 9000 < longest[0] < longest[-1] < 16000
 
 
 def test_advantage_work_is_charged_per_trained_sample_between_reference_and_update():
@@ -106,14 +143,40 @@ def test_calibration_formulas_and_errors():
         TWO.replace(response_lengths=(3, 0))
 
 
-def test_hardware_decode_step_is_memory_bound_at_small_batch():
+def test_hardware_decode_step_reads_every_dense_weight_and_pays_per_message():
     model, cluster = get_preset("pangu-ultra-moe-718b"), get_cluster("cm384", 384)
     a = EngineAssumptions()
+    bw, n = cluster.chip.memory_bandwidth_GBps * 1e9, a.devices_per_engine
     steps = [decode_step_s(model, cluster, b, a) for b in (1, 8, 64, 512)]
     assert steps == sorted(steps)
-    # 1 token touches the dense part + top_k of 256 experts: far less than all the weights
-    all_weights_s = model.param_counts()["total"] * 2 / 32 / (cluster.chip.memory_bandwidth_GBps * 1e9)
-    assert steps[0] < 0.2 * all_weights_s < all_weights_s < steps[-1]
+    layers = model_layers(model, a.context_len)
+    dense = sum(x.dense_params for x in layers) * 2 / bw  # attention DP, no TP: every chip reads it all
+    experts = sum(x.expert_params for x in layers) * 2 / n / bw  # its 1/32 of the experts
+    touched = 1 - (1 - 1 / model.num_experts) ** model.top_k  # one token's 8 routings over 256 experts
+    assert dense > 0.010 and dense < steps[0] < dense + experts * touched + 0.002  # + KV and all-to-alls
+    # every MoE layer's dispatch and combine pay one message per peer: min(31, rows per chip x top_k)
+    more = dataclasses.replace(a, a2a_message_us=a.a2a_message_us + 10)
+    assert decode_step_s(model, cluster, 512, more) - steps[3] == pytest.approx(model.num_moe_layers * 2 * 31 * 10e-6)
+    assert decode_step_s(model, cluster, 64, more) - steps[2] == pytest.approx(model.num_moe_layers * 2 * 16 * 10e-6)
+    one = decode_step_s(model, cluster, 1, more)
+    assert one - steps[0] == pytest.approx(model.num_moe_layers * 2 * model.top_k * 10e-6)
+
+
+def test_engine_slots_are_what_the_kv_memory_holds():
+    model, cluster = get_preset("pangu-ultra-moe-718b"), get_cluster("cm384", 384)
+    a = EngineAssumptions()
+    layers = model_layers(model, a.context_len)
+    weights = ((sum(x.dense_params for x in layers) + model.vocab_size * model.d_model)
+               + sum(x.expert_params for x in layers) / 32) * 2
+    assert engine_weight_bytes_per_chip(model, a) == pytest.approx(weights)
+    kv = (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * 2 * model.num_layers  # MLA latent, per token
+    per_chip = int((cluster.chip.memory_GB * 1e9 * 0.9 - weights) // (a.slot_context * kv))
+    assert engine_slots(model, cluster, a) == per_chip * 32  # 32 attention data-parallel chips
+    assert engine_slots(model, cluster, dataclasses.replace(a, slot_context=2 * a.slot_context)) < per_chip * 32
+    # a longer context reads each sequence's KV once more per token, spread over the 32 chips
+    assert decode_context_ms(model, cluster, a) == pytest.approx(kv / 32 / (cluster.chip.memory_bandwidth_GBps * 1e9) * 1e3)
+    with pytest.raises(ValueError, match="do not fit an engine"):
+        engine_slots(model, cluster, dataclasses.replace(a, devices_per_engine=4, tp=1))
 
 
 def _parser():

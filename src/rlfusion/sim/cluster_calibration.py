@@ -5,10 +5,14 @@ measured, so every assumption is written into `source_notes` and printed with th
 
     train tokens/s/device   the best plan of the parallel-strategy search (`search.py`) for
                             the RL update as a training job on one supernode
-    decode step(b)          one engine instance over `devices_per_engine` chips (experts
-                            EP-sharded, attention data-parallel): max(HBM reads of the
-                            weights the batch touches + its KV cache, matmul FLOPs) + the
-                            dispatch / combine all-to-alls of every MoE layer
+    decode step(b)          one engine instance over `devices_per_engine` chips (dense and
+                            attention weights TP-sharded over `tp`, attention data-parallel
+                            over the rest, experts EP-sharded over all), on its busiest chip:
+                            max(HBM reads of its dense shard, the experts the batch touches
+                            among its own, its sequences' KV cache; matmul FLOPs) + TP
+                            all-reduces + the dispatch / combine all-to-alls of every MoE
+                            layer with a per-peer message cost; longer contexts add their KV
+                            reads; slots are what the KV memory holds
     prefill / token         matmul FLOPs of the active parameters at matmul efficiency
     switch                  optimizer state (fp32 master + Adam) of a chip to host memory over
                             the host link, plus re-laying out its bf16 weights over the fabric
@@ -32,34 +36,95 @@ OPTIMIZER_BYTES = 12  # fp32 master weights + Adam moments per parameter
 
 @dataclass(frozen=True)
 class EngineAssumptions:
-    devices_per_engine: int = 32  # chips per rollout engine instance (EP32, attention DP32)
-    context_len: int = 2560  # mean tokens in context during decode (prompt + half a response)
+    devices_per_engine: int = 32  # chips per rollout engine instance
+    tp: int = 1  # tensor parallel inside an engine: dense and attention weights split over `tp`
+    #              chips, attention data parallel over the rest; routed experts EP over all
+    context_len: int = 1024  # the context the decode table is computed at (a prompt); the
+    #                          simulator adds each longer context's KV reads (`decode_context_ms`)
+    slot_context: int = 8192  # the context each sequence's KV cache is sized for: an engine's
+    #                           slots are what its KV memory holds at this context
+    memory_utilization: float = 0.9  # share of a chip's HBM the engine may use
+    a2a_message_us: float = 1.0  # cost of each peer message of an expert all-to-all on top of
+    #                              the link latency (assumed; DeepEP-style kernels: ~1 us)
     train_seq_len: int = 8192  # packed sequence length of the RL update
     train_global_batch: int = 768  # sequences per update in the training-plan search
 
 
+def _kv_bytes_per_token(model: ModelConfig) -> float:
+    """KV-cache bytes of one token over all layers (MLA: the latent and the RoPE key)."""
+    if model.attention == "mla":
+        per_layer = (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * BF16
+    else:
+        per_layer = 2 * model.num_kv_heads * model.head_dim * BF16
+    return per_layer * model.num_layers
+
+
+def _kv_split(model: ModelConfig, tp: int) -> int:
+    """Over how many TP chips one sequence's KV cache is split (MLA's latent is replicated)."""
+    return 1 if model.attention == "mla" else min(tp, model.num_kv_heads)
+
+
+def engine_weight_bytes_per_chip(model: ModelConfig, a: EngineAssumptions) -> float:
+    """bf16 weights one engine chip holds: the dense part / tp, its 1/n of the routed experts."""
+    layers = model_layers(model, a.context_len)
+    dense = sum(x.dense_params for x in layers) + model.vocab_size * model.d_model  # + the embedding
+    experts = sum(x.expert_params for x in layers)
+    return (dense / a.tp + experts / a.devices_per_engine) * BF16
+
+
+def engine_slots(model: ModelConfig, cluster: ClusterSpec, a: EngineAssumptions) -> int:
+    """Sequences one engine holds at once: each attention data-parallel group's KV memory (HBM
+    x `memory_utilization`, less the weights) at `slot_context` tokens per sequence."""
+    free = cluster.chip.memory_GB * 1e9 * a.memory_utilization - engine_weight_bytes_per_chip(model, a)
+    if free <= 0:
+        raise ValueError(f"{model.param_counts()['total'] / 1e9:.0f}B weights do not fit an engine of "
+                         f"{a.devices_per_engine} x {cluster.chip.name} (tp {a.tp}): "
+                         f"{engine_weight_bytes_per_chip(model, a) / 1e9:.1f} GB per chip")
+    per_sequence = a.slot_context * _kv_bytes_per_token(model) / _kv_split(model, a.tp)
+    return max(1, int(free // per_sequence)) * (a.devices_per_engine // a.tp)
+
+
 def decode_step_s(model: ModelConfig, cluster: ClusterSpec, batch: int,
                   a: EngineAssumptions) -> float:
-    """One decode step of `batch` sequences on one engine instance (roofline + all-to-all)."""
-    chip, n = cluster.chip, a.devices_per_engine
+    """One decode step of `batch` sequences on one engine instance at `a.context_len` of
+    context, on its busiest chip: the slower of its HBM reads (every dense weight of its TP
+    shard, the routed experts the step touches among its own, its sequences' KV cache) and its
+    matmuls, plus the collectives (TP all-reduces of each layer's two outputs; the expert
+    dispatch and combine all-to-alls of each MoE layer, with a per-peer message cost)."""
+    chip, n, tp = cluster.chip, a.devices_per_engine, a.tp
+    dp = n // tp
+    rows = -(-batch // dp)  # sequences on the busiest attention data-parallel group
     layers = model_layers(model, a.context_len)
-    dense = sum(x.dense_params for x in layers)  # the embedding is a lookup of b rows
+    dense = sum(x.dense_params for x in layers)  # the embedding is a lookup of `rows` rows
     experts = sum(x.expert_params for x in layers)
-    touched = 1.0 - (1.0 - model.top_k / model.num_experts) ** batch if model.num_experts else 0
-    weight_bytes = (dense + experts * touched) * BF16 / n
-    if model.attention == "mla":
-        kv_per_token = (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * BF16
-    else:
-        kv_per_token = 2 * model.num_kv_heads * model.head_dim * BF16
-    kv_bytes = batch * a.context_len * kv_per_token * model.num_layers / n
+    touched = 1.0 - (1.0 - 1.0 / model.num_experts) ** (batch * model.top_k) if model.num_experts else 0.0
+    weight_bytes = dense / tp * BF16 + experts / n * touched * BF16
+    kv_bytes = rows * a.context_len * _kv_bytes_per_token(model) / _kv_split(model, tp)
     memory_s = (weight_bytes + kv_bytes) / (chip.memory_bandwidth_GBps * 1e9)
-    flops = sum(x.forward_flops for x in layers) * batch / n
+    flops = (sum(x.matmul_flops + x.attn_core_flops for x in layers) * rows / tp
+             + sum(x.expert_flops for x in layers) * batch / n)
     compute_s = flops / (chip.peak_tflops * 1e12 * chip.matmul_efficiency)
-    link = cluster.link_for(n)
-    a2a_bytes = batch * model.top_k * model.d_model * BF16 / n  # each way, per MoE layer
-    a2a_s = model.num_moe_layers * 2 * (link.latency_us * 1e-6
-                                        + a2a_bytes / (link.bandwidth_GBps * 1e9))
-    return max(memory_s, compute_s) + a2a_s
+    comm_s = 0.0
+    if tp > 1:  # two all-reduces per layer of the rows' hidden states (ring)
+        link = cluster.link_for(tp)
+        size = rows * model.d_model * BF16
+        comm_s += 2 * model.num_layers * (2 * (tp - 1) * link.latency_us * 1e-6
+                                          + 2 * (tp - 1) / tp * size / (link.bandwidth_GBps * 1e9))
+    if model.num_moe_layers and n > 1:
+        link = cluster.link_for(n)
+        a2a_bytes = rows * model.top_k * model.d_model * BF16 / tp  # each way, per chip and MoE layer
+        peers = min(n - 1, rows * model.top_k)
+        comm_s += model.num_moe_layers * 2 * ((link.latency_us + peers * a.a2a_message_us) * 1e-6
+                                              + a2a_bytes / (link.bandwidth_GBps * 1e9))
+    return max(memory_s, compute_s) + comm_s
+
+
+def decode_context_ms(model: ModelConfig, cluster: ClusterSpec, a: EngineAssumptions) -> float:
+    """Extra decode-step time per active sequence and per context token beyond `context_len`:
+    its KV read, spread over the engine's attention data-parallel groups, ms."""
+    dp = a.devices_per_engine // a.tp
+    per_token = _kv_bytes_per_token(model) / _kv_split(model, a.tp)
+    return per_token / dp / (cluster.chip.memory_bandwidth_GBps * 1e9) * 1e3
 
 
 def train_plan(model: ModelConfig, cluster: ClusterSpec, a: EngineAssumptions) -> SearchResult:
@@ -81,9 +146,13 @@ def calibration_from_hardware(model: ModelConfig, supernode: ClusterSpec,
     per_chip = total / supernode.num_chips
     switch = (per_chip * OPTIMIZER_BYTES / (supernode.host.bandwidth_GBps * 1e9)
               + per_chip * BF16 / (supernode.intra.bandwidth_GBps * 1e9))
-    times = tuple(decode_step_s(model, supernode, b, a) * 1e3 for b in DECODE_BATCHES)
+    slots = engine_slots(model, supernode, a)
+    batches = tuple(sorted({b for b in DECODE_BATCHES if b < slots} | {slots}))
+    times = tuple(decode_step_s(model, supernode, b, a) * 1e3 for b in batches)
+    context_ms = decode_context_ms(model, supernode, a)
     return Calibration(
-        decode_batch_sizes=DECODE_BATCHES, decode_step_ms=times,
+        decode_batch_sizes=batches, decode_step_ms=times,
+        decode_context_ms=context_ms, decode_reference_context=a.context_len,
         prefill_ms_per_token=prefill_ms, train_tokens_per_s_per_device=train_rate,
         train_step_overhead_s=0.0, switch_s=switch,
         transfer_GBps=supernode.intra.bandwidth_GBps, weight_GB=total * BF16 / 1e9,
@@ -97,13 +166,17 @@ def calibration_from_hardware(model: ModelConfig, supernode: ClusterSpec,
             "the same rate for any number of train chips (separated mode uses fewer)",
             f"reference forward = 1/3 of the train cost per token; no reward model (rule "
             "verifier, free)",
-            f"engine: {n} chips per instance, bf16 weights EP-sharded, MLA latent KV cache, mean "
-            f"context {a.context_len} tokens for every step (context growth not modelled), "
-            f"HBM {chip.memory_bandwidth_GBps:.0f} GB/s, matmul efficiency "
-            f"{chip.matmul_efficiency:.2f} (assumed), 2 all-to-alls per MoE layer at "
-            f"{supernode.intra.bandwidth_GBps:.0f} GB/s + {supernode.intra.latency_us:.0f} us, "
-            "no kernel-launch overhead (graph mode assumed), decode step "
-            + ", ".join(f"{b}: {t:.1f} ms" for b, t in zip(DECODE_BATCHES, times)),
+            f"engine: {n} chips per instance, tp {a.tp} (dense and attention weights / tp, read "
+            f"whole by every attention data-parallel group each step), routed experts EP over {n}, "
+            f"{engine_weight_bytes_per_chip(model, a) / 1e9:.1f} GB of bf16 weights per chip; "
+            f"{slots} slots (the KV memory, {a.memory_utilization:.0%} of HBM less the weights, at "
+            f"{a.slot_context} tokens each); HBM {chip.memory_bandwidth_GBps:.0f} GB/s, matmul "
+            f"efficiency {chip.matmul_efficiency:.2f} (assumed); per MoE layer a dispatch and a combine "
+            f"all-to-all at {supernode.link_for(n).bandwidth_GBps:.0f} GB/s + "
+            f"{supernode.link_for(n).latency_us:.0f} us + {a.a2a_message_us:g} us per peer message; no "
+            f"kernel-launch overhead (graph mode assumed); decode step at {a.context_len} tokens of "
+            "context " + ", ".join(f"{b}: {t:.1f} ms" for b, t in zip(batches, times))
+            + f", each longer context +{context_ms * 1e3:.3f} us per sequence and token (its KV reads)",
             f"switch: optimizer state ({OPTIMIZER_BYTES} B/param / {supernode.num_chips} "
             f"chips) to host at {supernode.host.bandwidth_GBps:.0f} GB/s + bf16 weights "
             f"re-laid out over the fabric: {switch:.2f} s each way",

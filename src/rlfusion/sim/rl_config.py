@@ -67,6 +67,10 @@ class RLSimConfig:
     queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version
     padding_free: bool = True  # DistQueue packs samples without padding
     inter_supernode_GBps: float = 0.0  # per-device bandwidth between supernodes; 0 = ideal
+    # stragglers (samples model): each engine's work for one policy version, and each update's
+    # train devices, take exp(N(0, sigma)) times as long (the update waits for the slowest of
+    # its devices); 0 = every device at the calibrated speed
+    straggler_sigma: float = 0.0
     calibration: str = "cpu-default"
     seed: int = 0
 
@@ -90,6 +94,11 @@ class RLSimConfig:
                 raise ValueError(f"simulate.{key}={getattr(self, key)} must be >= 1")
         if self.max_staleness < 0:
             raise ValueError(f"simulate.max_staleness={self.max_staleness} must be >= 0")
+        if not 0 <= self.straggler_sigma < 1:
+            raise ValueError(f"simulate.straggler_sigma={self.straggler_sigma} must be in [0, 1)")
+        if self.straggler_sigma and self.stalesync_model == "runtime":
+            raise ValueError("simulate.straggler_sigma applies to stalesync_model='samples' only (the runtime "
+                             "model replays this machine's devices, whose spread the calibration measured)")
         if self.mode == "hybrid" and (self.stalesync_model != "runtime" or self.max_staleness < 1):
             raise ValueError("simulate.mode='hybrid' needs stalesync_model='runtime' and max_staleness >= 1 "
                              "(the runtime's StaleSync schedule is what places it)")
@@ -121,6 +130,25 @@ class RLSimConfig:
 
     def replace(self, **changes) -> "RLSimConfig":
         return dataclasses.replace(self, **changes)
+
+
+def expected_longest(n: int, median: float, sigma: float, points: int = 4001) -> float:
+    """The expected longest of `n` log-normal draws (median `median`, log-sigma `sigma`):
+    E[max] = integral of median e^(sigma z) n phi(z) Phi(z)^(n-1) dz, by Simpson's rule over
+    z in [-10, 10]. It grows with `n`: the longest response an update waits for gets longer the
+    more samples it draws (one draw: the mean, median e^(sigma^2 / 2))."""
+    if n < 1 or sigma < 0 or median <= 0:
+        raise ValueError(f"expected_longest needs n >= 1, sigma >= 0 and median > 0, got {n}, {sigma}, {median}")
+    lo, hi = -10.0, 10.0
+    h = (hi - lo) / (points - 1)
+    total = 0.0
+    for i in range(points):
+        z = lo + i * h
+        cdf = 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+        density = n * math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) * cdf ** (n - 1)
+        weight = 1 if i in (0, points - 1) else 4 if i % 2 else 2
+        total += weight * math.exp(sigma * z) * density
+    return median * total * h / 3.0
 
 
 def load_rl_config(path: str | Path) -> RLSimConfig:

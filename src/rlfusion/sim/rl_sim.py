@@ -66,6 +66,7 @@ class TimelineEvent:
 @dataclass(frozen=True)
 class SimResult:
     tokens_per_s: float  # response tokens consumed by updates / makespan
+    all_tokens_per_s: float  # prompt + response tokens consumed by updates / makespan
     samples_per_s: float
     makespan_s: float
     utilization: dict[str, float]  # lane -> (rollout + train + ref/reward time) / makespan
@@ -126,6 +127,11 @@ class _Sim:
         self.dropped = 0
         self.staleness_max = 0
         self.trained_tokens = 0
+        self.trained_prompt_tokens = 0
+        # stragglers: each engine's speed for each policy version it generates with, and each
+        # update's slowest train device, drawn from their own stream (the lengths do not change)
+        self.straggle_rng = random.Random(cfg.seed + 1)
+        self.speeds: dict[tuple[str, int], float] = {}
         engines = self._num_engines()
         self.engines = [_Engine(f"engine{i}") for i in range(engines)]
         # synchronous runs split each batch's prompt groups evenly over the engines, contiguous
@@ -144,6 +150,27 @@ class _Sim:
         # data-parallel train devices meet in the gradient all-reduce: lock-step in every mode
         self.train_slow = (1.0 / cal.lockstep if self.train_devices() > 1
                            else slow if overlap else 1.0)
+
+    # ---- stragglers ---------------------------------------------------------------------
+    def slow(self, eng: "_Engine") -> float:
+        """How much longer `eng`'s work takes: contention (`engine_slow`) times its straggler
+        factor for the policy version it generates with (a log-normal of `straggler_sigma`,
+        drawn once per engine and version: a barrier waits for the slowest)."""
+        sigma = self.cfg.straggler_sigma
+        if not sigma:
+            return self.engine_slow
+        key = (eng.name, eng.version)
+        if key not in self.speeds:
+            self.speeds[key] = math.exp(self.straggle_rng.gauss(0.0, sigma))
+        return self.engine_slow * self.speeds[key]
+
+    def slowest(self, devices: int) -> float:
+        """The slowest of `devices` data-parallel train devices' straggler factors for one
+        update (they meet in the gradient reduction)."""
+        sigma = self.cfg.straggler_sigma
+        if not sigma:
+            return 1.0
+        return math.exp(max(self.straggle_rng.gauss(0.0, sigma) for _ in range(devices)))
 
     # ---- setup ------------------------------------------------------------------------
     def _num_engines(self) -> int:
@@ -201,7 +228,7 @@ class _Sim:
             if s.needs_prefill:
                 prefill_tokens += s.prompt_len + s.generated
                 s.needs_prefill = False
-        cost = self.cal.prefill_s(prefill_tokens) * self.engine_slow
+        cost = self.cal.prefill_s(prefill_tokens) * self.slow(eng)
         self.record(eng.name, "prefill", eng.clock, eng.clock + cost, eng.version)
         eng.clock += cost
         eng.last_work = eng.clock
@@ -219,7 +246,7 @@ class _Sim:
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
             return math.inf
-        return eng.clock + self.cal.decode_steps_s(len(eng.active), self.context(eng), eng.fewest_left()) * self.engine_slow
+        return eng.clock + self.cal.decode_steps_s(len(eng.active), self.context(eng), eng.fewest_left()) * self.slow(eng)
 
     def context(self, eng: _Engine) -> int:
         """The longest context the engine's next decode step attends over."""
@@ -228,7 +255,7 @@ class _Sim:
         return eng.longest_context()
 
     def decode_step_s(self, eng: _Engine) -> float:
-        return self.cal.decode_step_s(len(eng.active), self.context(eng)) * self.engine_slow
+        return self.cal.decode_step_s(len(eng.active), self.context(eng)) * self.slow(eng)
 
     def advance(self, eng: _Engine, until: float) -> list[Sample]:
         """Run decode steps up to `until` (finishing the step in progress); return finished."""
@@ -239,7 +266,7 @@ class _Sim:
             return []
         step = self.decode_step_s(eng)  # the first; later ones attend over one more token each
         steps = min(eng.fewest_left(), math.ceil((until - eng.clock) / step - 1e-9))
-        seconds = self.cal.decode_steps_s(len(eng.active), self.context(eng), steps) * self.engine_slow
+        seconds = self.cal.decode_steps_s(len(eng.active), self.context(eng), steps) * self.slow(eng)
         self.record(eng.name, "rollout", eng.clock, eng.clock + seconds, eng.version)
         eng.clock += seconds
         eng.last_work = eng.clock
@@ -252,7 +279,7 @@ class _Sim:
         eng.finished_tokens += tokens
         if tokens and self.cfg.reference and self.cfg.mode == "separated" and self.cfg.scorers == "rollout":
             # scored where generated, as they finish (the per-pass fixed cost is not charged)
-            ref = tokens / self.cal.reference_rate(self.cal.devices_per_engine) * self.engine_slow
+            ref = tokens / self.cal.reference_rate(self.cal.devices_per_engine) * self.slow(eng)
             self.record(eng.name, "ref", eng.clock, eng.clock + ref, eng.version)
             eng.clock += ref
             eng.last_work = eng.clock
@@ -275,6 +302,7 @@ class _Sim:
         batch, self.ready = self.ready[:self.n], self.ready[self.n:]
         self.staleness_max = max(self.staleness_max, max(update - s.min_version for s in batch))
         self.trained_tokens += sum(s.length for s in batch)
+        self.trained_prompt_tokens += sum(s.prompt_len for s in batch)
         return batch
 
     def train_phases(self, batch: list[Sample]) -> list[tuple[str, float]]:
@@ -293,17 +321,18 @@ class _Sim:
         if cfg.mode == "fully_shared" and cfg.reward_model:
             phases += [("switch", cal.switch_s),
                        ("reward", cal.reference_s(tokens, devices) * self.train_slow)]
-        train = (tokens * cfg.train_fraction / rate + cal.train_step_overhead_s) * self.train_slow
+        train = (tokens * cfg.train_fraction / rate + cal.train_step_overhead_s) * self.train_slow * self.slowest(devices)
         phases.append(("train", train + self.dp_sync_s(devices) + self.grad_sync_s()))
         return phases
 
-    def reference_phases(self, tokens: int) -> list[tuple[str, float]]:
+    def reference_phases(self, tokens: int, eng: "_Engine | None" = None) -> list[tuple[str, float]]:
         """One engine's reference pass over the `tokens` it generated (colocated modes; with
         scorers 'train' the pass runs on the same devices after the switch)."""
         cal = self.cal
         if not self.cfg.reference:
             return []
-        forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine) * self.engine_slow)
+        forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine)
+                   * (self.slow(eng) if eng is not None else self.engine_slow))
         if self.cfg.mode != "fully_shared":
             return [forward]
         return [("switch", cal.reference_switch / 2), forward,
@@ -326,8 +355,13 @@ class _Sim:
         return 2.0 * (n - 1) / n * per_device / (bw * 1e9)
 
     def weight_sync_s(self) -> float:
-        """New weights to the engines: each engine device receives its shard in parallel."""
-        return self.cal.weight_GB / (self.cal.transfer_GBps * self.cal.devices_per_engine)
+        """New weights to the engines: each engine device receives its shard in parallel; with
+        several supernodes, engines in other supernodes than the trainer's get theirs over the
+        inter-supernode links (`inter_supernode_GBps` per device), the slower path."""
+        bandwidth = self.cal.transfer_GBps
+        if self.cfg.num_supernodes > 1 and self.cfg.inter_supernode_GBps > 0:
+            bandwidth = min(bandwidth, self.cfg.inter_supernode_GBps)
+        return self.cal.weight_GB / (bandwidth * self.cal.devices_per_engine)
 
     def record(self, lane: str, role: str, start: float, end: float, version: int) -> None:
         if end > start:
@@ -370,7 +404,7 @@ def _run_colocated(sim: _Sim) -> float:
             eng.active = []
             eng.changed()
             eng.clock = max(eng.last_work, now)  # its own rollout's end: it scores right away
-            for role, seconds in sim.reference_phases(eng.finished_tokens):
+            for role, seconds in sim.reference_phases(eng.finished_tokens, eng):
                 sim.record(eng.name, role, eng.clock, eng.clock + seconds, update)
                 eng.clock += seconds
         now = max([t] + [e.clock for e in sim.engines])
@@ -453,6 +487,7 @@ def simulate(cfg: RLSimConfig, cal: Calibration) -> SimResult:
             busy[ev.device] += max(0.0, min(ev.end, makespan) - ev.start)
     return SimResult(
         tokens_per_s=sim.trained_tokens / makespan,
+        all_tokens_per_s=(sim.trained_tokens + sim.trained_prompt_tokens) / makespan,
         samples_per_s=cfg.num_steps * sim.n / makespan,
         makespan_s=makespan,
         utilization={lane: min(1.0, b / makespan) for lane, b in busy.items()},
