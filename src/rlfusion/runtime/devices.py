@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from rlfusion.errors import RunError
 from rlfusion.obs.metrics import NumberUnpacker
 from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
@@ -28,7 +27,7 @@ from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stalesync import contiguous_parts as split
 from rlfusion.runtime.train_config import TrainConfig
-from rlfusion.runtime.workers import DeviceWorker
+from rlfusion.runtime.workers import DeviceWorker, local_device
 
 
 class Devices(ABC):
@@ -266,13 +265,3 @@ class LocalDevices(Devices):
 
     def _wait(self, handles: list[Any]) -> list[Any]:
         return handles
-
-
-def local_device(device: str) -> str:
-    """`deploy.device` for the driver's own process: "auto" is "cuda" when torch sees a GPU."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RunError(f"deploy.device=cuda: torch {torch.__version__} sees no CUDA device here "
-                       f"({'a CPU-only build' if torch.version.cuda is None else 'none usable'}); set deploy.device=cpu")
-    return device

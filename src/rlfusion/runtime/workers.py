@@ -101,14 +101,27 @@ class StopSums:
         return self.counts.tolist()
 
 
+def local_device(device: str) -> str:
+    """`deploy.device` for this process: "auto" is "cuda" when torch sees a GPU here."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"deploy.device=cuda: torch {torch.__version__} sees no CUDA device here "
+                       f"({'a CPU-only build' if torch.version.cuda is None else 'none usable'}); set deploy.device=cpu")
+    return device
+
+
 def bind_device(kind: str, device: int) -> torch.device:
-    """The torch device of device worker `device` ("cpu" or "cuda", `DeploymentPlan.device`). On
-    CUDA it is the one GPU this process sees (Ray shows each device worker only its own through
+    """The torch device of device worker `device` (`DeploymentPlan.device`; "auto", which the
+    backends resolve before they start workers, resolves here for this process). On CUDA it is
+    the one GPU this process sees (Ray shows each device worker only its own through
     `CUDA_VISIBLE_DEVICES`; the local backend takes the current one), made current."""
+    if kind == "auto":
+        kind = local_device(kind)
     if kind == "cpu":
         return torch.device("cpu")
     if kind != "cuda":
-        raise RunError(f"device {device}: deploy.device={kind!r} was not resolved (allowed here: cpu, cuda)")
+        raise RunError(f"device {device}: deploy.device={kind!r} is invalid (allowed: auto, cpu, cuda)")
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         build = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "no CUDA device is usable"
