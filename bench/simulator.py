@@ -411,7 +411,12 @@ def main() -> None:
                         "(default 6, --quick 2)")
     parser.add_argument("--calibration-out", type=Path, default=None,
                         help="also save the measured calibration JSON here")
+    parser.add_argument("--external-only", action="store_true",
+                        help="only the external validation (verl's fully async ablation, seconds)")
     args = parser.parse_args()
+    if args.external_only:
+        external_validation()
+        return
     rounds = args.rounds or (2 if args.quick else 6)
     if rounds < 1:
         parser.error(f"--rounds={rounds} must be >= 1")
@@ -487,8 +492,46 @@ def main() -> None:
           f"{cal.concurrent_speed:.2f}, lock-step {cal.lockstep:.2f}, train {cal.train_tokens_per_s_per_device:,.0f} tok/s, "
           f"decode {cal.decode_step_ms[0]:.2f}-{cal.decode_step_ms[-1]:.2f} ms/step")
     print()
+    external_validation(targets=False)
     for name, err in errors.items():
         print(f"target sim_error_{name}: {err:.2f} (goal <= {GOAL})")
+    external_targets()
+
+
+EXTERNAL_GOAL = 0.25  # the synchronous step of a published run, within 25%
+
+
+def external_validation(targets: bool = True) -> None:
+    """verl's fully async ablation (`rlfusion.sim.external`): the publication's figures and the
+    simulator's side by side, from the hardware, model and workload alone (no run here)."""
+    from rlfusion.sim.external import SOURCE, reproduce
+
+    rows = reproduce()
+    print(f"## external validation: {SOURCE}")
+    print("| GPUs | sync step s published / simulated (error) | gen | old logprob | update | "
+          "async step s published / simulated | async speed-up published (400 steps) / simulated |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        p, ph = r.published, r.sync_phases
+        print(f"| {p.gpus} | {p.sync_step_s:.0f} / {r.sync_step_s:.0f} ({r.sync_error:+.0%}) | "
+              f"{p.sync_gen_s:.0f} / {ph.get('rollout', 0) + ph.get('prefill', 0):.0f} | "
+              f"{p.sync_old_log_prob_s:.0f} / {ph.get('ref', 0):.0f} | {p.sync_update_s:.0f} / {ph.get('train', 0):.0f} | "
+              f"{p.async_step_s:.0f} / {r.async_step_s:.0f} | {p.speedup_400:.2f} / {r.speedup:.2f} |")
+    _external_rows[:] = rows
+    if targets:
+        external_targets()
+
+
+_external_rows: list = []
+
+
+def external_targets() -> None:
+    rows = _external_rows
+    worst = max(abs(r.sync_error) for r in rows)
+    print(f"target sim_error_verl_sync_step_max: {worst:.2f} (goal <= {EXTERNAL_GOAL})")
+    for r in rows:
+        print(f"target sim_verl_async_speedup_{r.published.gpus}gpus: {r.speedup:.2f} "
+              f"(goal >= {r.published.speedup_400 * 0.75:.2f}, published {r.published.speedup_400:.2f})")
 
 
 if __name__ == "__main__":

@@ -221,10 +221,21 @@ def _pangu_ultra_moe_718b() -> ModelConfig:
     )
 
 
+def _qwen25_7b() -> ModelConfig:
+    # Qwen2.5-7B (and Qwen2.5-Math-7B): dense, 28 layers, hidden 3584, 28 query / 4 KV heads of
+    # 128, SwiGLU 18,944, q/k/v biases, vocab 152,064, untied head: 7.62B parameters
+    return ModelConfig(
+        vocab_size=152_064, d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        num_dense_layers=28, dense_ffn_dim=18_944, num_experts=0, top_k=0, expert_ffn_dim=0,
+        num_shared_experts=0, max_seq_len=32_768, qkv_bias=True, norm_eps=1e-6,
+    )
+
+
 PRESETS = {
     "tiny": _tiny,
     "tiny-mla": _tiny_mla,
     "pangu-ultra-moe-718b": _pangu_ultra_moe_718b,
+    "qwen2.5-7b": _qwen25_7b,
 }
 
 

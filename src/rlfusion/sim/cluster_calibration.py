@@ -46,6 +46,8 @@ class EngineAssumptions:
     memory_utilization: float = 0.9  # share of a chip's HBM the engine may use
     a2a_message_us: float = 1.0  # cost of each peer message of an expert all-to-all on top of
     #                              the link latency (assumed; DeepEP-style kernels: ~1 us)
+    step_overhead_ms: float = 1.0  # host work of one engine step that the device does not hide
+    #                                (scheduling, sampling, graph launch), assumed
     train_seq_len: int = 8192  # packed sequence length of the RL update
     train_global_batch: int = 768  # sequences per update in the training-plan search
 
@@ -116,7 +118,7 @@ def decode_step_s(model: ModelConfig, cluster: ClusterSpec, batch: int,
         peers = min(n - 1, rows * model.top_k)
         comm_s += model.num_moe_layers * 2 * ((link.latency_us + peers * a.a2a_message_us) * 1e-6
                                               + a2a_bytes / (link.bandwidth_GBps * 1e9))
-    return max(memory_s, compute_s) + comm_s
+    return max(memory_s, compute_s) + comm_s + a.step_overhead_ms / 1e3
 
 
 def decode_context_ms(model: ModelConfig, cluster: ClusterSpec, a: EngineAssumptions) -> float:
@@ -173,8 +175,8 @@ def calibration_from_hardware(model: ModelConfig, supernode: ClusterSpec,
             f"{a.slot_context} tokens each); HBM {chip.memory_bandwidth_GBps:.0f} GB/s, matmul "
             f"efficiency {chip.matmul_efficiency:.2f} (assumed); per MoE layer a dispatch and a combine "
             f"all-to-all at {supernode.link_for(n).bandwidth_GBps:.0f} GB/s + "
-            f"{supernode.link_for(n).latency_us:.0f} us + {a.a2a_message_us:g} us per peer message; no "
-            f"kernel-launch overhead (graph mode assumed); decode step at {a.context_len} tokens of "
+            f"{supernode.link_for(n).latency_us:.0f} us + {a.a2a_message_us:g} us per peer message; "
+            f"{a.step_overhead_ms:g} ms of host work per step (graph mode); decode step at {a.context_len} tokens of "
             "context " + ", ".join(f"{b}: {t:.1f} ms" for b, t in zip(batches, times))
             + f", each longer context +{context_ms * 1e3:.3f} us per sequence and token (its KV reads)",
             f"switch: optimizer state ({OPTIMIZER_BYTES} B/param / {supernode.num_chips} "

@@ -100,6 +100,10 @@ H100 = ChipSpec("h100-sxm", peak_tflops=989.0, memory_GB=80.0, memory_bandwidth_
 # NVIDIA H200 SXM: same compute as H100, 141 GB HBM3e at 4.8 TB/s.
 H200 = dataclasses.replace(H100, name="h200-sxm", memory_GB=141.0, memory_bandwidth_GBps=4800.0)
 
+# NVIDIA H20 (HGX): 148 TFLOPS bf16 dense, 96 GB HBM3 at 4.0 TB/s; NVLink 900 GB/s per GPU
+# (450 GB/s each way) inside an 8-GPU node; 400 Gb/s (50 GB/s) RDMA per GPU between nodes.
+H20 = dataclasses.replace(H100, name="h20", peak_tflops=148.0, memory_GB=96.0, memory_bandwidth_GBps=4000.0)
+
 # This machine before `measure_cpu` has run: one worker process on 2 cores. The FLOP rate
 # matches the ~8K train tokens/s of the 0.9M-active tiny model measured here
 # (6 * 0.9M * 8K ~ 43 GFLOP/s, at the assumed 30% efficiency ~ 0.15 TFLOP/s peak).
@@ -129,6 +133,10 @@ def _cluster_h200(num_chips: int) -> ClusterSpec:
     return dataclasses.replace(_cluster_h100(num_chips), kind="h200", chip=H200)
 
 
+def _cluster_h20(num_chips: int) -> ClusterSpec:
+    return dataclasses.replace(_cluster_h100(num_chips), kind="h20", chip=H20)
+
+
 def _cluster_cpu(num_chips: int) -> ClusterSpec:
     # One "chip" = one worker process; processes talk through shared memory (gloo).
     return ClusterSpec("cpu", CPU_DEFAULT, num_chips, chips_per_domain=num_chips,
@@ -141,6 +149,7 @@ CLUSTER_KINDS = {
     "cm384": _cluster_cm384,
     "h100": _cluster_h100,
     "h200": _cluster_h200,
+    "h20": _cluster_h20,
     "cpu": _cluster_cpu,
 }
 

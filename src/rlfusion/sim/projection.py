@@ -39,13 +39,16 @@ class Scenario:
     straggler_sigma: float  # log-sigma of device speeds
     memory_utilization: float  # share of HBM an engine may use (KV slots)
     matmul_efficiency_scale: float  # times the chip's assumed matmul efficiency
+    step_overhead_ms: float  # host work of one engine step the device does not hide
 
 
 SCENARIOS = (
-    Scenario("low", a2a_message_us=3.0, straggler_sigma=0.08, memory_utilization=0.80, matmul_efficiency_scale=0.8),
+    Scenario("low", a2a_message_us=3.0, straggler_sigma=0.08, memory_utilization=0.80, matmul_efficiency_scale=0.8,
+             step_overhead_ms=2.0),
     Scenario("central", a2a_message_us=1.0, straggler_sigma=0.03, memory_utilization=0.90,
-             matmul_efficiency_scale=1.0),
-    Scenario("high", a2a_message_us=0.5, straggler_sigma=0.0, memory_utilization=0.95, matmul_efficiency_scale=1.1),
+             matmul_efficiency_scale=1.0, step_overhead_ms=1.0),
+    Scenario("high", a2a_message_us=0.5, straggler_sigma=0.0, memory_utilization=0.95, matmul_efficiency_scale=1.1,
+             step_overhead_ms=0.5),
 )
 
 
@@ -94,7 +97,8 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
         chip = dataclasses.replace(supernode.chip, matmul_efficiency=supernode.chip.matmul_efficiency
                                    * sc.matmul_efficiency_scale)
         cluster = dataclasses.replace(supernode, chip=chip)
-        a = dataclasses.replace(base, a2a_message_us=sc.a2a_message_us, memory_utilization=sc.memory_utilization)
+        a = dataclasses.replace(base, a2a_message_us=sc.a2a_message_us, memory_utilization=sc.memory_utilization,
+                                step_overhead_ms=sc.step_overhead_ms)
         cal = calibration_from_hardware(model, cluster, a, plan)
         cals[sc.name] = dataclasses.replace(cal, advantage_s_per_sample=advantage_s_per_sample)
         slots[sc.name] = engine_slots(model, cluster, a)
@@ -152,7 +156,8 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
         "scenarios (low / central / high throughput): "
         + "; ".join(f"{sc.name}: {sc.a2a_message_us:g} us per all-to-all message, straggler sigma "
                     f"{sc.straggler_sigma:g}, engines use {sc.memory_utilization:.0%} of HBM, matmul "
-                    f"efficiency x{sc.matmul_efficiency_scale:g}" for sc in scenarios),
+                    f"efficiency x{sc.matmul_efficiency_scale:g}, {sc.step_overhead_ms:g} ms host work per "
+                    "engine step" for sc in scenarios),
         f"calibration (central): {cal.source}",
         *[f"  {note}" for note in cal.source_notes],
         "not modelled: failures and restarts, network congestion beyond one link per chip, load "
