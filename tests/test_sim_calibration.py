@@ -320,3 +320,23 @@ def test_verl_publication_is_self_consistent_and_reproduced_from_hardware():
     (r,) = reproduce((64,))
     assert set(r.sync_phases) >= {"rollout", "ref", "train"} and r.async_step_s > 0
     assert r.sync_step_s == pytest.approx(sum(r.sync_phases.values()), rel=0.25)  # engine0 is busy most of the step
+
+
+def test_plan_scores_a_named_layout_and_ranks_it(capsys):
+    from rlfusion.sim.cli import parse_layout
+
+    plan = parse_layout("tp8,pp16,ep32,vpp2", 6144)
+    assert (plan.tp, plan.pp, plan.vpp, plan.ep, plan.dp, plan.recompute) == (8, 16, 2, 32, 48, "selective")
+    for bad, why in (("tp8,pq3", "'pq3' is not one of"), ("tp7", "does not divide 6144"),
+                     ("tp2,recompute=most", "recompute='most'")):
+        with pytest.raises(ValueError, match=why):
+            parse_layout(bad, 6144)
+    args = _parser().parse_args(["plan", "--model", "tiny", "--cluster", "cpu:2", "--seq", "256",
+                                 "--global-batch", "8", "--top", "3", "--layout", "ep2,recompute=none"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("named layout TP1 PP1 VPP1 EP2 DP2 mb1 non:"))
+    assert "rank" in line and "plans that fit" in line
+    args = _parser().parse_args(["plan", "--model", "tiny", "--cluster", "cpu:2", "--seq", "256",
+                                 "--global-batch", "8", "--layout", "ep3"])
+    assert args.func(args) == 0 and "named layout TP1 PP1 VPP1 EP3 DP2 mb1 sel: invalid (EP3 must divide" in capsys.readouterr().out

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from rlfusion.model.config import PRESETS, get_preset
 from rlfusion.sim.hardware import ChipSpec, parse_cluster
-from rlfusion.sim.plan import TrainJob
+from rlfusion.sim.plan import ParallelPlan, TrainJob
 from rlfusion.sim.search import SearchResult, search_plans
-from rlfusion.sim.step import StepEstimate
+from rlfusion.sim.step import StepEstimate, estimate_step, plan_problem
 
 
 def _positive_int(text: str) -> int:
@@ -44,6 +44,10 @@ def register_plan_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--global-batch", type=_positive_int, default=1536,
                         help="sequences per optimizer step")
     parser.add_argument("--top", type=_positive_int, default=10, help="plans to print")
+    parser.add_argument("--layout", default=None, metavar="SPEC",
+                        help="also score this layout and show where it ranks: comma-separated tpN, ppN, "
+                             "vppN, epN, mbN (micro-batch), recompute=none|selective|full|planned, swap; "
+                             "DP is the chips left (e.g. tp8,pp16,ep32,vpp2)")
     parser.set_defaults(func=run_plan)
     return parser
 
@@ -56,10 +60,60 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         cluster = parse_cluster(args.cluster, flag="--cluster")
     job = TrainJob(get_preset(args.model), seq_len=args.seq, global_batch=args.global_batch)
+    named = parse_layout(args.layout, cluster.num_chips) if args.layout else None
     result = search_plans(job, cluster)
     print(format_plan_report(job, cluster.kind, cluster.num_chips, result, args.top,
                              chip=cluster.chip))
+    if named is not None:
+        print("\n" + score_layout(job, named, cluster, result))
     return 0 if result.ranked else 1
+
+
+def parse_layout(text: str, chips: int) -> ParallelPlan:
+    """`--layout tp8,pp16,ep32,vpp2[,mb1][,recompute=selective][,swap]` as a plan on `chips`."""
+    values = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "mb": 1}
+    recompute, swap = "selective", False
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        if part == "swap":
+            swap = True
+        elif key == "recompute":
+            recompute = value
+        else:
+            name = part.rstrip("0123456789")
+            digits = part[len(name):]
+            if name not in values or not digits or int(digits) < 1:
+                raise ValueError(f"--layout={text!r}: {part!r} is not one of tpN, ppN, vppN, epN, mbN, "
+                                 "recompute=none|selective|full|planned, swap")
+            values[name] = int(digits)
+    if chips % (values["tp"] * values["pp"]):
+        raise ValueError(f"--layout={text!r}: TP{values['tp']} x PP{values['pp']} does not divide {chips} chips")
+    try:
+        return ParallelPlan(tp=values["tp"], pp=values["pp"], vpp=values["vpp"], ep=values["ep"],
+                            dp=chips // (values["tp"] * values["pp"]), micro_batch=values["mb"],
+                            recompute=recompute, swap=swap)
+    except ValueError as e:
+        raise ValueError(f"--layout={text!r}: {e}") from None
+
+
+def score_layout(job: TrainJob, plan: ParallelPlan, cluster, result: SearchResult) -> str:
+    """The named layout's estimate and its rank among the searched plans that fit."""
+    head = f"named layout {plan.label()}:"
+    problem = plan_problem(job, plan, cluster)
+    if problem:
+        return f"{head} invalid ({problem})"
+    est = estimate_step(job, plan, cluster)
+    if not est.fits:
+        return (f"{head} does not fit: {est.memory.total_GB:.1f} GB per chip of {cluster.chip.memory_GB:.0f} "
+                f"(step would be {est.step_s:.2f} s, MFU {est.mfu:.1%})")
+    rank = 1 + sum(e.step_s < est.step_s for e in result.ranked)
+    best = result.ranked[0]
+    return "\n".join([f"{head} rank {rank} of {len(result.ranked)} plans that fit, step {est.step_s:.2f} s "
+                      f"({est.step_s / best.step_s - 1:+.1%} against the top pick), MFU {est.mfu:.1%}",
+                      _HEADER, _row(rank, est),
+                      "  breakdown (s): " + ", ".join(f"{name} {getattr(est, name + '_s'):.2f}" for name in
+                                                   ("compute", "recompute", "bubble", "tp_comm", "ep_comm_exposed",
+                                                    "pp_comm", "dp_comm_exposed", "swap_exposed", "optimizer"))])
 
 
 _HEADER = (f"{'#':>3}  {'layout':<42} {'step s':>7} {'MFU':>6} {'mem GB':>7} {'comm':>6} "
