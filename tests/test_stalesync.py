@@ -38,7 +38,6 @@ class FakeEngine:
         self.lengths, self.slots = lengths, slots
         self.waiting, self.running = [], []
         self.policy_version, self.num_steps = 0, 0
-        self.runner = type("Runner", (), {"model": torch.nn.Linear(1, 1)})()
 
     def add_request(self, r):
         self.waiting.append(r)
@@ -89,6 +88,7 @@ def fake_stage(group_size: int, lengths, slots: int) -> RolloutStage:
     stage.cfg = RolloutConfig(group_size=group_size, max_new_tokens=200)
     stage.tokenizer, stage.params = _Tok(), SamplingParams(max_new_tokens=200)
     stage.engine = FakeEngine(lengths, slots)
+    stage.model = torch.nn.Linear(1, 1)  # the policy (the stage switches it to eval mode and back)
     return stage
 
 

@@ -178,7 +178,7 @@ def calibration_from_hardware(model: ModelConfig, supernode: ClusterSpec,
             f"{supernode.link_for(n).latency_us:.0f} us + {a.a2a_message_us:g} us per peer message; "
             f"{a.step_overhead_ms:g} ms of host work per step (graph mode); decode step at {a.context_len} tokens of "
             "context " + ", ".join(f"{b}: {t:.1f} ms" for b, t in zip(batches, times))
-            + f", each longer context +{context_ms * 1e3:.3f} us per sequence and token (its KV reads)",
+            + f", each longer context +{context_ms * 1e6:.2f} ns per sequence and token (its KV reads)",
             f"switch: optimizer state ({OPTIMIZER_BYTES} B/param / {supernode.num_chips} "
             f"chips) to host at {supernode.host.bandwidth_GBps:.0f} GB/s + bf16 weights "
             f"re-laid out over the fabric: {switch:.2f} s each way",
