@@ -6,9 +6,9 @@ from rlfusion.model.config import get_preset
 from rlfusion.sim import comm
 from rlfusion.sim.costs import attn_core_flops, check_param_total, model_layers
 from rlfusion.sim.hardware import get_cluster
-from rlfusion.sim.memory import stage_memory
+from rlfusion.sim.memory import COMM_BUFFER_GB, FRAGMENTATION, RESERVED_GB, stage_memory
 from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
-from rlfusion.sim.step import estimate_step
+from rlfusion.sim.step import estimate_step, link_busy_s
 
 
 def test_tiny_flops_by_hand():
@@ -84,6 +84,30 @@ def test_memory_formulas():
     full, _ = stage_memory(layers, job, ParallelPlan(1, 1, 1, 1, 1, 1, "full"), 0, 8)
     assert full.activations_GB < sel.activations_GB < mem.activations_GB
     assert full.activations_GB == pytest.approx(4 * 128 * 2 * 256 / 1e9)  # layer inputs only
+    # overheads beyond model state: fp32 logits of the micro-batch and their gradient (one
+    # process: no collective buffers), and the allocator's fragmentation share of it all
+    logits = 2 * 256 * m.vocab_size * 4
+    dispatch = 2 * 256 * m.top_k * m.d_model * 2  # MoE dispatch send + receive
+    assert mem.buffers_GB == pytest.approx((logits + dispatch) / 1e9)
+    allocated = mem.weights_GB + mem.grads_GB + mem.optimizer_GB + mem.activations_GB + mem.buffers_GB
+    assert mem.reserved_GB == pytest.approx(RESERVED_GB + FRAGMENTATION * allocated)
+    dp2, _ = stage_memory(layers, TrainJob(m, seq_len=256, global_batch=8), ParallelPlan(1, 1, 1, 1, 2, 1), 0, 4)
+    assert dp2.buffers_GB == pytest.approx((logits + dispatch + COMM_BUFFER_GB * 1e9) / 1e9)  # + the collectives' buffers
+
+
+def test_a_step_is_never_shorter_than_its_busiest_link():
+    plan = ParallelPlan(8, 1, 1, 64, 16, 1, "selective")
+    cluster = get_cluster("910b", 128)
+    busy = link_busy_s(plan, cluster, tp_s=1.0, ep_s=2.0, pp_s=0.5, dp_s=3.0)
+    # TP inside the 8-chip server; EP64, DP16 x TP8 and a pipeline neighbour TP x DP = 128
+    # chips away span servers: the scale-out link
+    assert busy == {"intra": 1.0, "inter": 5.5}
+    job = TrainJob(get_preset("pangu-ultra-moe-718b"), seq_len=4096, global_batch=512)
+    est = estimate_step(job, plan, cluster)
+    rest = (est.compute_s + est.recompute_s + est.bubble_s + est.tp_comm_s + est.ep_comm_exposed_s
+            + est.pp_comm_s + est.dp_comm_exposed_s + est.swap_exposed_s + est.optimizer_s)
+    assert est.link_busy_s > 0 and est.step_s == pytest.approx(max(rest, est.link_busy_s))
+    assert est.link_wait_s == pytest.approx(max(0.0, est.link_busy_s - rest))
 
 
 def test_distributed_optimizer_shards_over_dp():

@@ -113,11 +113,12 @@ def score_layout(job: TrainJob, plan: ParallelPlan, cluster, result: SearchResul
                       _HEADER, _row(rank, est),
                       "  breakdown (s): " + ", ".join(f"{name} {getattr(est, name + '_s'):.2f}" for name in
                                                    ("compute", "recompute", "bubble", "tp_comm", "ep_comm_exposed",
-                                                    "pp_comm", "dp_comm_exposed", "swap_exposed", "optimizer"))])
+                                                    "pp_comm", "dp_comm_exposed", "swap_exposed", "optimizer",
+                                                    "link_wait"))])
 
 
 _HEADER = (f"{'#':>3}  {'layout':<42} {'step s':>7} {'MFU':>6} {'mem GB':>7} {'comm':>6} "
-           f"{'bubble':>7} {'EP a2a exposed':>16}  recompute/swap")
+           f"{'bubble':>7} {'EP a2a exposed':>16} {'link':>6}  recompute/swap")
 _KINDS = ("layer", "attn", "mlp", "attn_norm", "mlp_norm")
 
 
@@ -154,7 +155,8 @@ def _row(rank: int, est: StepEstimate) -> str:
     hidden = (1.0 - est.ep_comm_exposed_s / est.ep_comm_total_s) if est.ep_comm_total_s else 1.0
     return (f"{rank:>3}  {est.plan.label():<42} {est.step_s:>7.2f} {est.mfu:>6.1%} "
             f"{est.memory.total_GB:>7.1f} {est.comm_share:>6.1%} "
-            f"{est.bubble_s / est.step_s:>7.1%} {est.ep_comm_exposed_s:>6.2f}s ({1 - hidden:>4.0%})  "
+            f"{est.bubble_s / est.step_s:>7.1%} {est.ep_comm_exposed_s:>6.2f}s ({1 - hidden:>4.0%}) "
+            f"{est.link_busy_s / est.step_s:>6.0%}  "
             f"{memory_choice(est)}")
 
 
@@ -174,7 +176,7 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
     lines += ["", "best plan breakdown (s): " + ", ".join(
         f"{name} {getattr(best, name + '_s'):.2f}" for name in
         ("compute", "recompute", "bubble", "tp_comm", "ep_comm_exposed", "pp_comm",
-         "dp_comm_exposed", "swap_exposed", "optimizer"))]
+         "dp_comm_exposed", "swap_exposed", "optimizer", "link_wait"))]
     mem = best.memory
     lines.append(f"best plan memory (GB): weights {mem.weights_GB:.1f}, grads {mem.grads_GB:.1f}, "
                  f"optimizer {mem.optimizer_GB:.1f}, activations {mem.activations_GB:.1f}, "
@@ -191,7 +193,7 @@ def format_plan_report(job: TrainJob, kind: str, chips: int, result: SearchResul
 
 def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> list[str]:
     """Every constant the ranking rests on that is not a property of the plan itself."""
-    from rlfusion.sim.memory import RESERVED_GB
+    from rlfusion.sim.memory import COMM_BUFFER_GB, FRAGMENTATION, RESERVED_GB
     from rlfusion.sim.step import OPTIMIZER_STEP_BYTES, ep_overlap_measurement
 
     overlap = ep_overlap_measurement()
@@ -209,15 +211,19 @@ def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> lis
         f"EP rank carries 1 + cv/sqrt(E/EP) * sqrt(2 ln EP) x the mean "
         f"({job.expert_imbalance(best.plan.ep):.3f} at EP{best.plan.ep})",
         "memory: bf16 weights 2 B, fp32 grads 4 B, fp32 master + Adam 12 B per parameter "
-        f"(sharded over DP/EDP with the distributed optimizer), {RESERVED_GB:.0f} GB reserved, "
-        "MoE dispatch buffers, fp32 logits of one micro-batch, one staging layer",
+        f"(sharded over DP/EDP with the distributed optimizer), {RESERVED_GB:.0f} GB framework workspace, "
+        f"{FRAGMENTATION:.0%} of the allocation for fragmentation, {COMM_BUFFER_GB:g} GB of collective buffers, "
+        "MoE dispatch buffers, fp32 logits of one micro-batch and their gradient, one staging layer",
         "communication: alpha-beta ring collectives; TP all-gather/reduce-scatter exposed; EP "
         f"all-to-all hierarchical, overlapped with the layer's MoE compute (router, shared and routed experts) at the measured efficiency "
         f"{overlap['efficiency']:.0%} ({overlap['source']}); PP sends "
         "exposed; DP reduce-scatter/all-gather hidden behind backward/forward when shorter",
         f"pipeline: 1F1B bubble (PP-1) stage times, / VPP when interleaved; optimizer step "
         f"{OPTIMIZER_STEP_BYTES} B per local parameter at memory bandwidth",
-        "not modelled: link contention between parallel groups, congestion, stragglers, kernel "
+        "links: one traffic budget per link of a chip (scale-up inside the fast domain, scale-out "
+        "beyond it): every collective on a link, hidden or exposed, shares it, and a step is never "
+        "shorter than its busiest link",
+        "not modelled: congestion inside the network beyond one link per chip, stragglers, kernel "
         "launch overheads, sequence-length imbalance across DP",
     ]
 

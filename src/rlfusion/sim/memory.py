@@ -12,8 +12,9 @@ Owns `MemoryEstimate` and `stage_memory()`. Formulas (per device, bytes):
   `planned` takes the activation bytes chosen by the memory planner (`step.py` runs
   `memory_plan.plan_memory` on the stage's per-module bytes and passes them in);
 - buffers: MoE dispatch send+recv buffers for one layer, fp32 logits of one micro-batch on the
-  last stage, one layer's full activations when recomputing it, a swap staging layer;
-- reserved: a fixed workspace/fragmentation allowance.
+  last stage and their gradient, one layer's full activations when recomputing it, a swap
+  staging layer, the collectives' communication buffers (gradient buckets, channel buffers);
+- reserved: a fixed framework workspace plus a fragmentation share of everything allocated.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 from rlfusion.sim.costs import BF16, FP32, LayerCost
 from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight
 
-RESERVED_GB = 2.0  # framework workspace + fragmentation per device (assumption)
+RESERVED_GB = 2.0  # framework workspace per device (assumption)
+FRAGMENTATION = 0.05  # allocator fragmentation: this share of everything allocated (assumption)
+COMM_BUFFER_GB = 0.5  # collective buffers (gradient buckets, channels) when any group is > 1 (assumption)
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam m and v per parameter
 GRAD_BYTES = 4  # fp32 main gradient per parameter (grads reduced in fp32)
 
@@ -89,13 +92,16 @@ def stage_memory(layers: list[LayerCost], job: TrainJob, plan: ParallelPlan, sta
     largest = max(x.activation.total for x in layers)
     if any(x.kind == "moe" for x in layers):
         buffers += 2 * tokens * model.top_k * model.d_model * BF16  # dispatch send + recv
-    if any(x.kind == "head" for x in layers):
-        buffers += plan.micro_batch * job.seq_len * model.vocab_size / plan.tp * FP32
+    if any(x.kind == "head" for x in layers):  # fp32 logits and their gradient
+        buffers += 2 * plan.micro_batch * job.seq_len * model.vocab_size / plan.tp * FP32
     if (staged if plan.recompute == "planned" else plan.recompute != "none" or plan.swap):
         buffers += largest * tokens  # the layer being recomputed / swapped back in
+    if max(plan.tp, plan.dp, plan.ep, plan.pp, plan.edp) > 1:
+        buffers += COMM_BUFFER_GB * 1e9
+    allocated = held * (BF16 + GRAD_BYTES) + optimizer + activations + buffers
     mem = MemoryEstimate(
         weights_GB=held * BF16 / 1e9, grads_GB=held * GRAD_BYTES / 1e9,
         optimizer_GB=optimizer / 1e9, activations_GB=activations / 1e9,
-        buffers_GB=buffers / 1e9, reserved_GB=RESERVED_GB,
+        buffers_GB=buffers / 1e9, reserved_GB=RESERVED_GB + FRAGMENTATION * allocated / 1e9,
     )
     return mem, swapped / 1e9

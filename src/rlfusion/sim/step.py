@@ -35,7 +35,7 @@ from rlfusion.sim import comm
 from rlfusion.sim.costs import (BF16, LayerCost, attention_matmul_params, model_flops_per_token,
                                 model_layers, module_activations)
 from rlfusion.sim.hardware import ClusterSpec
-from rlfusion.sim.memory import GRAD_BYTES, MemoryEstimate, stage_memory
+from rlfusion.sim.memory import FRAGMENTATION, GRAD_BYTES, MemoryEstimate, stage_memory
 from rlfusion.sim.memory_plan import MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
 
@@ -97,6 +97,8 @@ class StepEstimate:
     memory: MemoryEstimate
     fits: bool
     memory_plans: tuple[MemoryPlan, ...] = ()  # per stage, for recompute="planned"
+    link_busy_s: float = 0.0  # seconds the busiest link of a chip carries traffic in the step
+    link_wait_s: float = 0.0  # what that adds to the step beyond everything else (contention)
 
     @property
     def comm_share(self) -> float:
@@ -198,7 +200,8 @@ def _plan_stage(indexed: list[tuple[int, LayerCost]], job: TrainJob, plan: Paral
              + sum(x.activation.total * local for x in layers if x.kind == "head"))
     flight = in_flight(plan, stage, num_micro)
     static, _ = stage_memory(layers, job, plan, stage, num_micro, planned=(0.0, 0.0, True))
-    budget = (cluster.chip.memory_GB - static.total_GB) * 1e9 / flight * (1 - 1e-9)  # rounding
+    # what is left for activations, which the allocator's fragmentation share grows too
+    budget = (cluster.chip.memory_GB - static.total_GB) * 1e9 / (1 + FRAGMENTATION) / flight * (1 - 1e-9)
     bandwidth = cluster.host.bandwidth_GBps * 1e9
     if budget < 0:  # weights and optimizer alone do not fit
         return MemoryPlan(fits=False), (total * flight, 0.0, False), 0.0, 0.0
@@ -275,7 +278,9 @@ def _indexed_stages(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
 
 
 def _dp_exposed(layers: list[LayerCost], plan: ParallelPlan, cluster: ClusterSpec,
-                stage: StageTime) -> float:
+                stage: StageTime) -> tuple[float, float]:
+    """(exposed, total) seconds of the data-parallel gradient and parameter collectives: the
+    gradients' hide behind backward, the parameters' behind forward, each where it fits."""
     dense = sum(x.dense_params for x in layers) / plan.tp
     expert = sum(x.expert_params for x in layers) / plan.ep
     dense_link = cluster.link_for(plan.dp, stride=plan.tp)
@@ -290,7 +295,7 @@ def _dp_exposed(layers: list[LayerCost], plan: ParallelPlan, cluster: ClusterSpe
                  + comm.ring_time("all_reduce", expert * GRAD_BYTES, plan.edp, expert_link))
         params = 0.0
     backward = stage.total_s - stage.fwd_s
-    return max(0.0, grads - backward) + max(0.0, params - stage.fwd_s)
+    return max(0.0, grads - backward) + max(0.0, params - stage.fwd_s), grads + params
 
 
 def _optimizer_s(layers: list[LayerCost], plan: ParallelPlan, cluster: ClusterSpec) -> float:
@@ -322,9 +327,14 @@ def estimate_step(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> St
     slow = max(range(plan.pp), key=lambda s: times[s].total_s)
     st = times[slow]
     bubble = (plan.pp - 1) / plan.vpp * st.total_s
-    dp_exposed = max(_dp_exposed(stages[s], plan, cluster, times[s]) for s in range(plan.pp))
+    dp = [_dp_exposed(stages[s], plan, cluster, times[s]) for s in range(plan.pp)]
+    dp_exposed, dp_total = max(e for e, _ in dp), max(t for _, t in dp)
     optimizer = max(_optimizer_s(layers, plan, cluster) for layers in stages)
     step = num_micro * st.total_s + bubble + dp_exposed + optimizer
+    busy = link_busy_s(plan, cluster, num_micro * st.tp_comm_s, num_micro * st.ep_comm_s,
+                       num_micro * st.pp_comm_s, dp_total)
+    link_wait = max(0.0, max(busy.values()) - step)  # one link cannot carry more than the step
+    step += link_wait
     memories = [stage_memory(stages[s], job, plan, s, num_micro, planned[s])
                 for s in range(plan.pp)]
     memory, swapped = max(memories, key=lambda m: m[0].total_GB)
@@ -342,4 +352,21 @@ def estimate_step(job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec) -> St
         pp_comm_s=num_micro * st.pp_comm_s, dp_comm_exposed_s=dp_exposed,
         swap_exposed_s=num_micro * st.swap_exposed_s, optimizer_s=optimizer, mfu=mfu,
         memory=memory, fits=fits, memory_plans=memory_plans,
+        link_busy_s=max(busy.values()), link_wait_s=link_wait,
     )
+
+
+def link_busy_s(plan: ParallelPlan, cluster: ClusterSpec, tp_s: float, ep_s: float, pp_s: float,
+                dp_s: float) -> dict[str, float]:
+    """Seconds each link of a chip carries traffic in one step: the scale-up fabric inside a
+    fast domain ("intra") and the scale-out network ("inter"). A collective travels on the
+    link its group spans (hierarchical expert all-to-all: the scale-out link once the EP
+    group leaves the domain). Hidden or exposed, traffic on one link shares it, so a step is
+    never shorter than its busiest link."""
+    domain = cluster.chips_per_domain
+    busy = {"intra": 0.0, "inter": 0.0}
+    busy["intra" if plan.tp <= domain else "inter"] += tp_s
+    busy["intra" if plan.ep <= domain else "inter"] += ep_s
+    busy["intra" if plan.tp * plan.dp * 2 <= domain else "inter"] += pp_s
+    busy["intra" if plan.tp * plan.dp <= domain else "inter"] += dp_s
+    return busy
