@@ -340,3 +340,17 @@ def test_plan_scores_a_named_layout_and_ranks_it(capsys):
     args = _parser().parse_args(["plan", "--model", "tiny", "--cluster", "cpu:2", "--seq", "256",
                                  "--global-batch", "8", "--layout", "ep3"])
     assert args.func(args) == 0 and "named layout TP1 PP1 VPP1 EP3 DP2 mb1 sel: invalid (EP3 must divide" in capsys.readouterr().out
+
+
+def test_plan_searches_global_batches_by_time_per_sequence(capsys):
+    args = _parser().parse_args(["plan", "--model", "tiny", "--cluster", "cpu:2", "--seq", "256",
+                                 "--global-batch", "8,32", "--top", "2"])
+    assert args.global_batch == (8, 32) and args.func(args) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("global batch search"):out.index("\n\n")].splitlines()[2:]
+    per_seq = [float(row.split()[-3]) for row in table]
+    assert len(table) == 2 and per_seq == sorted(per_seq)  # ranked by ms per sequence
+    best = table[0].split()[0]
+    assert f"global batch {best} sequences" in out  # the full report is the best batch's
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["plan", "--global-batch", "8,0"])

@@ -41,8 +41,9 @@ def register_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="time this machine's matmuls and memory bandwidth (about a second), "
                              "write its cluster spec to PATH and plan on it (instead of --cluster)")
     parser.add_argument("--seq", type=_positive_int, default=8192, help="sequence length")
-    parser.add_argument("--global-batch", type=_positive_int, default=1536,
-                        help="sequences per optimizer step")
+    parser.add_argument("--global-batch", type=_batches, default=(1536,),
+                        help="sequences per optimizer step; a comma-separated list searches each and "
+                             "reports the one with the shortest time per sequence")
     parser.add_argument("--top", type=_positive_int, default=10, help="plans to print")
     parser.add_argument("--layout", default=None, metavar="SPEC",
                         help="also score this layout and show where it ranks: comma-separated tpN, ppN, "
@@ -59,14 +60,46 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = measure_cpu(args.measure_cpu)
     else:
         cluster = parse_cluster(args.cluster, flag="--cluster")
-    job = TrainJob(get_preset(args.model), seq_len=args.seq, global_batch=args.global_batch)
     named = parse_layout(args.layout, cluster.num_chips) if args.layout else None
-    result = search_plans(job, cluster)
+    searched = []
+    for batch in args.global_batch:
+        job = TrainJob(get_preset(args.model), seq_len=args.seq, global_batch=batch)
+        searched.append((job, search_plans(job, cluster)))
+    if len(searched) > 1:
+        print(format_batches(searched) + "\n")
+        fitting = [(j, r) for j, r in searched if r.ranked]
+        job, result = min(fitting, key=lambda jr: jr[1].best.step_s / jr[0].global_batch) if fitting else searched[0]
+    else:
+        job, result = searched[0]
     print(format_plan_report(job, cluster.kind, cluster.num_chips, result, args.top,
                              chip=cluster.chip))
     if named is not None:
         print("\n" + score_layout(job, named, cluster, result))
     return 0 if result.ranked else 1
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or a comma-separated list of them")
+    return values
+
+
+def format_batches(searched: list[tuple[TrainJob, SearchResult]]) -> str:
+    """One line per searched global batch: its best plan, the step, the time per sequence and
+    the pipeline bubble's share (more micro-batches per step shrink it)."""
+    lines = ["global batch search (ranked by seconds per sequence):",
+             f"{'batch':>7}  {'best layout':<42} {'step s':>7} {'ms/seq':>7} {'MFU':>6} {'bubble':>7}"]
+    rows = sorted(((j, r) for j, r in searched if r.ranked), key=lambda jr: jr[1].best.step_s / jr[0].global_batch)
+    for job, result in rows:
+        best = result.best
+        lines.append(f"{job.global_batch:>7}  {best.plan.label():<42} {best.step_s:>7.2f} "
+                     f"{best.step_s / job.global_batch * 1e3:>7.2f} {best.mfu:>6.1%} {best.bubble_s / best.step_s:>7.1%}")
+    lines += [f"{job.global_batch:>7}  no plan fits memory" for job, r in searched if not r.ranked]
+    return "\n".join(lines)
 
 
 def parse_layout(text: str, chips: int) -> ParallelPlan:
