@@ -131,3 +131,38 @@ def test_worker_extension_moves_tensors_to_the_model_device():
     ext.model_runner = types.SimpleNamespace(model=model)
     assert ext.load_hf_weights([("a", torch.ones(2))]) == 1
     assert received[0][0] == "a" and received[0][1].device.type == "cpu"
+
+
+def test_stop_tokens_and_host_tensors_reach_vllm(hf_dir):
+    engine, native = _engine(hf_dir)
+    seen = []
+    core = engine.llm.llm_engine
+    add = core.add_request
+    core.add_request = lambda rid, prompt, params: (seen.append(params), add(rid, prompt, params))
+    forced = SamplingParams(temperature=1.0, max_new_tokens=4, stop_ids=())  # a replayed length
+    engine.generate([Request("a", [0, 5], forced), Request("b", [0, 6], _requests(1)[0].params)])
+    assert [p.ignore_eos for p in seen] == [True, False]  # no stop tokens: not vLLM's EOS either
+    sent = []
+    load = engine.llm.worker.load_hf_weights
+    engine.llm.worker.load_hf_weights = lambda named: (sent.extend(named), load(named))[1]
+    engine.load_state(native.state_dict(), 1 << 20)
+    assert sent and all(t.device.type == "cpu" for _, t in sent)
+
+
+def test_a_weight_load_sends_every_tensor_the_export_writes():
+    """After a level-2 sleep vLLM has no weights left: a load must bring back every HF tensor,
+    also those the native model has no tensor for (Qwen2-MoE's zero shared-expert gate)."""
+    from rlfusion.model.checkpoint import find_base, load_base
+    from rlfusion.model.hf import HFNames, infer_family, state_to_hf
+
+    model, _, _ = load_base(find_base())
+    for router in model.routers():
+        router.expert_bias.zero_()
+    family = infer_family(model.config)
+    assert family == "qwen2_moe" and not model.config.shared_expert_gate
+    names = HFNames(model.config, family)
+    loaded = dict(pair for native, t in model.state_dict().items() for pair in names.tensors(native, t))
+    exported = state_to_hf(model, family)
+    assert set(loaded) == set(exported)
+    for name, t in exported.items():
+        torch.testing.assert_close(loaded[name].float(), t)

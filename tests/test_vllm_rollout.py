@@ -148,3 +148,18 @@ def test_vllm_rollout_state_is_not_resumed_bit_exactly(hf_run):
         trainer.devices.set_rng_state(states)
     finally:
         trainer.close()
+
+
+def test_an_error_inside_a_rollout_is_not_hidden_by_the_switch_back(hf_run):
+    cfg = _cfg(hf_run, "deploy.backend=local", "max_steps=1")
+    trainer = RLTrainer(cfg, hf_run / "err", hf_run / "base")
+    try:
+        worker = trainer.devices.workers[0]
+        engine = worker.rollout.engine
+        with pytest.raises(ValueError, match="the body's own error"):
+            with worker.switch.rollout():
+                engine.add_request(__import__("rlfusion.engine.types", fromlist=["Request"]).Request(
+                    "x", [0, 5], worker.rollout.params))
+                raise ValueError("the body's own error")  # vLLM cannot sleep with a request open
+    finally:
+        trainer.close()

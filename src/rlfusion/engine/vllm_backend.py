@@ -103,7 +103,7 @@ class VLLMEngine:
         params = self._vllm.SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k else -1,
             max_tokens=p.max_new_tokens - already, stop_token_ids=list(p.stop_ids), logprobs=0,
-            detokenize=False)
+            detokenize=False, ignore_eos=not p.stop_ids)  # no stop tokens: not the model's own EOS either
         # A resumed request continues after its earlier output: vLLM sees it as prompt.
         prompt = {"prompt_token_ids": list(request.prompt_ids) + list(request.output_ids)}
         self.llm.llm_engine.add_request(request.request_id, prompt, params)
@@ -184,7 +184,9 @@ class VLLMEngine:
         self._check_awake("update_weights")
         loaded = 0
         for bucket, flat in buckets:
-            named = [pair for native, t in unpack(bucket, flat).items() for pair in self.names.tensors(native, t)]
+            # host tensors: collective_rpc serializes its arguments to vLLM's engine-core process
+            named = [(name, t.detach().cpu()) for native, t in unpack(bucket, flat).items()
+                     for name, t in self.names.tensors(native, t)]
             loaded += sum(self.llm.collective_rpc("load_hf_weights", args=(named,)))
         self.policy_version += 1
         return loaded

@@ -90,9 +90,15 @@ class DeviceSwitch:
         try:
             with self.span(phase), self.ledger.phase("rollout"):
                 yield
-        finally:
-            with self.span("switch"), self.ledger.phase("switch"):
-                self._leave_rollout()
+        except BaseException:
+            try:  # the body's error is the news: a switch back that fails after it must not hide it
+                with self.span("switch"), self.ledger.phase("switch"):
+                    self._leave_rollout()
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        with self.span("switch"), self.ledger.phase("switch"):
+            self._leave_rollout()
 
     def _enter_rollout(self) -> None:
         if self.pm is not None:  # train layout → replica, bucket by bucket (collective)
@@ -186,7 +192,9 @@ class DeviceSwitch:
             moved = 0
             with torch.no_grad():
                 for bucket in plan_buckets(specs_of(state), self.bucket_bytes):
-                    flat = pack(bucket, state)
+                    # on this device on every member (a layout's gathered state is in host memory,
+                    # and on GPUs the sender's bucket must travel where the receivers' wait: NCCL)
+                    flat = pack(bucket, state).to(self.where)
                     dist.broadcast(flat, src=src, group=group)
                     for name, view in unpack(bucket, flat).items():
                         state[name].copy_(view)

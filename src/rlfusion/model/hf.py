@@ -402,9 +402,6 @@ def state_to_hf(model: MoETransformer, family: str) -> dict[str, torch.Tensor]:
     out = {}
     for native, w in model.state_dict().items():
         out.update(to_hf.tensors(native, w))
-    if family == "qwen2_moe" and not cfg.shared_expert_gate:
-        for i in range(cfg.num_dense_layers, cfg.num_layers):
-            out[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = torch.zeros(1, cfg.d_model)
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
@@ -423,7 +420,10 @@ class HFNames:
             if family == "deepseek_v3":
                 w = _permute_rope_rows(native, w, cfg, to_native=False)
             if family == "qwen2_moe" and not cfg.shared_expert_gate and native.endswith("mlp.shared.down.weight"):
-                w = w * 2.0  # beside the zero gate state_to_hf writes: sigmoid(0) = 1/2
+                # doubled, beside a zero gate (sigmoid(0) = 1/2) the native model does not have
+                layer = native.removeprefix("layers.").partition(".")[0]
+                gate = torch.zeros(1, cfg.d_model, dtype=w.dtype, device=w.device)
+                return [(self.pairs[native], w * 2.0), (f"model.layers.{layer}.mlp.shared_expert_gate.weight", gate)]
             return [(self.pairs[native], w)]
         layer, _, rest = native.removeprefix("layers.").partition(".")
         experts = {"mlp.experts.w_gate_EDF": "gate", "mlp.experts.w_up_EDF": "up", "mlp.experts.w_down_EFD": "down"}

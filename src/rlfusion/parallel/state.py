@@ -47,7 +47,8 @@ class LayoutState:
             slots = slice(experts.first_expert, experts.first_expert + experts.num_local)
             if experts.expert_to_slot_E is None:
                 return whole[slots]
-            return whole[experts.expert_to_slot_E.argsort()[slots]]  # the logical experts in this rank's slots
+            order = experts.expert_to_slot_E.argsort().to(whole.device)
+            return whole[order[slots]]  # the logical experts in this rank's slots
         return whole
 
     def optimizer_whole(self, optimizer: dict, keep: bool) -> dict | None:
@@ -59,7 +60,7 @@ class LayoutState:
         pipeline = self.pm.layout.pp > 1
         whole = {}
         for i, st in sorted(optimizer["state"].items()):
-            gathered = {k: self.whole(v, params[i]) for k, v in st.items()}
+            gathered = {k: _host(self.whole(v, params[i])) for k, v in st.items()}  # (in host memory: it travels)
             if keep or pipeline:
                 whole[self.param_index[names[i]]] = gathered
         if pipeline:
@@ -88,3 +89,9 @@ class LayoutState:
         """Whole weights → this rank's shards and stages, in place."""
         for name, t in self.pm.state_dict(keep_vars=True).items():
             local_tensor(t).copy_(local_tensor(self.part(model_state[name], t)))
+
+
+def _host(value):
+    """A tensor in host memory (whole optimizer state leaves the device: it is gathered to
+    every pipeline stage and checkpointed), anything else as it is."""
+    return value.cpu() if isinstance(value, torch.Tensor) and value.device.type != "cpu" else value

@@ -56,7 +56,7 @@ class DeployConfig:
     device: str = "auto"
     # the compute precision of every role's passes (rollout engine, reference, actor, critic):
     # "fp32", or "bf16" (autocast: matmuls in bf16; weights, gradients, optimizer state, logits
-    # and losses in fp32, so the fp32 weights are the master copy); vLLM's dtype follows it
+    # and losses in fp32, so the fp32 weights are the master copy); vLLM computes in bf16 either way
     precision: str = "fp32"
     ray_address: str = ""
     bucket_mb: float = 4.0  # weight-sync bucket size

@@ -54,15 +54,14 @@ class RolloutStage:
                  hf_path: str | None = None, compute_dtype: torch.dtype | None = None):
         """`model` is the policy; with `rollout.backend=vllm` the engine serves a copy of it
         (from `hf_path`, the run's base when that is an HF folder, else an export of `model`).
-        `compute_dtype`: the precision of its passes (`deploy.precision`; None = fp32)."""
+        `compute_dtype`: the precision of the native engine's passes (`deploy.precision`; None =
+        fp32); vLLM computes in bf16, its kernels' dtype, whatever the setting."""
         self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         if cfg.backend == "vllm":
             from rlfusion.engine.vllm_backend import VLLMEngine
 
-            self.engine: Any = VLLMEngine.from_model(
-                model, hf_path, seed=seed, max_num_seqs=cfg.max_num_seqs,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                dtype="bfloat16" if compute_dtype == torch.bfloat16 else "float32")
+            self.engine: Any = VLLMEngine.from_model(model, hf_path, seed=seed, max_num_seqs=cfg.max_num_seqs,
+                                                     gpu_memory_utilization=cfg.gpu_memory_utilization)
         else:
             self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed,
                                                         min_prefill_batch=cfg.min_prefill_batch,
