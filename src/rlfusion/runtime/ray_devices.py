@@ -81,8 +81,8 @@ class RayDevices(Devices):
         place = [PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b) for b in bundles + [0]]
         self.queue = RayDistQueue(queue_config(cfg.rollout.group_size), num_shards=len(bundles), placement=place)
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
-        if self.single_node:  # gloo's connections between devices: loopback only, nothing listens outside
-            env["env_vars"]["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+        if self.single_node:  # gloo's and NCCL's bootstrap connections: loopback only, nothing listens outside
+            env["env_vars"]["GLOO_SOCKET_IFNAME"] = env["env_vars"]["NCCL_SOCKET_IFNAME"] = _loopback_interface()
         # "pool": `take_finished` answers on its own thread while the device generates
         actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
         self.workers = [actor_cls.options(
