@@ -10,7 +10,7 @@ from rlfusion.config import load_config
 from rlfusion.errors import RunError
 from rlfusion.model.checkpoint import find_base
 from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan
-from rlfusion.runtime.workers import local_device
+from rlfusion.runtime.device_binding import local_device
 from rlfusion.runtime.ray_devices import RayDevices, cluster_device, device_bundles, worker_options
 from rlfusion.runtime.train_config import TrainConfig
 

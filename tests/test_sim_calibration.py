@@ -354,3 +354,16 @@ def test_plan_searches_global_batches_by_time_per_sequence(capsys):
     assert f"global batch {best} sequences" in out  # the full report is the best batch's
     with pytest.raises(SystemExit):
         _parser().parse_args(["plan", "--global-batch", "8,0"])
+
+
+def test_projection_prints_ranges_conventions_and_the_baseline():
+    from rlfusion.sim.projection import SCENARIOS, format_projection, project
+
+    rows, lines = project(supernodes=(1,), scenarios=SCENARIOS[1:2], advantage_s_per_sample=7e-6)
+    assert {(r.mode, r.variant) for r in rows} == {(m, v) for m in ("colocated", "separated")
+                                                   for v in ("sync", "stalesync")}
+    assert all(r.all_tokens_per_s["central"] > r.tokens_per_s["central"] > 0 for r in rows)  # + prompts
+    text = "\n".join(lines)
+    assert "baseline 'separated'" in text and "prompt + response" in text and "expected longest" in text
+    out = format_projection(rows, lines, 0.0)
+    assert "central [lowest .. highest" in out and "StaleSync / sync" in out

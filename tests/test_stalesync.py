@@ -180,7 +180,7 @@ class ThreadSum:
         self.barrier, self.values = threading.Barrier(n, timeout=10), [None] * n
 
     def member(self, i: int):
-        def sync(*counts, wait=False):  # lock-step, as `workers.StopSums(polled=False)`
+        def sync(*counts, wait=False):  # lock-step, as `stop_sums.StopSums(polled=False)`
             self.values[i] = counts
             self.barrier.wait()
             out = [sum(v[j] for v in self.values) for j in range(len(counts))]

@@ -27,7 +27,8 @@ from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.stalesync import contiguous_parts as split
 from rlfusion.runtime.train_config import TrainConfig
-from rlfusion.runtime.workers import DeviceWorker, local_device
+from rlfusion.runtime.device_binding import local_device
+from rlfusion.runtime.workers import DeviceWorker
 
 
 class Devices(ABC):

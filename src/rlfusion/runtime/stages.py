@@ -132,7 +132,7 @@ class RolloutStage:
         over the devices (every `SYNC_EVERY` engine steps, and while this device has nothing
         left to run) and the stop rule applies to the sums: `quota` is then the devices' total,
         and a device that runs out of work waits for the others instead of ending the rollout.
-        `sync` is a `workers.StopSums`: called with `wait=not busy`; a polled one may answer None
+        `sync` is a `stop_sums.StopSums`: called with `wait=not busy`; a polled one may answer None
         (the sums are not in yet, `sync.pending`) and is asked again every step until they are,
         the device decoding on meanwhile.
 

@@ -22,8 +22,6 @@ Where the actor trains in a layout (`deploy.train_tp` / `train_ep` / `train_pp` 
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,8 +51,10 @@ from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import dataflow
 from rlfusion.runtime.actor import ActorStage
 from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.device_binding import bind_device, listening_store, on_host
 from rlfusion.runtime.finished_pool import FinishedPool
 from rlfusion.runtime.heap import freeze_long_lived
+from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
                                      gae_advantages)
 from rlfusion.runtime.train_config import TrainConfig
@@ -62,100 +62,6 @@ from rlfusion.runtime.train_config import TrainConfig
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # `deploy.precision` → autocast dtype (None: off)
 A2A_WAIT = "a2a wait"  # timeline phase: a train device waiting on its expert all-to-all (inside "train")
 SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
-
-
-def _no_stop_sync() -> dict[str, float]:
-    return {"stop_sync_calls": 0.0, "stop_sync_s": 0.0}
-
-
-class StopSums:
-    """The stop rule's counts summed over the rollout devices (an all-reduce of 4 integers).
-    Lock-step (`polled=False`): every call waits for the sums, so the devices meet there.
-    Polled: a call posts this device's counts (when no sum is in flight) and returns the sums of
-    the one in flight once every device posted, else None — the device decodes on meanwhile;
-    `wait` (nothing left to run here) waits for them. Every device gets the same sums from the
-    same all-reduce and decides the stop on them alone, so they all stop after the same one and
-    none is left in flight. Hybrid placement polls: its train devices join a rollout only after
-    their update, while the others have long been decoding."""
-
-    def __init__(self, group: Any, stats: dict[str, float], polled: bool):
-        self.group, self.stats, self.polled = group, stats, polled
-        self.work: Any = None
-        self.counts: torch.Tensor | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self.work is not None
-
-    def __call__(self, *counts: int, wait: bool = False) -> list[int] | None:
-        if self.work is None:
-            self.counts = torch.tensor(counts, dtype=torch.int64)
-            self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
-            self.stats["stop_sync_calls"] += 1
-        if self.polled and not wait and not self.work.is_completed():
-            return None
-        start = time.perf_counter()
-        self.work.wait()
-        self.stats["stop_sync_s"] += time.perf_counter() - start  # waiting for the peers included
-        self.work = None
-        return self.counts.tolist()
-
-
-def local_device(device: str) -> str:
-    """`deploy.device` for this process: "auto" is "cuda" when torch sees a GPU here."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RunError(f"deploy.device=cuda: torch {torch.__version__} sees no CUDA device here "
-                       f"({'a CPU-only build' if torch.version.cuda is None else 'none usable'}); set deploy.device=cpu")
-    return device
-
-
-def bind_device(kind: str, device: int) -> torch.device:
-    """The torch device of device worker `device` (`DeploymentPlan.device`; "auto", which the
-    backends resolve before they start workers, resolves here for this process). On CUDA it is
-    the one GPU this process sees (Ray shows each device worker only its own through
-    `CUDA_VISIBLE_DEVICES`; the local backend takes the current one), made current."""
-    if kind == "auto":
-        kind = local_device(kind)
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind != "cuda":
-        raise RunError(f"device {device}: deploy.device={kind!r} is invalid (allowed: auto, cpu, cuda)")
-    if not torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        build = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "no CUDA device is usable"
-        raise RunError(f"deploy.device=cuda: device {device} was given GPU {visible!r} but {build}; "
-                       f"install a CUDA build of torch or set deploy.device=cpu")
-    where = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(where)
-    return where
-
-
-def _on_host(state: Any) -> Any:
-    """`state` (nested dicts and lists of tensors) with every tensor in host memory: what leaves
-    the device for the driver, which may have no GPU."""
-    if isinstance(state, torch.Tensor):
-        return state.cpu() if state.device.type != "cpu" else state
-    if isinstance(state, dict):
-        return {k: _on_host(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_on_host(v) for v in state)
-    return state
-
-
-def listening_store(host: str, world_size: int) -> dist.TCPStore:
-    """The rendezvous store's server, listening on `host` alone. torch binds every interface
-    whatever host it is given, so the socket is bound here and handed over as the listen fd."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    # the store owns the socket from here (detach: Python's socket object must not close it)
-    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
 
 
 class DeviceWorker:
@@ -215,7 +121,7 @@ class DeviceWorker:
         self.sync_group = self.rollout_group = None
         # finished samples a peer may score (`generate(share=True)`, `take_finished`)
         self.pool = FinishedPool()
-        self._stop_sync = _no_stop_sync()
+        self._stop_sync = no_stop_sync()
         self._store = None  # device 0: the rendezvous store of the device world
         self._queue_bytes = 0  # bytes this device's queue client had moved at the last report
         self._packers = {"update": NumberPacker(), "report": NumberPacker()}  # answers that recur each step
@@ -573,7 +479,7 @@ class DeviceWorker:
         devices; with `keep=False` this device only joins the gathers and returns None)."""
         if self.pm is not None:
             return self.pm.full_state_dict(keep=keep)
-        return _on_host(self.policy.state_dict()) if keep else None
+        return on_host(self.policy.state_dict()) if keep else None
 
     def state(self, keep: bool = True) -> dict[str, Any] | None:
         """The policy weights, optimizer state and version, whole (train devices hold identical
@@ -584,7 +490,7 @@ class DeviceWorker:
         if self.pm is not None:  # keyed by the plain model's parameter order, as a replica's
             optimizer = self.layout_state.optimizer_whole(optimizer, keep)
         weights = self.weights(keep)
-        return {"model": weights, "optimizer": _on_host(optimizer), "version": self.actor.version} if keep else None
+        return {"model": weights, "optimizer": on_host(optimizer), "version": self.actor.version} if keep else None
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.pm is None:
@@ -604,7 +510,7 @@ class DeviceWorker:
             self.actor.version = state["version"]
 
     def critic_state(self) -> dict[str, Any]:
-        return _on_host({"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()})
+        return on_host({"model": self.critic.model.state_dict(), "optimizer": self.critic.optimizer.state_dict()})
 
     def load_critic_state(self, state: dict[str, Any]) -> None:
         self.critic.model.load_state_dict(state["model"])
@@ -627,7 +533,7 @@ class DeviceWorker:
         spans, self.spans = self.spans, []
         numbers: dict[str, float] = {}
         if self.rollout is not None:
-            engine, self._stop_sync = {**self.rollout.engine.take_stats(), **self._stop_sync}, _no_stop_sync()
+            engine, self._stop_sync = {**self.rollout.engine.take_stats(), **self._stop_sync}, no_stop_sync()
             numbers.update({f"engine/{k}": v for k, v in engine.items()})
         memory = self.switch.memory()
         numbers.update({f"memory/peaks/{phase}": v for phase, v in memory.pop("peaks").items()})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from rlfusion.model.config import get_preset
 from rlfusion.sim.cluster_calibration import (EngineAssumptions, calibration_from_hardware, engine_slots,
@@ -90,18 +91,7 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
     supernode = get_cluster(kind, probe.chips_per_domain)
     if advantage_s_per_sample is None:
         advantage_s_per_sample = _measured_advantage()
-    base = EngineAssumptions()
-    plan = train_plan(model, supernode, base)  # the update's layout does not depend on the scenario
-    cals, slots = {}, {}
-    for sc in scenarios:
-        chip = dataclasses.replace(supernode.chip, matmul_efficiency=supernode.chip.matmul_efficiency
-                                   * sc.matmul_efficiency_scale)
-        cluster = dataclasses.replace(supernode, chip=chip)
-        a = dataclasses.replace(base, a2a_message_us=sc.a2a_message_us, memory_utilization=sc.memory_utilization,
-                                step_overhead_ms=sc.step_overhead_ms)
-        cal = calibration_from_hardware(model, cluster, a, plan)
-        cals[sc.name] = dataclasses.replace(cal, advantage_s_per_sample=advantage_s_per_sample)
-        slots[sc.name] = engine_slots(model, cluster, a)
+    cals, slots = _calibrations(model, supernode, scenarios, advantage_s_per_sample)
     rows = []
     for mode in ("colocated", "separated"):
         for variant, s in (("sync", 0), ("stalesync", max_staleness)):
@@ -121,11 +111,47 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
                 step = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0]
                 rows.append(ProjectionRow(mode, variant, n, tokens, all_tokens, tokens["central"] / (n * first),
                                           device_utilization(central), step))
+    return rows, _assumptions(model_name, model, supernode, max_staleness, scenarios, cals, slots,
+                              advantage_s_per_sample, supernodes)
+
+
+def balanced_slots(cfg: RLSimConfig, devices_per_engine: int, memory_slots: int) -> int:
+    """Slots per engine: what its KV memory holds, at most its even share of the samples that
+    may be in flight ((s + 1) updates' worth), as a load balancer over the engines spreads them
+    (the simulator's engines otherwise fill in order, the first taking all it can hold)."""
+    devices = cfg.num_devices * (cfg.rollout_fraction if cfg.mode == "separated" else 1.0)
+    engines = max(1, int(devices) // devices_per_engine)
+    return max(1, min(memory_slots, -(-(cfg.max_staleness + 1) * cfg.samples_per_step // engines)))
+
+
+def _calibrations(model, supernode, scenarios: tuple[Scenario, ...], advantage_s_per_sample: float
+                  ) -> tuple[dict[str, Any], dict[str, int]]:
+    """Per scenario: the calibration of one supernode from its hardware and the cost model, and an
+    engine's slots (the update's layout is searched once: it does not depend on the scenario)."""
+    base = EngineAssumptions()
+    plan = train_plan(model, supernode, base)
+    cals, slots = {}, {}
+    for sc in scenarios:
+        chip = dataclasses.replace(supernode.chip, matmul_efficiency=supernode.chip.matmul_efficiency
+                                   * sc.matmul_efficiency_scale)
+        cluster = dataclasses.replace(supernode, chip=chip)
+        a = dataclasses.replace(base, a2a_message_us=sc.a2a_message_us, memory_utilization=sc.memory_utilization,
+                                step_overhead_ms=sc.step_overhead_ms)
+        cal = calibration_from_hardware(model, cluster, a, plan)
+        cals[sc.name] = dataclasses.replace(cal, advantage_s_per_sample=advantage_s_per_sample)
+        slots[sc.name] = engine_slots(model, cluster, a)
+    return cals, slots
+
+
+def _assumptions(model_name: str, model, supernode, max_staleness: int, scenarios: tuple[Scenario, ...],
+                 cals: dict[str, Any], slots: dict[str, int], advantage_s_per_sample: float,
+                 supernodes: tuple[int, ...]) -> list[str]:
+    """Every assumption the projection rests on, one line each (printed under the table)."""
     w = workload("colocated", max_staleness, supernode.num_chips)
     cal = cals["central"]
     longest = ", ".join(f"{n} supernode(s) {expected_longest(w.samples_per_step * n // w.num_supernodes, w.response_median, w.length_sigma):,.0f}"
                         for n in supernodes)
-    lines = [
+    return [
         f"model {model_name}: {model.param_counts()['total'] / 1e9:,.0f}B total, "
         f"{model.param_counts()['active'] / 1e9:,.1f}B active parameters",
         f"supernode: {supernode.num_chips} x {supernode.chip.name} "
@@ -163,16 +189,6 @@ def project(model_name: str = "pangu-ultra-moe-718b", kind: str = "cm384",
         "not modelled: failures and restarts, network congestion beyond one link per chip, load "
         "imbalance between experts, KV-cache preemption, overlap of the weight sync with generation",
     ]
-    return rows, lines
-
-
-def balanced_slots(cfg: RLSimConfig, devices_per_engine: int, memory_slots: int) -> int:
-    """Slots per engine: what its KV memory holds, at most its even share of the samples that
-    may be in flight ((s + 1) updates' worth), as a load balancer over the engines spreads them
-    (the simulator's engines otherwise fill in order, the first taking all it can hold)."""
-    devices = cfg.num_devices * (cfg.rollout_fraction if cfg.mode == "separated" else 1.0)
-    engines = max(1, int(devices) // devices_per_engine)
-    return max(1, min(memory_slots, -(-(cfg.max_staleness + 1) * cfg.samples_per_step // engines)))
 
 
 def _measured_advantage() -> float:

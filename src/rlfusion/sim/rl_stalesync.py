@@ -250,7 +250,7 @@ class RuntimeStaleSync:
         return max(e.clock for e in sim.engines), out["generated_tokens"]
 
     def _polled(self, devs: list[_Device], plan: RolloutPlan) -> float:
-        """Hybrid's stop-rule sums (`workers.StopSums`, polled): no device waits for another while it
+        """Hybrid's stop-rule sums (`stop_sums.StopSums`, polled): no device waits for another while it
         has work; once every device has joined, the rule applies to the sums of their counts
         before each engine step (the poll costs nothing beside a step), stepping the device that
         is furthest behind in time. Returns when the last device stops."""
