@@ -31,11 +31,11 @@ class ModelRunner:
         self.cache = model.new_kv_cache(num_slots, max_seq_len)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # time spent per kind of pass since the last `take_stats` (for cost models and reports)
-        self.stats = _fresh_stats()
+        self.stats = fresh_stats()
 
     def take_stats(self) -> dict[str, float]:
         """Decode / prefill passes, their rows (prefill: tokens) and seconds; resets."""
-        out, self.stats = self.stats, _fresh_stats()
+        out, self.stats = self.stats, fresh_stats()
         return out
 
     @torch.inference_mode()
@@ -97,7 +97,8 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _fresh_stats() -> dict[str, float]:
+def fresh_stats() -> dict[str, float]:
+    """Zeroed pass counts and seconds: the keys every engine's `take_stats` reports."""
     return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
                           "prefill_tokens", "prefill_s"), 0.0)
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rlfusion.engine.engine import run_to_completion
+from rlfusion.engine.runner import fresh_stats
 from rlfusion.engine.types import Completion, Request
 from rlfusion.fusion.buckets import Bucket, pack, plan_buckets, specs_of, unpack
 
@@ -74,7 +75,7 @@ class VLLMEngine:
         self.num_steps = 0
         self._requests: dict[str, Request] = {}  # unfinished, as submitted
         self._latest: dict[str, Any] = {}  # last cumulative vLLM output per request
-        self._stats = _fresh_stats()
+        self._stats = fresh_stats()
         self._folder: tempfile.TemporaryDirectory | None = None  # an exported policy's, kept while the engine lives
 
     @classmethod
@@ -114,11 +115,11 @@ class VLLMEngine:
 
     def step(self) -> list[Completion]:
         self._check_awake("step")
-        start, finished, rows, tokens = time.perf_counter(), [], 0, 0
+        start, finished, tokens = time.perf_counter(), [], 0
         for out in self.llm.llm_engine.step():
             before = self._latest.get(out.request_id)
             new = len(out.outputs[0].token_ids) - (len(before.outputs[0].token_ids) if before is not None else 0)
-            rows, tokens = rows + (new > 0), tokens + new
+            tokens += new
             self._latest[out.request_id] = out
             if out.finished:
                 finished.append(self._completion(out.request_id, _finish_reason(out)))
@@ -131,7 +132,7 @@ class VLLMEngine:
 
     def take_stats(self) -> dict[str, float]:
         """Steps (as decode passes), the tokens they generated and their seconds since the last call."""
-        out, self._stats = self._stats, _fresh_stats()
+        out, self._stats = self._stats, fresh_stats()
         return out
 
     def rng_state(self) -> torch.Tensor:
@@ -216,11 +217,6 @@ def check_servable(model) -> None:
     from rlfusion.model.hf import infer_family, state_to_hf_checks
 
     state_to_hf_checks(model, infer_family(model.config))
-
-
-def _fresh_stats() -> dict[str, float]:
-    return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
-                          "prefill_tokens", "prefill_s"), 0.0)
 
 
 def _finish_reason(out) -> str:
