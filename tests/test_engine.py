@@ -184,6 +184,74 @@ def test_abort_then_resume_equals_uninterrupted_greedy(model):
     assert any(len(c.output_ids) > 0 for c in partial), "abort should return partial tokens"
 
 
+def test_resume_from_a_kept_cache_row_equals_uninterrupted_and_skips_the_prefill(model):
+    """abort(keep_cache=True) saves the running rows; the resumed requests decode on from them
+    (no prefill of prompt + partial output) and, with the same weights, generate exactly what
+    the uninterrupted run does, token and logprob alike — through a sleep (the cache released
+    and restored zeroed) and with finished rows' moves pending when the abort came."""
+    reference = LLMEngine(model, EngineConfig(max_num_seqs=4, seed=5)).generate(_requests(6, GREEDY))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, seed=5))
+    for req in _requests(6, GREEDY):
+        engine.add_request(req)
+    done = {}
+    while len(done) < 1 or not engine.scheduler.running:  # a finish leaves a move pending
+        done.update({c.request_id: c for c in engine.step()})
+    for _ in range(3):
+        done.update({c.request_id: c for c in engine.step()})
+    running = {s.request_id for s in engine.scheduler.running}
+    partial = engine.abort([f"r{i}" for i in range(6) if f"r{i}" not in done], keep_cache=True)
+    assert set(engine.runner.saved) == running and engine.saved_bytes > 0
+    engine.sleep()
+    engine.wake_up()
+    engine.take_stats()
+    for c in partial:
+        engine.add_request(Request.resume(c))
+    assert engine.drop_saved() == 0  # every saved row is in use
+    while engine.has_unfinished():
+        done.update({c.request_id: c for c in engine.step()})
+    stats = engine.take_stats()
+    kept = [c for c in partial if c.request_id in running]
+    assert stats["restored_tokens"] == sum(len(c.prompt_ids) + len(c.output_ids) - 1 for c in kept)
+    fresh = [c for c in partial if c.request_id not in running]  # waiting when aborted: prefilled
+    assert stats["prefill_tokens"] == sum(len(c.prompt_ids) + len(c.output_ids) for c in fresh)
+    for ref in reference:
+        got = done[ref.request_id]
+        assert got.output_ids == ref.output_ids and got.finish_reason == ref.finish_reason
+        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert not engine.runner.saved
+
+
+def test_a_saved_row_that_no_longer_fits_its_request_is_dropped(model):
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4))
+    engine.add_request(_requests(1, GREEDY)[0])
+    for _ in range(3):
+        engine.step()
+    (c,) = engine.abort(["r0"], keep_cache=True)
+    assert "r0" in engine.runner.saved
+    engine.add_request(Request("r0", c.prompt_ids, GREEDY))  # the same id, started over
+    assert "r0" not in engine.runner.saved
+    engine.take_stats()
+    engine.step()
+    stats = engine.take_stats()
+    assert stats["restored_tokens"] == 0 and stats["prefill_tokens"] == len(c.prompt_ids)
+    engine.abort(["r0"], keep_cache=True)
+    engine.add_request(Request("other", [1, 4], GREEDY))
+    assert engine.drop_saved() == 1 and not engine.runner.saved
+
+
+def test_scheduler_restores_saved_rows_into_the_running_block():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=100, max_seq_len=50))
+    sched.add(Request("a", [1] * 10))
+    sched.schedule()
+    sched.add(Request("b", [1] * 4, output_ids=[5, 6], logprobs=[0.0, 0.0], versions=[0, 0]), cached=5)
+    sched.add(Request("c", [1] * 3))
+    plan = sched.schedule()
+    assert [(s.request_id, slot) for s, slot in plan.restores] == [("b", 1)]
+    assert [s.request_id for s in plan.decode] == ["a", "b"] and [s.request_id for s in plan.prefill] == ["c"]
+    with pytest.raises(ValueError, match="all but the last"):
+        sched.add(Request("d", [1] * 4), cached=4)
+
+
 def test_policy_versions_are_stamped_per_token(model):
     engine = LLMEngine(model, EngineConfig(max_num_seqs=2))
     engine.add_request(_requests(1, SamplingParams(temperature=0.0, max_new_tokens=6))[0])

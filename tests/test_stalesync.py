@@ -59,11 +59,14 @@ class FakeEngine:
         self.running = [r for r in self.running if r not in done]
         return [self._completion(r, "stop") for r in done]
 
-    def abort(self, ids):
+    def abort(self, ids, keep_cache=False):  # keeps no cache rows: a resumed request starts over
         out = [r for r in self.waiting + self.running if r.request_id in ids]
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
         return [self._completion(r, "aborted") for r in out]
+
+    def drop_saved(self):
+        return 0
 
     @staticmethod
     def _completion(r, reason):
@@ -329,6 +332,36 @@ def test_assign_groups_splits_new_groups_contiguously_and_spreads_resumed_ones()
         parts = assign_groups(items, k)
         assert len(parts) == k and sorted(it[0] for p in parts for it in p) == list(range(n))
         assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
+
+
+class _Paused:
+    def __init__(self, device):
+        self.paused_on = device
+
+
+def test_sticky_assignment_sends_a_resumed_group_back_to_the_device_that_paused_it():
+    """resume_kv=keep: a paused group's cache rows are on its device, so it goes back there; the
+    new groups (contiguous, in order) fill up the parts with the fewest groups first."""
+    items = [(0, "a", [_Paused(1)]), (1, "b", [_Paused(1)]), (2, "c", []), (3, "d", []), (4, "e", []), (5, "f", [])]
+    parts = assign_groups(items, 2, sticky=True)
+    assert [[gid for gid, _, _ in p] for p in parts] == [[2, 3, 4], [0, 1, 5]]
+    assert [[g for g, _, _ in p] for p in assign_groups(items[2:], 2, sticky=True)] == [[2, 3], [4, 5]]
+    no_home = [(0, "a", [_Paused(-1)]), (1, "b", [_Paused(7)]), (2, "c", [])]  # unknown: spread as before
+    assert [[g for g, _, _ in p] for p in assign_groups(no_home, 2, sticky=True)] == [[0, 2], [1]]
+    rng = random.Random(1)
+    for _ in range(100):
+        n, k = rng.randint(0, 20), rng.randint(1, 4)
+        items = [(i, None, [_Paused(rng.randrange(k))] if rng.random() < 0.4 else []) for i in range(n)]
+        parts = assign_groups(items, k, sticky=True)
+        assert sorted(it[0] for p in parts for it in p) == list(range(n))
+        assert all(it[2][0].paused_on == d for d, p in enumerate(parts) for it in p if it[2])
+        assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
+        new = [it[0] for p in parts for it in p if not it[2]]
+        assert new == sorted(new)  # handed out in order, part after part
+    # hybrid: back to its early device; one paused on a late (train) device goes to an early one
+    items = [(0, "a", [_Paused(2)]), (1, "b", [_Paused(1)]), (2, "c", []), (3, "d", [])]
+    parts = assign_hybrid(items, [False, True, False], 0.5, sticky=True)
+    assert [[g for g, _, _ in p] for p in parts] == [[1, 2], [3], [0]]
 
 
 def test_assign_hybrid_gives_the_late_devices_a_share_of_the_newest_groups_only():

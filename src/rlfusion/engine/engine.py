@@ -2,7 +2,9 @@
 
 Each `step()` asks the scheduler for a plan, runs it, appends one token to every scheduled
 sequence and retires the ones that hit a stop token or their length limit. `abort()` returns
-partial outputs that `Request.resume()` continues later.
+partial outputs that `Request.resume()` continues later; `abort(..., keep_cache=True)` also
+keeps each running request's cache row (host memory, through `sleep`), so adding the resumed
+request again decodes on at once instead of prefilling its prompt and partial output anew.
 """
 
 from __future__ import annotations
@@ -43,7 +45,36 @@ class LLMEngine:
     holds_weights = False  # generates from the module it was given: nothing to load into it
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add(request)
+        """Queue `request`; one aborted with `keep_cache` whose tokens are still those of its
+        saved row continues from that row (else the row is dropped and it is prefilled)."""
+        saved = self.runner.saved.get(request.request_id)
+        n = len(request.prompt_ids) + len(request.output_ids) - 1
+        if saved is not None and saved[0] != n:
+            del self.runner.saved[request.request_id]
+            saved = None
+        self.scheduler.add(request, cached=n if saved is not None else 0)
+
+    def drop_saved(self) -> int:
+        """Forget every saved cache row no queued request is using (their requests resume
+        elsewhere, or never); returns the rows dropped."""
+        live = self.scheduler.waiting_ids()
+        stale = [rid for rid in self.runner.saved if rid not in live]
+        for rid in stale:
+            del self.runner.saved[rid]
+        return len(stale)
+
+    def saved_rows(self) -> dict[str, tuple[int, list[torch.Tensor]]]:
+        """The saved cache rows (request id -> (positions, per-buffer tensors)), for a checkpoint."""
+        return dict(self.runner.saved)
+
+    def load_saved_rows(self, rows: dict[str, tuple[int, list[torch.Tensor]]]) -> None:
+        """Put a checkpoint's saved cache rows back (replacing any)."""
+        self.runner.saved = dict(rows)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Host bytes of the saved cache rows of paused requests."""
+        return self.runner.saved_bytes
 
     # ---- what the RL roles use beside generation (`engine/vllm_backend.VLLMEngine` has the same) ----
 
@@ -93,9 +124,15 @@ class LLMEngine:
                 finished.append(_completion(seq, reason))
         return finished
 
-    def abort(self, request_ids) -> list[Completion]:
-        """Stop the given requests now; their partial outputs come back with reason `aborted`."""
-        return [_completion(s, "aborted") for s in self.scheduler.abort(set(request_ids))]
+    def abort(self, request_ids, keep_cache: bool = False) -> list[Completion]:
+        """Stop the given requests now; their partial outputs come back with reason `aborted`.
+        `keep_cache`: the running ones' cache rows are saved for their resumption."""
+        ids = set(request_ids)
+        if keep_cache:
+            for src, dst in self.scheduler.take_moves():  # rows where the scheduler has them
+                self.runner.cache.move_slot(src, dst)
+            self.runner.save_rows([s for s in self.scheduler.running if s.request_id in ids and s.num_cached])
+        return [_completion(s, "aborted") for s in self.scheduler.abort(ids)]
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run the given requests to completion; results in the order of `requests`."""

@@ -1,5 +1,8 @@
-"""Model runner: owns the KV cache and executes a `StepPlan` — moves, permutation, decode,
-prefill, sampling.
+"""Model runner: owns the KV cache and executes a `StepPlan` — moves, restores, permutation,
+decode, prefill, sampling.
+
+It also holds the saved cache rows of paused requests (`save_rows`, in host memory: they outlive
+the cache while it is released for training), which a plan's `restores` copy back.
 
 The runner never decides what runs; it turns the scheduler's plan into tensors.
 
@@ -30,6 +33,7 @@ class ModelRunner:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.cache = model.new_kv_cache(num_slots, max_seq_len)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.saved: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request id -> (positions, row)
         # time spent per kind of pass since the last `take_stats` (for cost models and reports)
         self.stats = fresh_stats()
 
@@ -43,6 +47,10 @@ class ModelRunner:
         """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`."""
         for src, dst in plan.moves:
             self.cache.move_slot(src, dst)
+        for seq, slot in plan.restores:
+            positions, row = self.saved.pop(seq.request_id)
+            self.cache.write_slot(slot, row)
+            self.stats["restored_tokens"] += positions
         if plan.permutation:
             self.cache.permute_slots(plan.permutation, max(s.num_cached for s in plan.decode))
         logits, st = [], self.stats
@@ -52,6 +60,16 @@ class ModelRunner:
         tokens_B, logprobs_B = sample(torch.cat(logits).float(), [s.request.params for s in seqs],
                                       self.generator)
         return tokens_B.tolist(), logprobs_B.tolist()
+
+    def save_rows(self, seqs: list[Sequence]) -> None:
+        """Keep a host copy of each running sequence's cached keys and values (its slot must be
+        current: apply pending moves first)."""
+        for s in seqs:
+            self.saved[s.request_id] = (s.num_cached, self.cache.read_slot(s.slot, s.num_cached))
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, row in self.saved.values() for t in row)
 
     def _passes(self, plan: StepPlan, logits: list[torch.Tensor], st: dict[str, float]) -> None:
         if plan.decode:
@@ -100,5 +118,5 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 def fresh_stats() -> dict[str, float]:
     """Zeroed pass counts and seconds: the keys every engine's `take_stats` reports."""
     return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
-                          "prefill_tokens", "prefill_s"), 0.0)
+                          "prefill_tokens", "prefill_s", "restored_tokens"), 0.0)
 

@@ -13,6 +13,10 @@ by length persists; what breaks it is a short row moved into a finished row's ho
 (resumed) request admitted behind shorter running rows. Each admitted batch takes its slots
 longest first; when the order's reads exceed the sorted order's by
 `RESORT_GAIN`, the plan permutes the rows (one copy of the rows' cache).
+
+A request added with its keys and values already saved (`add(request, cached=n)`: an aborted
+request whose cache row the engine kept) needs no prefill: it takes the next free slot, the
+plan's `restores` tell the runner to copy its saved row there, and it decodes in the same step.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Sequence:
 
     request: Request
     slot: int = -1
-    num_cached: int = 0  # tokens whose keys/values are in the cache
+    num_cached: int = 0  # tokens whose keys/values are in the cache (waiting: in a saved row)
 
     @property
     def request_id(self) -> str:
@@ -74,6 +78,8 @@ class StepPlan:
     """
 
     moves: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    # after the moves: saved cache rows to copy into these slots (before the permutation)
+    restores: list[tuple[Sequence, int]] = field(default_factory=list)
     # after the moves: new slot i takes the running row of old slot permutation[i]
     permutation: list[int] | None = None
     decode: list[Sequence] = field(default_factory=list)
@@ -98,10 +104,15 @@ class Scheduler:
         self._live_ids: set[str] = set()
         self._reordered = False  # rows left or joined since the order was last checked
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, cached: int = 0) -> None:
+        """Queue `request`. `cached`: its first `cached` tokens' keys and values are saved (the
+        engine restores them instead of a prefill); they must be all its tokens but the last."""
         if request.request_id in self._live_ids:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        seq = Sequence(request)
+        seq = Sequence(request, num_cached=cached)
+        if cached and cached != seq.num_tokens - 1:
+            raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens: a saved cache row "
+                             f"must hold all but the last, not {cached}")
         if seq.num_tokens >= self.config.max_seq_len:
             raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens; the "
                              f"KV cache holds {self.config.max_seq_len} per sequence")
@@ -111,13 +122,18 @@ class Scheduler:
         self.waiting.append(seq)
         self._live_ids.add(request.request_id)
 
+    def waiting_ids(self) -> set[str]:
+        return {s.request_id for s in self.waiting}
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(moves=self._pending_moves, permutation=self._longest_first())
-        plan.decode = list(self.running)
+        plan = StepPlan(moves=self._pending_moves)
         self._pending_moves = []
+        self._admit_restored(plan)
+        plan.permutation = self._longest_first()
+        plan.decode = list(self.running)
         # The runner prefills new rows packed (no padding), so the budget counts their tokens.
         budget = self.config.max_num_batched_tokens - len(plan.decode)
         free = self.config.max_num_seqs - len(self.running)
@@ -137,6 +153,22 @@ class Scheduler:
             self._reordered = True
         return plan
 
+    def _admit_restored(self, plan: StepPlan) -> None:
+        """Waiting requests with a saved cache row join the running block while slots are free
+        (in waiting order); each costs one decode row, no prefill."""
+        if not any(s.num_cached for s in self.waiting):
+            return
+        keep: deque[Sequence] = deque()
+        for seq in self.waiting:
+            if seq.num_cached and len(self.running) < self.config.max_num_seqs:
+                seq.slot = len(self.running)
+                self.running.append(seq)
+                plan.restores.append((seq, seq.slot))
+                self._reordered = True
+            else:
+                keep.append(seq)
+        self.waiting = keep
+
     def _longest_first(self) -> list[int] | None:
         """Reorder the running rows longest first when that cuts the decode pass's reads by
         `RESORT_GAIN`; returns the old slots in their new order, or None (no change)."""
@@ -154,6 +186,12 @@ class Scheduler:
             seq.slot = slot
         self.running = ordered
         return permutation
+
+    def take_moves(self) -> list[tuple[int, int]]:
+        """The row moves of finished sequences not yet applied to the cache (cleared): for a
+        caller that reads cache rows between steps."""
+        moves, self._pending_moves = self._pending_moves, []
+        return moves
 
     def finish(self, seq: Sequence) -> None:
         """Release `seq`'s slot; the last running sequence moves into it."""

@@ -142,11 +142,26 @@ class VLLMEngine:
     def set_rng_state(self, state: torch.Tensor) -> None:
         pass  # see `rng_state`
 
-    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
-        """Stop the given requests now; partial outputs come back with reason `aborted`."""
+    def abort(self, request_ids: Iterable[str], keep_cache: bool = False) -> list[Completion]:
+        """Stop the given requests now; partial outputs come back with reason `aborted`. vLLM
+        frees an aborted request's cache blocks, so `keep_cache` keeps nothing: a resumed request
+        is prefilled again (`saved_bytes` stays 0)."""
         ids = [i for i in request_ids if i in self._requests]
         self.llm.llm_engine.abort_request(ids)
         return [self._completion(i, "aborted") for i in ids]
+
+    saved_bytes = 0  # no cache rows outlive an abort (see `abort`)
+
+    def drop_saved(self) -> int:
+        return 0
+
+    def saved_rows(self) -> dict:
+        return {}
+
+    def load_saved_rows(self, rows: dict) -> None:
+        if rows:
+            raise ValueError("this checkpoint holds cache rows of paused requests from the native engine; "
+                             "vLLM cannot take them: resume with rollout.backend=native")
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         return run_to_completion(self, requests)

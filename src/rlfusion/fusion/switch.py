@@ -218,6 +218,7 @@ class DeviceSwitch:
             led.set("optimizer", self.optimizer_pool.host_bytes, location="host")
         if self.engine is not None:
             led.set("kv_cache", self.engine.cache_bytes)
+            led.set("kv_cache", self.engine.saved_bytes, location="host", name="paused")  # rows kept for resumption
         if self.critic is not None:
             model, optimizer = self.critic
             led.track("weights", list(model.parameters()), name="critic")

@@ -60,6 +60,19 @@ class KVCache:
             for buf in buffers:
                 buf[dst].copy_(buf[src])
 
+    def read_slot(self, slot: int, positions: int) -> list[torch.Tensor]:
+        """A host-memory copy of row `slot`'s first `positions` positions, one `[G, positions, X]`
+        tensor per buffer (what `write_slot` puts back)."""
+        return [buf[slot, :, :positions].to("cpu", copy=True) for buffers in self.layers for buf in buffers]
+
+    def write_slot(self, slot: int, saved: list[torch.Tensor]) -> None:
+        """Put a `read_slot` copy back into row `slot` (positions past it are left as they are)."""
+        bufs = [buf for buffers in self.layers for buf in buffers]
+        if len(saved) != len(bufs):
+            raise ValueError(f"a saved cache row has {len(saved)} buffers, this cache {len(bufs)}")
+        for buf, t in zip(bufs, saved):
+            buf[slot, :, :t.shape[1]].copy_(t)
+
     def permute_slots(self, order: list[int], positions: int) -> None:
         """Rows `[0, len(order))` become rows `order` (new row i holds old row `order[i]`),
         copying each row's first `positions` positions."""

@@ -215,6 +215,15 @@ class Devices(ABC):
     def rng_state(self) -> list[torch.Tensor]:
         return self._run([(d, "rng_state", ()) for d in self.plan.rollout], kind="state")
 
+    def saved_rows(self) -> list[dict]:
+        """Each rollout device's cache rows of paused requests (StaleSync, `resume_kv=keep`)."""
+        return self._run([(d, "saved_rows", ()) for d in self.plan.rollout], kind="state")
+
+    def load_saved_rows(self, rows: list[dict]) -> None:
+        if len(rows) != len(self.plan.rollout):
+            raise ValueError(f"saved cache rows for {len(rows)} rollout devices, the run has {len(self.plan.rollout)}")
+        self._run([(d, "load_saved_rows", (r,)) for d, r in zip(self.plan.rollout, rows)], kind="state")
+
     def set_rng_state(self, states: list[torch.Tensor]) -> None:
         if len(states) != len(self.plan.rollout):
             raise ValueError(f"engine RNG states of {len(states)} rollout devices, this run has {len(self.plan.rollout)}")
@@ -232,6 +241,7 @@ class GroupRollout:
         self.devices, self.quota, self.drop_overdue = devices, quota, drop_overdue
         self.calls: dict[int, tuple[list, set[int]]] = {}  # device: (its groups, its due ones)
         self.handles: list[Any] = []
+        self.launched: list[int] = []  # the device of each handle
 
     def launch(self, devices: list[int], version: int) -> None:
         """Start the rollout on `devices`, generating with weights `version` (a train device
@@ -241,9 +251,15 @@ class GroupRollout:
             part, mine = self.calls[dev]
             args = d._counted((part, version, self.quota, mine, self.drop_overdue, d.score_here), "step")
             self.handles.append(d._start(dev, "rollout_groups", *args))
+            self.launched.append(dev)
 
     def wait(self) -> dict[str, Any]:
+        """The devices' results merged; each partial sample marked with the index of the rollout
+        device that paused it (`Trajectory.paused_on`: `assign_groups` sends it back there)."""
         outs = self.devices._counted(self.devices._wait(self.handles), "step")
+        for dev, out in zip(self.launched, outs):
+            for t in out["unfinished"]:
+                t.paused_on = self.devices.plan.rollout.index(dev)
         return {"finished": [t for o in outs for t in o["finished"]],
                 "unfinished": [t for o in outs for t in o["unfinished"]],
                 "dropped": [g for o in outs for g in o["dropped"]],

@@ -81,6 +81,8 @@ def _save(trainer, tmp: Path) -> Path:
         # queue itself is empty between steps: every step retires its rows)
         "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
                                                          "pending": trainer.pending,
+                                                         # paused samples' cache rows (resume_kv=keep)
+                                                         "saved_rows": devices.saved_rows(),
                                                          "join_share": trainer.join_share,
                                                          "shape": _stalesync_shape(trainer)},
         "critic": devices.critic_state() if trainer.cfg.algo.advantage == "gae" else None,
@@ -137,6 +139,9 @@ def _restore(trainer, state: dict, path: Path) -> None:
         trainer.stale.load_state_dict(state["stalesync"]["book"])
         trainer.pending = state["stalesync"]["pending"]
         trainer.join_share = state["stalesync"].get("join_share", trainer.join_share)
+        rows = state["stalesync"].get("saved_rows")
+        if rows and trainer.cfg.stalesync.resume_kv == "keep":  # else the paused samples recompute theirs
+            trainer.devices.load_saved_rows(rows)
     elif trainer.stale is not None and trainer.step:
         raise ValueError(f"{path} was written without StaleSync; resume it with stalesync.enabled=false")
     elif trainer.stale is None and state.get("stalesync"):

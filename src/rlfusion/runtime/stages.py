@@ -121,7 +121,8 @@ class RolloutStage:
         return [done[k] for k in range(len(requests))]
 
     def run_groups(self, groups: list[tuple[int, Problem, list[Trajectory]]], version: int, quota: int,
-                   must_finish: set[int], drop_overdue: bool = False, sync: Any = None) -> dict[str, Any]:
+                   must_finish: set[int], drop_overdue: bool = False, sync: Any = None,
+                   keep_cache: bool = False) -> dict[str, Any]:
         """Partial rollout over prompt groups `(group_id, problem, open samples)`: a group with no
         open samples starts `group_size` new ones, else its open (aborted) samples resume with
         the current weights. Steps the engine until every request is done, or until `quota` of
@@ -135,6 +136,10 @@ class RolloutStage:
         `sync` is a `stop_sums.StopSums`: called with `wait=not busy`; a polled one may answer None
         (the sums are not in yet, `sync.pending`) and is asked again every step until they are,
         the device decoding on meanwhile.
+
+        `keep_cache` (`stalesync.resume_kv=keep`): the aborted requests' cache rows stay with the
+        engine, and those this device resumes in its next rollout decode on from them instead of
+        prefilling prompt and partial output again with the newer weights.
 
         Returns finished and unfinished (aborted, partial) samples in request order, the ids of
         the groups it gave up, and how many tokens it generated."""
@@ -168,7 +173,8 @@ class RolloutStage:
                 run.record(self.engine.step())
             except Exception as e:  # noqa: BLE001
                 error = e
-        aborted = {c.request_id: c for c in self.engine.abort(set(run.owner) - set(run.done))}
+        aborted = {c.request_id: c for c in self.engine.abort(set(run.owner) - set(run.done),
+                                                               keep_cache=keep_cache and error is None)}
         model.train(was_training)
         if error is not None:
             raise error
@@ -180,6 +186,13 @@ class RolloutStage:
 
     def rng_state(self) -> torch.Tensor:
         return self.engine.rng_state()
+
+    def saved_rows(self) -> dict:
+        """The engine's cache rows of paused requests (`run_groups(keep_cache=True)`)."""
+        return self.engine.saved_rows()
+
+    def load_saved_rows(self, rows: dict) -> None:
+        self.engine.load_saved_rows(rows)
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.engine.set_rng_state(state)
@@ -218,6 +231,7 @@ class _GroupRun:
                 self.order.append(r.request_id)
                 self.engine.add_request(r)
             self.open_count[gid] = len(requests)
+        self.engine.drop_saved()  # rows of paused requests that resume on another device, or never
 
     def record(self, completions) -> None:
         for c in completions:

@@ -76,6 +76,7 @@ from typing import Any
 from rlfusion.config import check_fields
 
 OVERDUE = ("wait", "drop")
+RESUME_KV = ("keep", "recompute")
 MAX_STALENESS = 8
 JOIN_SHARE = 0.25  # hybrid placement: the train devices' share of the first overlapped rollout's new groups
 
@@ -89,6 +90,10 @@ class StaleSyncConfig:
     max_staleness: int = 1
     rollout_finish_threshold: float = 1.0  # (0, 1]: fraction of the update's groups; > 1: a count
     overdue: str = "wait"  # what happens to a group that reaches its deadline unfinished
+    # how an aborted request resumes: "keep" its cache row (saved in host memory through the
+    # update; the device that paused it resumes it and decodes on at once), or "recompute" its
+    # prompt and partial output's keys and values with the newer weights (a prefill)
+    resume_kv: str = "keep"
 
     def __post_init__(self) -> None:
         t = self.rollout_finish_threshold
@@ -98,6 +103,7 @@ class StaleSyncConfig:
             "rollout_finish_threshold": (0 < t <= 1 or (t > 1 and float(t).is_integer()),
                                          "allowed: a fraction in (0, 1] or a whole count > 1"),
             "overdue": (self.overdue in OVERDUE, f"allowed: {', '.join(OVERDUE)}"),
+            "resume_kv": (self.resume_kv in RESUME_KV, f"allowed: {', '.join(RESUME_KV)}"),
         }, self)
         if not self.enabled:
             self._refuse_unused_keys()
@@ -210,33 +216,71 @@ def contiguous_parts(items: list, num_parts: int) -> list[list]:
     return out
 
 
-def assign_groups(items, num_devices: int) -> list[list[GroupItem]]:
-    """Which rollout device runs which group: new groups in contiguous parts (as the synchronous
-    rollout splits its prompts); resumed groups (with open samples) one at a time to the part
-    with the fewest groups, so the carried-over tail does not pile up on one device. Each part
-    oldest first: the engine admits in order, and the oldest are due soonest."""
-    parts = contiguous_parts([it for it in items if not it[2]], num_devices)
+def paused_on(item: GroupItem) -> int:
+    """The rollout device (its index) that paused a resumed group's samples, or -1: a new group,
+    or samples with no device recorded (every sample of a group runs on one device)."""
+    return min((t.paused_on for t in item[2]), default=-1)
+
+
+def assign_groups(items, num_devices: int, sticky: bool = False,
+                  home: Callable[[int], int] | None = None) -> list[list[GroupItem]]:
+    """Which rollout device runs which group. Without `sticky`: new groups in contiguous parts
+    (as the synchronous rollout splits its prompts); resumed groups (with open samples) one at a
+    time to the part with the fewest groups, so the carried-over tail does not pile up on one
+    device. With `sticky` (`resume_kv=keep`) a resumed group goes back to the device that paused
+    it — `home(paused_on(item))`, the identity by default; the others to the parts with the
+    fewest groups — and then the new groups, still contiguous in order, fill up the parts with
+    the fewest groups first. Each part oldest first: the engine admits in order, and the oldest
+    are due soonest."""
+    home = home or (lambda i: i)
+    new = [it for it in items if not it[2]]
+    parts: list[list[GroupItem]] = [[] for _ in range(num_devices)]
+    loose = []
     for it in (it for it in items if it[2]):
+        h = home(paused_on(it)) if sticky else -1
+        if 0 <= h < num_devices:
+            parts[h].append(it)
+        else:
+            loose.append(it)
+    if not sticky:
+        parts = contiguous_parts(new, num_devices)
+    else:  # the homeless resumed ones first, then water-fill the counts with new groups in order
+        for it in loose:
+            min(parts, key=len).append(it)
+        loose = []
+        counts = [len(p) for p in parts]
+        quota = [0] * num_devices
+        for _ in new:
+            i = min(range(num_devices), key=lambda j: (counts[j], j))
+            counts[i] += 1
+            quota[i] += 1
+        start = 0
+        for i in range(num_devices):
+            parts[i].extend(new[start:start + quota[i]])
+            start += quota[i]
+    for it in loose:
         min(parts, key=len).append(it)
     for part in parts:
         part.sort(key=lambda it: it[0])
     return parts
 
 
-def assign_hybrid(items, late: list[bool], share: float) -> list[list[GroupItem]]:
+def assign_hybrid(items, late: list[bool], share: float, sticky: bool = False) -> list[list[GroupItem]]:
     """Hybrid placement's spread: the devices flagged `late` join the rollout after their update,
     so they get about `share` of the new groups (the newest: due last) and no resumed ones (a
     carried-over tail needs a device that decodes from the start); the others get the rest,
-    spread as `assign_groups` does. Each part oldest first."""
+    spread as `assign_groups` does (`sticky`: a resumed group back to the early device that
+    paused it). Each part oldest first."""
     early_idx = [i for i, flag in enumerate(late) if not flag]
     late_idx = [i for i, flag in enumerate(late) if flag]
     if not early_idx or not late_idx:
-        return assign_groups(items, len(late))
+        return assign_groups(items, len(late), sticky)
     new = [it for it in items if not it[2]]
     n_late = min(len(new), round(share * len(new)))
     parts: list[list[GroupItem]] = [[] for _ in late]
-    for i, part in zip(early_idx, assign_groups([it for it in items if it[2]] + new[:len(new) - n_late],
-                                                len(early_idx))):
+    early_parts = assign_groups([it for it in items if it[2]] + new[:len(new) - n_late], len(early_idx), sticky,
+                                home=lambda i: early_idx.index(i) if i in early_idx else -1)
+    for i, part in zip(early_idx, early_parts):
         parts[i] = part
     for i, part in zip(late_idx, contiguous_parts(new[len(new) - n_late:], len(late_idx))):
         parts[i] = part

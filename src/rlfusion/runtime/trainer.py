@@ -215,13 +215,14 @@ class RLTrainer:
         `update_version`). `hybrid`: the train devices are left to join after the update, with
         a share of the new groups (`assign_hybrid`). Returns (plan, `GroupRollout`)."""
         book, dplan = self.stale, self.devices.plan
+        sticky = self.cfg.stalesync.resume_kv == "keep"  # a paused sample's cache row is on its device
         plan = book.plan(version, update_version, lambda: group_problem(self.task, self.cfg.seed, book.next_group_id),
                          int(reserved))
         if hybrid:
             late = tuple(d for d in dplan.rollout if d in dplan.train)
-            parts = assign_hybrid(plan.items, [d in late for d in dplan.rollout], self.join_share)
+            parts = assign_hybrid(plan.items, [d in late for d in dplan.rollout], self.join_share, sticky)
             return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop, defer=late)
-        parts = assign_groups(plan.items, len(dplan.rollout))
+        parts = assign_groups(plan.items, len(dplan.rollout), sticky)
         return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop)
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:

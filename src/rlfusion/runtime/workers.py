@@ -316,7 +316,8 @@ class DeviceWorker:
         sync = (StopSums(self.rollout_group, self._stop_sync, polled=self.plan.mode == "hybrid")
                 if len(self.plan.rollout) > 1 else None)
         with self.switch.rollout():
-            out = self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync)
+            out = self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync,
+                                          keep_cache=self.cfg.stalesync.resume_kv == "keep")
         if score_here:
             self.score_and_reference(out["finished"])
         return out
@@ -521,6 +522,12 @@ class DeviceWorker:
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.rollout.set_rng_state(state)
+
+    def saved_rows(self) -> dict:
+        return self.rollout.saved_rows()
+
+    def load_saved_rows(self, rows: dict) -> None:
+        self.rollout.load_saved_rows(rows)
 
     # ---- what the controller records per step ----
 
