@@ -360,6 +360,7 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
               f"partial length")
         sim = base.replace(mode=tcfg.deploy.mode, max_staleness=st.max_staleness, partial_rollout=True,
                            stalesync_model="runtime", rollout_finish_threshold=st.rollout_finish_threshold,
+                           resume_kv=st.resume_kv,
                            scorers=scorers,
                            response_lengths=lengths, prompt_lengths=prompts,
                            prompt_len=round(statistics.mean(prompts)),

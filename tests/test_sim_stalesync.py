@@ -206,3 +206,17 @@ def test_separated_overlap_with_scorers_on_the_train_devices():
     lanes = lambda r: {e.device for e in r.timeline if e.role == "ref"}
     assert lanes(on_rollout) == {"engine0"} and lanes(on_train) == {"train"}
     assert max(on_train.staleness_per_sample) <= 1 and on_train.updates == cfg.num_steps
+
+
+def test_kept_cache_rows_resume_without_prefill():
+    """resume_kv = "keep" (the runtime's default): a paused sample goes back to the device that
+    aborted it and decodes on from its saved row, so the rollouts prefill less than with
+    "recompute" (prompt + partial output again) and the run is faster, within the same bound."""
+    cfg = BASE.replace(mode="colocated", max_staleness=2, rollout_finish_threshold=0.5)
+    keep, recompute = simulate(cfg, CAL), simulate(cfg.replace(resume_kv="recompute"), CAL)
+    prefill = [sum(st["time_prefill_s"] for st in r.rollout_stats) for r in (keep, recompute)]
+    assert prefill[0] < prefill[1]
+    assert keep.tokens_per_s > recompute.tokens_per_s
+    assert max(keep.staleness_per_sample) <= 2
+    with pytest.raises(ValueError, match="simulate.resume_kv='copy'; allowed: keep, recompute"):
+        cfg.replace(resume_kv="copy")

@@ -59,6 +59,9 @@ class RLSimConfig:
     # and the due ones are done (overdue = wait), separated rollout/update overlap for s >= 1.
     stalesync_model: str = "samples"
     rollout_finish_threshold: float = 1.0  # runtime model: a fraction in (0, 1] or a count > 1
+    # runtime model: how an aborted sample resumes (stalesync.resume_kv): "keep" (back on its
+    # device, from its saved cache row, no prefill) or "recompute" (prompt + partial output prefilled)
+    resume_kv: str = "keep"
     max_num_batched_tokens: int = 4096  # runtime model: the engine's token budget per step (packed prefill)
     stop_sync_every: int = 8  # runtime model: engine steps between the rollout devices'
     #                           stop-rule sums (mirrors stages.SYNC_EVERY; a test checks)
@@ -82,6 +85,8 @@ class RLSimConfig:
         if self.stalesync_model not in STALESYNC_MODELS:
             raise ValueError(f"simulate.stalesync_model={self.stalesync_model!r}; "
                              f"allowed: {', '.join(STALESYNC_MODELS)}")
+        if self.resume_kv not in ("keep", "recompute"):
+            raise ValueError(f"simulate.resume_kv={self.resume_kv!r}; allowed: keep, recompute")
         t = self.rollout_finish_threshold
         if not (0 < t <= 1 or (t > 1 and float(t).is_integer())):
             raise ValueError(f"simulate.rollout_finish_threshold={t}: allowed: a fraction in "

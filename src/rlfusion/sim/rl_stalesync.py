@@ -19,8 +19,11 @@ is time, from the costs of a measured `Calibration` (nothing fitted):
   device applies `rollout_stops` to its own counts before each step. With several rollout
   devices the rule applies to the sums of their counts every `stop_sync_every` engine steps (a
   collective, so they meet there; each sum costs the measured `Calibration.stop_sync_s`), and a
-  device out of work waits in it. Unfinished samples are aborted and resume next rollout
-  (re-prefilling prompt + partial output). Each device then scores its finished samples
+  device out of work waits in it. Unfinished samples are aborted and resume next rollout:
+  with `resume_kv = "keep"` (the runtime's default) a sample that was running goes back to its
+  device (`assign_groups(sticky=True)`) and decodes on from its saved cache row (the scheduler's
+  restore: no prefill; the row copies are not charged), else it re-prefills prompt + partial
+  output. Each device then scores its finished samples
   (reference forward, measured rate + fixed cost per pass) — unless, separated,
   `scorers = "train"` (the runtime's `deploy.scorers`, "train" by default with the overlap):
   then the train devices run the reference pass of the update's batch before the update.
@@ -71,6 +74,8 @@ class _SimSample:
     prompt_len: int
     length: int
     request: Request
+    paused_on: int = -1  # the engine (index) that aborted it, as `Trajectory.paused_on`
+    kept: bool = False  # it was running then: that engine saved its cache row (resume_kv=keep)
 
     @property
     def versions(self) -> list[int]:
@@ -119,7 +124,8 @@ class RuntimeStaleSync:
         self.B = cfg.prompts_per_step * cfg.num_supernodes
         self.G = cfg.group_size
         self.book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=self.s,
-                                                  rollout_finish_threshold=cfg.rollout_finish_threshold),
+                                                  rollout_finish_threshold=cfg.rollout_finish_threshold,
+                                                  resume_kv=cfg.resume_kv),
                                   self.B, self.G)
         prompts = cfg.prompt_lengths or (cfg.prompt_len,)
         self.scheduler_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -187,13 +193,14 @@ class RuntimeStaleSync:
         overlapped (`late_start`): the train devices' engines join at `late_start`, with the
         next weights and their share of the new groups."""
         sim, version = self.sim, plan.version
+        sticky = sim.cfg.resume_kv == "keep"
         if late_start is None:
-            parts = assign_groups(plan.items, len(sim.engines))
+            parts = assign_groups(plan.items, len(sim.engines), sticky)
         else:
-            parts = assign_hybrid(plan.items, [e.name in self.late for e in sim.engines], self.share)
+            parts = assign_hybrid(plan.items, [e.name in self.late for e in sim.engines], self.share, sticky)
         devs = []
         resumed = 0
-        for eng, part in zip(sim.engines, parts):
+        for index, (eng, part) in enumerate(zip(sim.engines, parts)):
             late = late_start is not None and eng.name in self.late
             dev = _Device(eng.name, max(late_start if late else start, eng.clock), Scheduler(self.scheduler_cfg),
                           version=version + 1 if late else version)
@@ -201,7 +208,8 @@ class RuntimeStaleSync:
                 samples = open_ or self._new_samples(gid, problem)
                 resumed += sum(len(smp.response_ids) for smp in open_)
                 for smp in samples:
-                    dev.scheduler.add(smp.request)
+                    kept = smp.kept and smp.paused_on == index  # its saved row is on this engine
+                    dev.scheduler.add(smp.request, cached=smp.prompt_len + len(smp.response_ids) - 1 if kept else 0)
                     dev.samples[smp.request.request_id] = smp
                 dev.open_count[gid] = len(samples)
             dev.due = plan.due & {gid for gid, _, _ in part}
@@ -231,8 +239,13 @@ class RuntimeStaleSync:
         # separated with scorers "train", and hybrid: the train devices score, in `learn`
         scorers_on_train = sim.cfg.mode == "hybrid" or (sim.cfg.mode == "separated" and sim.cfg.scorers == "train")
         out = {"finished": [], "unfinished": [], "dropped": [], "generated_tokens": -resumed}
-        for dev in devs:
+        for index, dev in enumerate(devs):
+            running = {s.request_id for s in dev.scheduler.running}
             dev.scheduler.abort(set(dev.samples) - set(dev.finished))
+            for rid, smp in dev.samples.items():
+                if rid not in dev.finished:
+                    smp.paused_on = index
+                    smp.kept = sim.cfg.resume_kv == "keep" and rid in running
             for rid, smp in dev.samples.items():  # request order, as run_groups returns them
                 out["finished" if rid in dev.finished else "unfinished"].append(smp)
                 out["generated_tokens"] += len(smp.response_ids)
