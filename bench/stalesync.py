@@ -100,20 +100,25 @@ VARIANTS = {  # name: (deploy.mode, stalesync overrides), in ladder order
     "stalesync s=2 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
     "stalesync s=2 colocated recompute": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL,
                                                         "stalesync.resume_kv=\"recompute\""]),
+    "stalesync s=3 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=3", _PARTIAL]),
     "stalesync s=4 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=4", _PARTIAL]),
     "sync separated": ("separated", []),
     "stalesync s=1 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
     "stalesync s=2 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
     "stalesync s=1 hybrid": ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
     "stalesync s=2 hybrid": ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
+    "stalesync s=3 hybrid": ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=3", _PARTIAL]),
 }
 CO_LOCATED = ("colocated", "hybrid")  # modes whose train devices also generate (RL Fusion's switch)
 BASELINE = "sync colocated"
 LEARN = Path(__file__).resolve().parents[1] / "configs" / "learn.toml"
 WORKLOADS = {"replay": REPLAY, "task": None, "learn": LEARN}  # --workload: its config file (None: the defaults)
 LADDER = {  # the variants each workload runs by default
-    "replay": [n for n in VARIANTS if n not in ("stalesync s=2 separated", "stalesync s=2 hybrid")],
-    "task": [n for n in VARIANTS if n not in ("stalesync s=0 colocated", "stalesync s=1 colocated no partial")],
+    "replay": [n for n in VARIANTS if n not in ("stalesync s=2 separated", "stalesync s=1 hybrid", "stalesync s=3 colocated",
+                                                "stalesync s=3 hybrid")],
+    "task": [n for n in VARIANTS if n not in ("stalesync s=0 colocated", "stalesync s=1 colocated no partial",
+                                              "stalesync s=2 colocated recompute", "stalesync s=3 colocated",
+                                              "stalesync s=4 colocated", "stalesync s=3 hybrid")],
     "learn": ["sync colocated", "stalesync s=1 colocated"],
 }
 WORKLOAD = {"file": REPLAY}  # set by --workload
