@@ -1,4 +1,5 @@
-"""Continuous batching vs static batching on a long-tail rollout of the built-in task.
+"""Continuous batching vs static batching on a long-tail rollout of the built-in task, and how
+much of a decode step, a prefill pass and an update is compute.
 
 Workload: held-out-style task prompts; each request generates exactly as many tokens as the
 task's reference response (+ EOS), so the response-length distribution is the task's real long
@@ -6,8 +7,20 @@ tail (p99/median ~4.5) whatever the model's weights are. Both generators use the
 runner and KV cache; only the scheduling differs. Runs are interleaved, repeated, and the median
 ratio is reported (the machine is shared and noisy).
 
+Kernel efficiency (1 thread, the shipped base): for decode steps at 1, 8, 32 and 128 rows (each
+row from a context of 40 positions on: a task prompt and its first generated tokens; the
+table prints the mean context measured), a packed prefill of
+32 prompts and one update (`ActorStage.update` on 64 task-shaped samples), the useful FLOP/s
+(`rlfusion.sim.costs.forward_flops`; an update is 3x its forward) against a 512 x 512 matmul's
+rate on the same thread, and the host-bound share: wall time not inside a compute kernel
+(`rlfusion.measure.kernels.host_bound_share`: the profiler's per-operator self time of the
+operators that touch tensor data, less the dispatch floor each call pays, against the
+unprofiled wall time). A decode step is the
+engine's whole `step()`: scheduling, the forward, sampling and the token bookkeeping.
+
     python bench/engine.py            # full run
     python bench/engine.py --quick    # fewer prompts and repetitions
+    python bench/engine.py --kernels-only
 """
 
 from __future__ import annotations
@@ -20,6 +33,12 @@ import time
 import torch
 
 from rlfusion.engine.engine import EngineConfig, LLMEngine
+from rlfusion.measure.calibrate import synthetic_trajectories, task_prompts
+from rlfusion.measure.kernels import dispatch_floor_s, host_bound_share, matmul_peak_flops
+from rlfusion.model.checkpoint import find_base, load_checkpoint
+from rlfusion.runtime.actor import ActorStage
+from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
+from rlfusion.sim.costs import causal_positions, forward_flops
 from rlfusion.engine.static import generate_static
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.evaluate import encode_prompt
@@ -49,10 +68,81 @@ def timed(fn) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(c.output_ids) for c in completions)
 
 
+DECODE_ROWS = (1, 8, 32, 128)
+DECODE_CONTEXT = 40  # positions each decode row attends to when its measurement starts
+
+
+def decode_engine(model, tokenizer, rows: int) -> LLMEngine:
+    """An engine with `rows` task prompts running, decoded on until they hold `DECODE_CONTEXT`
+    positions on average (no stop token, so none finishes while measured)."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=rows, seed=0))
+    params = SamplingParams(temperature=1.0, max_new_tokens=model.config.max_seq_len // 2)
+    for i, ids in enumerate(task_prompts(tokenizer, rows)):
+        engine.add_request(Request(f"r{i}", list(ids), params))
+    engine.step()  # prefill
+    while engine.take_stats()["decode_passes"] == 0 or \
+            statistics.mean(s.num_cached for s in engine.scheduler.running) < DECODE_CONTEXT:
+        engine.step()
+    return engine
+
+
+def kernel_rows(repeats: int) -> list[tuple[str, float, float, float]]:
+    """(pass, useful GFLOP/s, share of the matmul peak, host-bound share) per measured pass (a
+    decode pass's name gives its rows and mean context)."""
+    model, tokenizer, _ = load_checkpoint(find_base())
+    model.eval()
+    cfg = model.config
+    peak, floor = matmul_peak_flops(), dispatch_floor_s()
+    out = []
+    for rows in DECODE_ROWS:
+        engine = decode_engine(model, tokenizer, rows)
+        engine.take_stats()
+        share, wall, _ = host_bound_share(engine.step, repeats, floor)
+        st = engine.take_stats()  # the warm-up, timed and profiled steps
+        flops = forward_flops(cfg, st["decode_rows"], st["decode_context"]) / st["decode_passes"]
+        context = st["decode_context"] / st["decode_rows"]
+        out.append((f"decode b{rows} (context {context:.0f})", flops / wall / 1e9, flops / wall / peak, share))
+    prompts = task_prompts(tokenizer, 32, seed=1)
+
+    def prefill():
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=32, seed=0))
+        for i, ids in enumerate(prompts):
+            engine.add_request(Request(f"p{i}", list(ids), SamplingParams(temperature=1.0, max_new_tokens=1)))
+        engine.step()
+    flops = forward_flops(cfg, sum(map(len, prompts)), causal_positions([len(p) for p in prompts]))
+    share, wall, _ = host_bound_share(prefill, repeats, floor)
+    out.append(("prefill 32 prompts", flops / wall / 1e9, flops / wall / peak, share))
+    trajs = synthetic_trajectories(tokenizer, 64, cfg.vocab_size, seed=0)
+    actor = ActorStage(model, AlgoConfig(), OptimConfig(), 1.0)
+    model.train()
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    flops = 3 * forward_flops(cfg, sum(lengths), causal_positions(lengths))
+    share, wall, _ = host_bound_share(lambda: actor.update(trajs), max(3, repeats // 4), floor)
+    out.append(("update 64 samples", flops / wall / 1e9, flops / wall / peak, share))
+    print(f"matmul peak (512 x 512 fp32, 1 thread): {peak / 1e9:.1f} GFLOP/s; dispatch floor "
+          f"{floor * 1e6:.2f} us per operator call")
+    return out
+
+
+def kernels(quick: bool) -> None:
+    torch.set_num_threads(1)
+    rows = kernel_rows(10 if quick else 30)
+    print("| pass | useful GFLOP/s | share of the matmul peak | host-bound share |")
+    print("|---|---|---|---|")
+    for name, gflops, frac, share in rows:
+        print(f"| {name} | {gflops:.2f} | {frac:.1%} | {share:.2f} |")
+    b32 = next(share for name, _, _, share in rows if name.startswith("decode b32 "))
+    print(f"target decode_host_bound_share_b32: {b32:.2f} (goal <= 0.10)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kernels-only", action="store_true", help="only the kernel-efficiency table")
     args = parser.parse_args()
+    if args.kernels_only:
+        kernels(args.quick)
+        return
     num_prompts, reps = (256, 2) if args.quick else (768, 3)
     batch = 128
     torch.set_num_threads(2)
@@ -76,6 +166,7 @@ def main() -> None:
         print(f"rep {rep}: continuous {n_engine / t_engine:8.0f} tok/s   static "
               f"{n_static / t_static:8.0f} tok/s   ratio {ratios[-1]:.2f}")
     print(f"target continuous_vs_static_tokens_per_s: {statistics.median(ratios):.2f} (goal >= 2.0)")
+    kernels(args.quick)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class ModelRunner:
             logits.append(self._decode(plan.decode))
             st["decode_passes"] += 1
             st["decode_rows"] += len(plan.decode)
+            st["decode_context"] += sum(s.num_cached for s in plan.decode)  # positions attended
             st["decode_s"] += time.perf_counter() - t0
         if plan.prefill:
             t0 = time.perf_counter()
@@ -116,7 +117,9 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def fresh_stats() -> dict[str, float]:
-    """Zeroed pass counts and seconds: the keys every engine's `take_stats` reports."""
-    return dict.fromkeys(("decode_passes", "decode_rows", "decode_s", "prefill_passes",
+    """Zeroed pass counts and seconds: the keys every engine's `take_stats` reports
+    (`decode_context`: the positions the decode rows attended, summed; 0 where an engine does
+    not report it)."""
+    return dict.fromkeys(("decode_passes", "decode_rows", "decode_context", "decode_s", "prefill_passes",
                           "prefill_tokens", "prefill_s", "restored_tokens"), 0.0)
 

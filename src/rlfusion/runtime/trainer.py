@@ -40,6 +40,7 @@ from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.sim.costs import forward_flops
 from rlfusion.runtime.stalesync import JOIN_SHARE, StalenessBook, assign_groups, assign_hybrid, join_share
 from rlfusion.runtime.stop import RunInterrupted, StopRequest
 from rlfusion.runtime.ray_devices import RayDevices
@@ -251,7 +252,7 @@ class RLTrainer:
                        for r in reports.values())
         out = {**{f"utilization_{d}": u for d, u in util.items()},
                "utilization_mean": sum(util.values()) / len(util), "time_switch_s": switch_s,
-               **_engine_metrics([r["engine"] for r in reports.values() if r["engine"]])}
+               **_engine_metrics([r["engine"] for r in reports.values() if r["engine"]], self.model.config)}
         memory = [r["memory"] for r in reports.values()]
         out["zero_redundancy_ok"] = float(all(m["zero_redundancy"] for m in memory))
         for phase in ("train", "rollout", "switch"):
@@ -466,14 +467,19 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
     return trainer
 
 
-def _engine_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float]:
     """This step's rollout engine passes, from the busiest engine (the one that sets the pace):
-    decode and prefill seconds, passes and mean rows per decode pass."""
+    decode and prefill seconds, passes and mean rows per decode pass, and the useful FLOP/s its
+    decode passes achieved (`measure.kernels.forward_flops`; 0 where the engine does not report
+    the positions its rows attended)."""
     if not stats:
         return {}
     busiest = max(stats, key=lambda e: e["decode_s"] + e["prefill_s"])
     passes = busiest["decode_passes"]
+    flops = forward_flops(model_cfg, busiest["decode_rows"], busiest.get("decode_context", 0.0))
+    known = busiest.get("decode_context", 0.0) > 0 and busiest["decode_s"] > 0
     return {"time_decode_s": busiest["decode_s"], "time_prefill_s": busiest["prefill_s"],
+            "engine_decode_gflops": flops / busiest["decode_s"] / 1e9 if known else 0.0,
             "engine_decode_passes": passes, "engine_prefill_passes": busiest["prefill_passes"],
             "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0,
             # StaleSync's stop-rule sums on the busiest engine: the time it waited for the others

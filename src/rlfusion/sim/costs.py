@@ -171,6 +171,33 @@ def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return 3.0 * sum(layer.forward_flops for layer in model_layers(model, seq_len))
 
 
+def token_matmul_flops(cfg: ModelConfig) -> float:
+    """Forward matmul FLOPs per token: every layer's projections and MLP (the routed experts a
+    token chose, top_k of them), the router and the LM head."""
+    return sum(layer.matmul_flops + layer.expert_flops for layer in model_layers(cfg, 1))
+
+
+def attention_flops_per_position(cfg: ModelConfig) -> float:
+    """Forward attention-core FLOPs of one query attending to one key, summed over layers
+    (scores and the value product: 2 x heads x (d_qk + d_v))."""
+    d_qk, d_v = attention_dims(cfg)
+    return 2.0 * cfg.num_heads * (d_qk + d_v) * cfg.num_layers
+
+
+def forward_flops(cfg: ModelConfig, tokens: float, attended: float) -> float:
+    """Useful FLOPs of a forward pass over `tokens` tokens that attend to `attended` positions in
+    all (a decode row at context L attends to L; a causal prefill of n tokens to n(n+1)/2): the
+    model's matmuls with the routed experts each token chose, and the attention core. Work a
+    kernel does beyond that (a small-batch MoE path that runs every expert, padded attention)
+    is not useful and not counted, as MFU does not count it."""
+    return tokens * token_matmul_flops(cfg) + attended * attention_flops_per_position(cfg)
+
+
+def causal_positions(lengths: list[int]) -> int:
+    """Positions attended by causal passes over sequences of these lengths."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
 def check_param_total(model: ModelConfig, seq_len: int) -> int:
     """Total parameters as the per-layer costs see them (embedding included)."""
     layers = model_layers(model, seq_len)
