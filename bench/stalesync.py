@@ -15,10 +15,16 @@ batch, synchronous co-located against StaleSync s=1 co-located, with held-out ac
 
 Every variant starts from the shipped base on its own 2 Ray device workers (1 thread each). One
 update of each variant runs in turn (interleaved, never concurrently), so all variants share the
-machine's load. Tokens/s = generated tokens / step wall time summed over the updates after the
-first two (the separated pipeline fills in its first step, StaleSync's pool in its first two).
-Trained tokens/s (the response tokens of the updates' batches / step time) is printed beside
-it: over a short run StaleSync's pool of groups in flight fills and drains, so the two differ.
+machine's load. The updates after the first two are timed (the separated pipeline fills in its
+first step, StaleSync's pool in its first two). Over a short run StaleSync's pool of groups in
+flight fills and drains, so the tokens it generates and the tokens its updates train differ
+(s=4 generated 1.38x what it trained in 8 timed updates): generated tokens/s overstates the
+long-run rate while the pool fills (the training of what it generated is not yet paid), trained
+tokens/s understates it. Tokens/s, the figure the targets compare, holds the pool level: the
+timed updates' rollout device-seconds per generated token plus their other busy device-seconds
+(reference, reward, update, switch, transfers) per trained token, at the run's busy
+device-seconds per wall second; for a synchronous run it is generated tokens / step time.
+Generated and trained tokens/s are printed beside it.
 Per row: the generation share of device time (rollout device-seconds / busy device-seconds of
 the step), the tail amplification (rollout wall time / the time its tokens would take with every
 decode pass full at the step's mean pass cost, plus prefill), mean decode-batch occupancy and
@@ -58,7 +64,7 @@ seed; each seed's ceiling pairs their means with that seed's own synchronous run
 conditions the baseline ran in), and the run also prints the loosest form: every seed's runs
 with the most favourable floor and speed of any measurement, the largest.
 
-    python bench/stalesync.py            # replay workload, 3 seeds x 10 updates per variant (~55 min)
+    python bench/stalesync.py            # replay workload, 3 seeds x 12 updates per variant (~110 min)
     python bench/stalesync.py --quick    # 1 seed, 5 updates
     python bench/stalesync.py --workload task   # the built-in task, 3 seeds x 30 updates, 500 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
@@ -87,7 +93,7 @@ from rlfusion.measure.calibrate import default_setup
 from rlfusion.measure.contention import measure_contention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import REPLAY, step_row  # noqa: E402  (bench/workload.py: the replay config, a step's figures)
+from workload import DEVICES, REPLAY, step_row  # noqa: E402  (bench/workload.py: the replay config, a step's figures)
 
 THRESHOLD = 0.75  # partial rollout: an update goes ahead once 3/4 of its prompt groups finished
 
@@ -220,11 +226,30 @@ def ceiling(work_s_per_token: float, floors: dict[str, float], prompts_per_token
     return devices * speed / per_token
 
 
-def trained_tokens_per_s(updates: list[dict], samples: int) -> float:
+def trained_tokens_per_s(updates: list[dict]) -> float:
     """Response tokens the updates trained on / step time: in a short run StaleSync's pool fills
     (generation ahead of training) and drains, so generated and trained tokens differ; in the
     long run they are equal."""
-    return sum(samples * m["response_length_mean"] for m in updates) / sum(m["time_step_s"] for m in updates)
+    return sum(m["response_tokens"] for m in updates) / sum(m["time_step_s"] for m in updates)
+
+
+def steady_tokens_per_s(updates: list[dict], spans: list) -> float:
+    """Tokens/s with the pool of groups in flight held level: what the timed updates' devices
+    spend per generated token on rollout (rollout device-seconds / generated tokens) plus per
+    trained token on everything else (the other busy device-seconds / trained tokens), at the
+    busy device-seconds per wall second the run had. A pool that fills during the run (more
+    generated than trained) has not yet paid to train what it generated; generated tokens/s then
+    overstates the long-run rate, trained tokens/s understates it while the pool drains. For a
+    synchronous run (generated = trained) it is generated tokens/s."""
+    generated = sum(m["generated_tokens"] for m in updates)
+    trained = sum(m["response_tokens"] for m in updates)
+    wall = sum(m["time_step_s"] for m in updates)
+    device = [sp for sp in spans if sp.device in DEVICES]
+    rollout = sum(sp.duration_s for sp in device if sp.phase == "rollout")
+    rest = sum(sp.duration_s for sp in device if sp.phase not in ("rollout", "idle"))
+    if not generated or not trained or not wall:
+        return 0.0
+    return (rollout + rest) / wall / (rollout / generated + rest / trained)
 
 
 def tokens_per_s(updates: list[dict]) -> float:
@@ -377,7 +402,9 @@ def main() -> None:
             raise SystemExit(f"--prompts={args.prompts}: must be >= 1")
         FIXED.append(f"rollout.prompts_per_step={args.prompts}")
     added = [add_variant(spec) for spec in args.add]
-    updates = args.updates or ((8 if args.quick else 30) if accuracy else (5 if args.quick else 10))
+    # replay: 12 updates, so the 10 timed ones hold whole cycles of s=1 and s=4 (a bound of s runs the tail
+    # out every s+1 updates)
+    updates = args.updates or ((8 if args.quick else 30) if accuracy else (5 if args.quick else 12))
     seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     eval_problems = 100 if args.quick else 500
     names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(LADDER[args.workload])
@@ -392,6 +419,7 @@ def main() -> None:
     ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     sync_names = [n for n in names if not is_stalesync(n)]
     sync_spans: dict[str, list] = {n: [] for n in sync_names}  # their timed updates' device spans
+    timed_spans: dict[str, list] = {n: [] for n in names}  # every variant's, for its steady tokens/s
     seed_conditions: list[list[tuple[dict, float]]] = []  # per seed: (floors, speed) before and after
     timed: dict[str, list[dict]] = {n: [] for n in names}  # timed updates, every seed
     every: dict[str, list[dict]] = {n: [] for n in names}  # all updates, every seed
@@ -418,6 +446,8 @@ def main() -> None:
                 print(f"seed {seed} update {u + 1}: " + ", ".join(
                     f"{n} {every[n][-1]['generated_tokens'] / every[n][-1]['time_step_s']:.0f}" for n in names)
                       + " tok/s", flush=True)
+            for n in names:
+                timed_spans[n] += [sp for sp in trainers[n].timeline.spans if (sp.step or 0) >= 2]
             for n in sync_names:
                 sync_spans[n] += [sp for sp in trainers[n].timeline.spans if (sp.step or 0) >= 2]
             for n in names:
@@ -436,7 +466,8 @@ def main() -> None:
                          "spans": {n: sync_spans[n][seed_spans[n]:] for n in sync_names}})
     ray.shutdown()
 
-    tok_s = {n: tokens_per_s(r) for n, r in timed.items()}
+    generated = {n: tokens_per_s(r) for n, r in timed.items()}
+    tok_s = {n: steady_tokens_per_s(timed[n], timed_spans[n]) for n in names}  # what the targets compare
     batch = rollout_config()
     print(f"\n## {args.workload} workload, 2 devices, {batch.prompts_per_step} prompts x {batch.group_size} samples "
           f"per update, {updates} updates per variant ({updates - 2} timed), interleaved, "
@@ -444,11 +475,12 @@ def main() -> None:
     print(f"(partial-rollout threshold {THRESHOLD}; generation share, tail amplification, occupancy and length: "
           f"medians over the timed updates" + (f"; held-out accuracy: greedy, {eval_problems} problems, mean over "
                                                "seeds, each seed's in brackets)" if accuracy else ")"))
+    print("(tokens/s: steady, with the pool of groups in flight held level — rollout device-seconds per generated "
+          "token plus the other busy device-seconds per trained token; generated and trained tokens/s beside it)")
     print("| variant | generation share | tail amplification | decode occupancy | mean response length | tokens/s "
-          "| vs sync colocated | trained tokens/s | util mean | staleness mean | staleness max | dropped groups |"
-          + (" held-out acc |" if accuracy else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy else ""))
-    samples = batch.prompts_per_step * batch.group_size
+          "| vs sync colocated | generated tokens/s | trained tokens/s | util mean | staleness mean | staleness max "
+          "| dropped groups |" + (" held-out acc |" if accuracy else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy else ""))
     for n in names:
         r, f = timed[n], row_figures(figures[n])
         st_mean = statistics.mean(m.get("staleness_mean", 0.0) for m in every[n])
@@ -456,7 +488,7 @@ def main() -> None:
         acc_cell = (f" {statistics.mean(accs[n]):.1%} ({', '.join(f'{a:.1%}' for a in accs[n])}) |"
                     if accuracy else "")
         print(f"| {n} | {f['share']:.2f} | {f['amplification']:.2f} | {f['occupancy']:.2f} | {f['length_mean']:.0f} | "
-              f"{tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | {trained_tokens_per_s(r, samples):.0f} | "
+              f"{tok_s[n]:.0f} | {tok_s[n] / tok_s[BASELINE]:.2f}x | {generated[n]:.0f} | {trained_tokens_per_s(r):.0f} | "
               f"{statistics.mean(m['utilization_mean'] for m in r):.0%} | {st_mean:.2f} | {st_max:.0f} | "
               f"{sum(m.get('dropped_groups', 0) for m in every[n]):.0f} |{acc_cell}")
     print_ceilings(per_seed, seed_conditions)

@@ -108,6 +108,25 @@ def test_ceiling_counts_the_prompts_of_the_configured_batch(bench, monkeypatch):
         bench.main()
 
 
+def test_steady_tokens_per_s_holds_the_pool_level(bench):
+    """A pool that fills (more generated than trained) has not paid to train what it generated:
+    the steady rate charges rollout per generated token and the rest per trained token."""
+    def run(generated, trained, wall, rollout_s, train_s):
+        updates = [{"generated_tokens": generated, "response_tokens": trained, "time_step_s": wall}]
+        spans = [Span("device0", "rollout", 0.0, rollout_s, step=2), Span("device1", "train", 0.0, train_s, step=2),
+                 Span("device1", "idle", 0.0, 1.0, step=2), Span("driver", "train", 0.0, 5.0, step=2)]
+        return updates, spans
+
+    sync = run(1000, 1000, 2.0, 3.0, 1.0)  # generated = trained: the plain rate
+    assert bench.steady_tokens_per_s(*sync) == pytest.approx(1000 / 2.0)
+    # 2000 generated in 3 device-s (1.5 ms each), 1000 trained in 1 device-s (1 ms each), 4 busy
+    # device-s per 2 s of wall: 2 device-s per s / 2.5 ms per token = 800 tokens/s
+    filling = run(2000, 1000, 2.0, 3.0, 1.0)
+    assert bench.steady_tokens_per_s(*filling) == pytest.approx(800.0)
+    assert bench.trained_tokens_per_s(filling[0]) < 800.0 < bench.tokens_per_s(filling[0])
+    assert bench.steady_tokens_per_s(*run(0, 0, 2.0, 3.0, 1.0)) == 0.0
+
+
 def test_per_seed_ceilings_pair_each_seed_with_its_own_baseline(bench, capsys):
     floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, "decode_rows": 512,
              **NO_CONTEXT}

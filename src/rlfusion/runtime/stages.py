@@ -499,6 +499,7 @@ def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int, cost: SeqC
         "correct_mean": sum(r.correct for r in rows) / count,
         "kept_fraction": len(train) / count,
         "response_length_mean": sum(r.response_len for r in rows) / count,
+        "response_tokens": sum(r.response_len for r in rows),  # the update's samples, generated in any step
         "response_length_max": max(r.response_len for r in rows),
         "truncated_fraction": sum(r.truncated for r in rows) / count,
         "update_tokens": sum(r.num_tokens for r in train),
