@@ -52,7 +52,7 @@ def test_the_engine_counts_the_positions_its_decode_rows_attend():
     assert (st["decode_passes"], st["decode_rows"], st["decode_context"]) == (3, 6, 6 + 7 + 8 + 8 + 9 + 10)
     metrics = _engine_metrics([st], model.config)
     flops = forward_flops(model.config, 6, 48)
-    assert metrics["engine_decode_gflops"] == pytest.approx(flops / st["decode_s"] / 1e9)
+    assert metrics["engine_decode_gflop_per_s"] == pytest.approx(flops / st["decode_s"] / 1e9)
 
 
 def test_host_bound_share_of_pure_python_and_of_a_large_matmul():

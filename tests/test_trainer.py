@@ -16,7 +16,7 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.run_state import read_state
 from rlfusion.runtime.trainer import RLTrainer, resume
 
-TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "time_rollout_s",
+TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "engine_decode_gflop_per_s", "time_rollout_s",
                "time_update_s", "time_step_s", "time_queue_s", "time_decode_s", "time_prefill_s",
                "time_stop_sync_s", "time_switch_s", "time_advantage_s",
                # switches since the last step: an evaluation or checkpoint between steps adds one

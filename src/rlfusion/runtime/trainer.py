@@ -479,7 +479,7 @@ def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float
     flops = forward_flops(model_cfg, busiest["decode_rows"], busiest.get("decode_context", 0.0))
     known = busiest.get("decode_context", 0.0) > 0 and busiest["decode_s"] > 0
     return {"time_decode_s": busiest["decode_s"], "time_prefill_s": busiest["prefill_s"],
-            "engine_decode_gflops": flops / busiest["decode_s"] / 1e9 if known else 0.0,
+            "engine_decode_gflop_per_s": flops / busiest["decode_s"] / 1e9 if known else 0.0,
             "engine_decode_passes": passes, "engine_prefill_passes": busiest["prefill_passes"],
             "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0,
             # StaleSync's stop-rule sums on the busiest engine: the time it waited for the others
