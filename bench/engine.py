@@ -70,14 +70,17 @@ def timed(fn) -> tuple[float, int]:
 
 DECODE_ROWS = (1, 8, 32, 128)
 DECODE_CONTEXT = 40  # positions each decode row attends to when its measurement starts
+ROUNDS = 3  # host_bound_share's rounds: each runs `repeats` + 1 steps unprofiled and `repeats` profiled
 
 
 def decode_engine(model, tokenizer, rows: int) -> LLMEngine:
     """An engine with `rows` task prompts running, decoded on until they hold `DECODE_CONTEXT`
     positions on average (no stop token, so none finishes while measured)."""
     engine = LLMEngine(model, EngineConfig(max_num_seqs=rows, seed=0))
-    params = SamplingParams(temperature=1.0, max_new_tokens=model.config.max_seq_len // 2)
-    for i, ids in enumerate(task_prompts(tokenizer, rows)):
+    prompts = task_prompts(tokenizer, rows)
+    # every row decodes to the end of the model's context, so none finishes while measured
+    params = SamplingParams(temperature=1.0, max_new_tokens=model.config.max_seq_len - max(map(len, prompts)))
+    for i, ids in enumerate(prompts):
         engine.add_request(Request(f"r{i}", list(ids), params))
     engine.step()  # prefill
     while engine.take_stats()["decode_passes"] == 0 or \
@@ -97,8 +100,11 @@ def kernel_rows(repeats: int) -> list[tuple[str, float, float, float]]:
     for rows in DECODE_ROWS:
         engine = decode_engine(model, tokenizer, rows)
         engine.take_stats()
-        share, wall, _ = host_bound_share(engine.step, repeats, floor)
+        share, wall, _ = host_bound_share(engine.step, repeats, floor, rounds=ROUNDS)
         st = engine.take_stats()  # the warm-up, timed and profiled steps
+        if st["decode_rows"] != rows * st["decode_passes"]:
+            raise RuntimeError(f"decode b{rows}: rows finished while measured ({st['decode_rows']} rows over "
+                               f"{st['decode_passes']} passes); fewer repeats than {repeats} fit the context")
         flops = forward_flops(cfg, st["decode_rows"], st["decode_context"]) / st["decode_passes"]
         context = st["decode_context"] / st["decode_rows"]
         out.append((f"decode b{rows} (context {context:.0f})", flops / wall / 1e9, flops / wall / peak, share))
@@ -126,7 +132,7 @@ def kernel_rows(repeats: int) -> list[tuple[str, float, float, float]]:
 
 def kernels(quick: bool) -> None:
     torch.set_num_threads(1)
-    rows = kernel_rows(10 if quick else 30)
+    rows = kernel_rows(10 if quick else 30)  # 3 rounds x 61 steps from context 40 fit the 256 positions
     print("| pass | useful GFLOP/s | share of the matmul peak | host-bound share |")
     print("|---|---|---|---|")
     for name, gflops, frac, share in rows:
