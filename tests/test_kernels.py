@@ -71,3 +71,30 @@ def test_host_bound_share_of_pure_python_and_of_a_large_matmul():
     # a 512 x 512 product runs at the machine's matmul peak (the same measurement)
     assert 2 * 512 ** 3 / wall == pytest.approx(matmul_peak_flops(), rel=0.5)
 
+
+
+def test_a_run_records_its_devices_peak_and_the_share_of_it_its_passes_reach(tmp_path):
+    """A local 2-step run: every step's metrics carry the device's measured matmul peak, the
+    useful FLOP/s of the busiest engine's decode passes and of the update, and each one's share
+    of that peak (the update's from its own rows: 3 forwards of prompt + response)."""
+    from rlfusion.config import load_config
+    from rlfusion.model.checkpoint import find_base
+    from rlfusion.obs.metrics import read_metrics
+    from rlfusion.runtime.train_config import TrainConfig
+    from rlfusion.runtime.trainer import RLTrainer
+
+    base = find_base()
+    cfg = load_config(TrainConfig, None, [
+        f'base="{base}"', f'out_dir="{tmp_path}"', "run_name=k", "max_steps=2", "eval_every=100",
+        "checkpoint_every=100", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "rollout.max_new_tokens=12", "threads=1", "deploy.backend=local", "collapse_patience=0"])
+    RLTrainer(cfg, tmp_path / "k", base).run(progress=False)
+    steps = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if "reward_mean" in r]
+    assert len(steps) == 2
+    for m in steps:
+        peak = m["device_matmul_peak_gflop_per_s"]
+        assert 1 < peak < 1e5
+        assert m["engine_decode_peak_share"] == pytest.approx(m["engine_decode_gflop_per_s"] / peak, rel=1e-6)
+        if m.get("kept_fraction", 0) > 0:
+            assert 0 < m["update_peak_share"] < 1.5
+            assert m["update_peak_share"] == pytest.approx(m["update_gflop_per_s"] / peak, rel=1e-6)

@@ -437,7 +437,7 @@ def _cfg(tmp_path, *extra, backend="local"):
 
 def _comparable(m):
     return {k: v for k, v in m.items() if not k.startswith(("time", "utilization", "memory_"))
-            and not k.endswith("_per_s") and k != "zero_redundancy_ok"}
+            and not k.endswith(("_per_s", "_peak_share")) and k != "zero_redundancy_ok"}
 
 
 def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,7 +253,9 @@ class RLTrainer:
                        for r in reports.values())
         out = {**{f"utilization_{d}": u for d, u in util.items()},
                "utilization_mean": sum(util.values()) / len(util), "time_switch_s": switch_s,
-               **_engine_metrics([r["engine"] for r in reports.values() if r["engine"]], self.model.config)}
+               "device_matmul_peak_gflop_per_s": statistics.median(r["matmul_peak_gflop_per_s"] for r in reports.values()),
+               **_engine_metrics([{**r["engine"], "matmul_peak_flops": r["matmul_peak_gflop_per_s"] * 1e9}
+                                  for r in reports.values() if r["engine"]], self.model.config)}
         memory = [r["memory"] for r in reports.values()]
         out["zero_redundancy_ok"] = float(all(m["zero_redundancy"] for m in memory))
         for phase in ("train", "rollout", "switch"):
@@ -470,16 +473,20 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
 def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float]:
     """This step's rollout engine passes, from the busiest engine (the one that sets the pace):
     decode and prefill seconds, passes and mean rows per decode pass, and the useful FLOP/s its
-    decode passes achieved (`measure.kernels.forward_flops`; 0 where the engine does not report
-    the positions its rows attended)."""
+    decode passes achieved (`sim.costs.forward_flops`; 0 where the engine does not report the
+    positions its rows attended), with their share of its device's matmul peak where the stats
+    carry it (`matmul_peak_flops`)."""
     if not stats:
         return {}
     busiest = max(stats, key=lambda e: e["decode_s"] + e["prefill_s"])
     passes = busiest["decode_passes"]
     flops = forward_flops(model_cfg, busiest["decode_rows"], busiest.get("decode_context", 0.0))
     known = busiest.get("decode_context", 0.0) > 0 and busiest["decode_s"] > 0
+    rate = flops / busiest["decode_s"] if known else 0.0
+    peak = busiest.get("matmul_peak_flops", 0.0)
     return {"time_decode_s": busiest["decode_s"], "time_prefill_s": busiest["prefill_s"],
-            "engine_decode_gflop_per_s": flops / busiest["decode_s"] / 1e9 if known else 0.0,
+            "engine_decode_gflop_per_s": rate / 1e9,
+            **({"engine_decode_peak_share": rate / peak} if peak else {}),
             "engine_decode_passes": passes, "engine_prefill_passes": busiest["prefill_passes"],
             "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0,
             # StaleSync's stop-rule sums on the busiest engine: the time it waited for the others

@@ -35,6 +35,7 @@ from rlfusion.engine.runner import autocast
 from rlfusion.evaluate import greedy_completions
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
+from rlfusion.measure.kernels import matmul_peak_flops
 from rlfusion.model.checkpoint import load_base
 from rlfusion.model.hf import is_hf_checkpoint
 from rlfusion.obs.metrics import NumberPacker
@@ -58,6 +59,7 @@ from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
                                      gae_advantages)
 from rlfusion.runtime.train_config import TrainConfig
+from rlfusion.sim.costs import causal_positions, forward_flops
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # `deploy.precision` → autocast dtype (None: off)
 A2A_WAIT = "a2a wait"  # timeline phase: a train device waiting on its expert all-to-all (inside "train")
@@ -85,6 +87,7 @@ class DeviceWorker:
         # how the update's rows are split over data-parallel ranks (`optim.dp_balance`)
         self._split_cost = SeqCost.from_config(model.config) if cfg.optim.dp_balance == "cost" else None
         self.train_model = model
+        self.model_config = model.config
         self.policy = model if self.layout is None else build_inference_model(model.config, device=self.where)
         self.pm: ParallelModel | None = None
         self.layout_state: LayoutState | None = None  # the layout's shards ↔ whole tensors (checkpoints)
@@ -92,6 +95,9 @@ class DeviceWorker:
         hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
         # `deploy.precision`: every role's passes under autocast; the weights stay fp32 (the master copy)
         self.compute_dtype = COMPUTE_DTYPES[cfg.deploy.precision]
+        # this device's compute peak at its thread count and precision, what the step metrics'
+        # achieved FLOP/s of its decode passes and updates are compared with
+        self.matmul_peak_flops = matmul_peak_flops(repeats=3, device=self.where, dtype=self.compute_dtype)
         self.rollout = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base,
                                      self.compute_dtype) if "rollout" in roles else None)
         if self.layout is not None:
@@ -419,10 +425,23 @@ class DeviceWorker:
                     self.critic.values(trajs)
                     gae_advantages(trajs, self.cfg.algo, self.dp_group)
                     metrics.update(self.critic.update(trajs))
+            start = time.perf_counter()
             metrics.update(self.actor.update(trajs))
+            metrics.update(self._update_rate(trajs, time.perf_counter() - start))
         if experts:
             metrics.update(self._expert_comm())
         return metrics
+
+    def _update_rate(self, trajs: list[Trajectory], seconds: float) -> dict[str, float]:
+        """The useful FLOP/s of this device's share of the actor update — 3 forwards of its rows
+        per epoch (`sim.costs.forward_flops`), split over the devices that hold one model copy —
+        and its share of the device's matmul peak."""
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+        holders = len(self.plan.model_parallel_group(self.plan.dp_index(self.device)))
+        flops = (3 * self.cfg.algo.ppo_epochs * forward_flops(self.model_config, sum(lengths),
+                                                              causal_positions(lengths)) / holders)
+        rate = flops / max(seconds, 1e-9)
+        return {"update_gflop_per_s": rate / 1e9, "update_peak_share": rate / self.matmul_peak_flops}
 
     def _a2a_wait(self, start: float, end: float) -> None:
         self.spans.append((A2A_WAIT, start, end))
@@ -546,6 +565,7 @@ class DeviceWorker:
         numbers.update({f"memory/peaks/{phase}": v for phase, v in memory.pop("peaks").items()})
         numbers.update({f"memory/allocator_peaks/{phase}": v for phase, v in memory.pop("allocator_peaks").items()})
         numbers.update({f"memory/{k}": v for k, v in memory.items()})
+        numbers["matmul_peak_gflop_per_s"] = self.matmul_peak_flops / 1e9
         moved = getattr(self.queue, "wire_bytes", 0)
         numbers["queue_bytes"], self._queue_bytes = moved - self._queue_bytes, moved
         return pack_spans(spans), self._packers["report"].pack(numbers)
