@@ -293,7 +293,7 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
     """Real runs on 2 Ray devices (1 thread each), interleaved: a warm-up step each, then rounds
     of one step per run in turn. `task`: the three synchronous deployment modes of
     `bench/fusion.py` and the StaleSync variants of `bench/stalesync.py` in STALESYNC_CASES (32
-    prompts x 8 samples); `replay`: REPLAY_CASES on configs/replay.toml (16 x 8)."""
+    prompts x 8 samples); `replay`: REPLAY_CASES on configs/replay.toml (8 x 8)."""
     import ray
     from fusion import DEPLOY_MODES, make_trainer  # bench/fusion.py, next to this file
     from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py

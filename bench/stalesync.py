@@ -2,7 +2,7 @@
 amplification, decode occupancy, utilization and staleness (and, on the built-in task, held-out
 accuracy after the same number of updates).
 
-The default workload is the replay workload of `configs/replay.toml` (`--workload replay`): 16
+The default workload is the replay workload of `configs/replay.toml` (`--workload replay`): 8
 prompts x 8 samples per update, every response forced to a length drawn per prompt group and
 sample from a capped log-normal (median 150 tokens, cap 1,000, ~9% at the cap, 90% of the
 variance between prompts), no KL term — a generation-dominated reasoning-shaped step whose cost
@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 import tempfile
@@ -369,8 +370,12 @@ def _folder(name: str) -> str:
 
 def row_figures(rows: list[dict]) -> dict[str, float]:
     """Medians over a variant's timed updates of `workload.step_row`'s figures: generation share,
-    tail amplification, occupancy, length."""
-    return {k: statistics.median(r[k] for r in rows) for k in ("share", "amplification", "occupancy", "length_mean")}
+    tail amplification, occupancy, length. An update that decoded nothing (StaleSync: the pool
+    already held its groups) has no amplification and is left out of that median."""
+    def median(key: str) -> float:
+        values = [r[key] for r in rows if not math.isnan(r[key])]
+        return statistics.median(values) if values else float("nan")
+    return {k: median(k) for k in ("share", "amplification", "occupancy", "length_mean")}
 
 
 def parse_args() -> argparse.Namespace:

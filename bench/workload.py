@@ -3,7 +3,7 @@ colocated step's device time that goes to generation.
 
 Two synchronous colocated runs on 2 devices from the shipped base: the built-in task as the
 policy answers it at the default batch (32 prompts x 8 samples, `rollout.lengths=natural`), and
-the replay workload of `configs/replay.toml` (16 prompts x 8 samples, every response forced to
+the replay workload of `configs/replay.toml` (8 prompts x 8 samples, every response forced to
 its drawn long-tailed length, median 150 and cap 1,000 tokens, no KL term: `rl/replay.py`). One
 step of each runs in turn (interleaved) after a warm-up step. From the devices' spans:
 generation share = rollout (decode + prefill) device-seconds / all busy device-seconds of the

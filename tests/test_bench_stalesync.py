@@ -95,14 +95,14 @@ def test_ceiling_counts_the_prompts_of_the_configured_batch(bench, monkeypatch):
     col, col_spans = _run(1000, 1.0, {"train": 0.2})
     floor = {"decode_s_per_token": 50e-6, "prefill_s_per_token": 30e-6, "prompt_tokens": 2.0, **NO_CONTEXT}
     default = bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, floor, speed=1.0)
-    monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "8", "--updates", "2"])
+    monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "4", "--updates", "2"])
     with pytest.raises(SystemExit, match="need >= 4 updates"):  # stops before Ray starts
         bench.main()
-    assert bench.rollout_config().prompts_per_step == 8
+    assert bench.rollout_config().prompts_per_step == 4
     small = bench.ceiling_of({"sync colocated": col}, {"sync colocated": col_spans}, floor, speed=1.0)
     replay = load_config(TrainConfig, bench.REPLAY).rollout  # the default workload's batch
     assert default["prompts_per_token"] == pytest.approx(replay.prompts_per_step * replay.group_size * 2.0 / 1000)
-    assert small["prompts_per_token"] == pytest.approx(8 * replay.group_size * 2.0 / 1000)
+    assert small["prompts_per_token"] == pytest.approx(4 * replay.group_size * 2.0 / 1000)
     monkeypatch.setattr(sys, "argv", ["stalesync.py", "--prompts", "0"])
     with pytest.raises(SystemExit, match="--prompts=0: must be >= 1"):
         bench.main()
