@@ -42,7 +42,7 @@ generated tokens over the sum of step times, measured and simulated alike.
 
 The replay workload (`configs/replay.toml`: forced long-tailed lengths, median 150, cap 1,000,
 no KL term, so no reference pass) is a second interleaved measurement: synchronous co-located,
-StaleSync s=1 / s=2 co-located (threshold 0.75) and s=2 with hybrid placement (threshold 0.75:
+StaleSync s=1 / s=2 / s=4 co-located (threshold 0.75) and s=2 with hybrid placement (threshold 0.75:
 device 1 updates, then joins each rollout), predicted the same way. There a decode pass
 reads every row's cache up to its context, which the calibration's cost per row and position
 (`decode_context_ms`) prices, each run of similar-length rows up to its own longest as the engine
@@ -286,6 +286,7 @@ def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
 REPLAY_CASES = {"replay_colocated": "sync colocated",
                 "replay_stalesync_s1_colocated": "stalesync s=1 colocated",  # threshold 0.75
                 "replay_stalesync_s2_colocated": "stalesync s=2 colocated",  # threshold 0.75
+                "replay_stalesync_s4_colocated": "stalesync s=4 colocated",  # threshold 0.75
                 "replay_stalesync_s2_hybrid": "stalesync s=2 hybrid"}  # threshold 0.75, hybrid placement
 
 
