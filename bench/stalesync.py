@@ -64,7 +64,7 @@ seed; each seed's ceiling pairs their means with that seed's own synchronous run
 conditions the baseline ran in), and the run also prints the loosest form: every seed's runs
 with the most favourable floor and speed of any measurement, the largest.
 
-    python bench/stalesync.py            # replay workload, 3 seeds x 12 updates per variant (~110 min)
+    python bench/stalesync.py            # replay workload, 3 seeds x 12 updates per variant (~50 min)
     python bench/stalesync.py --quick    # 1 seed, 5 updates
     python bench/stalesync.py --workload task   # the built-in task, 3 seeds x 30 updates, 500 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
