@@ -554,9 +554,11 @@ def test_ray_modes_run_under_the_bound(tmp_path, monkeypatch):
             spans = [s for s in trainer.timeline.spans if s.step == 2]
             roll = [s for s in spans if s.device == "device0" and s.phase == "rollout"]
             train = [s for s in spans if s.device == "device1" and s.phase == "train"]
-            # the next rollout is launched before the update is sent, so it starts before the
-            # update ends (whether it also outlasts the update's start is up to the machine's load)
-            assert roll and train and roll[0].start_s < train[0].end_s
+            # the next rollout is launched before the update is sent and generates with the old
+            # version (the staleness above); when its span starts against a ~30 ms update is up to
+            # the machine's load (a CI run saw it start 50 ms after the update ended), so only
+            # that both ran in the step is asserted here
+            assert roll and train
         if mode == "hybrid":
             # as separated, the fill's batch is fresh, and the next one (the fill's carried-over
             # groups, resumed on device 0) one version old; from then on device 1 joins each
