@@ -28,7 +28,7 @@ from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import dataflow
 from rlfusion.runtime.stages import RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
-from rlfusion.sim.calibration import Calibration
+from rlfusion.sim.calibration import KIND_SPEEDS, Calibration
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import simulate
 
@@ -77,12 +77,13 @@ def main() -> None:
                       group_size=cfg.rollout.group_size, max_staleness=0, max_num_seqs=cfg.rollout.max_num_seqs,
                       max_new_tokens=cfg.rollout.max_new_tokens, response_lengths=tuple(responses),
                       prompt_len=round(statistics.mean(prompts)), num_steps=3)
-    speeds = [(cal.concurrent_speed, cal.lockstep, "measured")] + [(c, c, "") for c in (0.9, 1.0)]
+    speeds = [(cal.concurrent_speed, cal.lockstep, "measured, each kind of work its own")] + [(c, c, "") for c in (0.9, 1.0)]
     print("\n| concurrent / lock-step speed | " + " | ".join(f"decode fixed cost x{s:g}" for s in FIXED_COST_SCALES)
           + " |")
     print("|---|" + "---|" * len(FIXED_COST_SCALES))
     for conc, lock, note in speeds:
-        at = cal.replace(concurrent_speed=conc, lockstep_speed=lock)
+        # one speed for every kind of work in the rows after the measured one
+        at = cal if note else cal.replace(concurrent_speed=conc, lockstep_speed=lock, **dict.fromkeys(KIND_SPEEDS, 0.0))
         ratios = []
         for scale in FIXED_COST_SCALES:
             c = with_fixed_cost(at, scale)

@@ -66,7 +66,7 @@ from pathlib import Path
 
 from rlfusion.sim.calibration import Calibration, save_calibration
 from rlfusion.measure.calibrate import default_setup, measure_calibration
-from rlfusion.measure.contention import concurrent_speed, contention_probe, contention_workers
+from rlfusion.measure.contention import contention_probe, contention_workers, probe_speeds, speeds_line
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import SimResult, simulate
 from rlfusion.sim.rl_stalesync import ROLLOUT_STATS
@@ -196,9 +196,9 @@ def _step(trainer, rec: _RecordingRollout) -> MeasuredStep:
 class Probes:
     """Contention microbenchmark samples taken between the measured rounds."""
 
-    alone: list[float]
-    together: list[float]
-    lockstep: list[float]
+    alone: list[dict]  # seconds of the probe workload's parts (`contention_probe`)
+    together: list[dict]
+    lockstep: list[dict]
 
 
 # StaleSync variants of bench/stalesync.py validated here: case name -> its VARIANTS name
@@ -335,9 +335,8 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
                     steps[m].append(step(trainers[m], recorders[m]))
                 print(f"  round {r + 1}: " + ", ".join(
                     f"{m} {steps[m][-1].generated_tokens / steps[m][-1].step_s:,.0f} tok/s"
-                    for m in names) + f"; contention probe: concurrent speed "
-                    f"{concurrent_speed(alone, together):.2f}, lock-step {concurrent_speed(alone, lockstep):.2f}",
-                    flush=True)
+                    for m in names) + f"; contention probe (independent / lock-step): "
+                    f"{speeds_line(probe_speeds(alone, together, lockstep))}", flush=True)
             cfg = trainers[names[0]].cfg
             for c in stale:
                 plan = trainers[c].devices.plan
@@ -433,13 +432,13 @@ def main() -> None:
     for name, measure in VALIDATIONS:
         print(f"measuring real runs: {name}, {rounds} rounds", flush=True)
         cases += measure(rounds, probes)
-    before = cal.concurrent_speed, cal.lockstep
-    cal = cal.replace(concurrent_speed=concurrent_speed(probes.alone, probes.together),
-                      lockstep_speed=concurrent_speed(probes.alone, probes.lockstep))
-    print(f"concurrent speed: {before[0]:.2f} in the calibration run, {cal.concurrent_speed:.2f} "
-          f"median of the {len(probes.alone) // 2} probes between rounds (used); lock-step speed "
-          f"{before[1]:.2f} and {cal.lockstep:.2f} (used for colocated and fully shared)")
-    probe_s = statistics.median(probes.alone)
+    speeds = probe_speeds(probes.alone, probes.together, probes.lockstep)
+    before = {k: getattr(cal, k) for k in speeds}
+    print(f"contention speeds (independent / lock-step; lock-step for colocated and fully shared):\n"
+          f"  calibration run: {speeds_line(before)}\n"
+          f"  median of the {len(probes.alone) // 2} probes between rounds (used): {speeds_line(speeds)}")
+    probe_s = speeds.pop("probe_s")
+    cal = cal.replace(**speeds)
     print(f"machine speed: probe workload alone {cal.probe_s:.3f} s in the calibration run, "
           f"{probe_s:.3f} s median between rounds (costs scaled by {probe_s / cal.probe_s:.3f})")
     unscaled, cal = cal, cal.at_probe_speed(probe_s)
@@ -491,7 +490,8 @@ def main() -> None:
     lengths = [n for case in cases for s in case.steps for n in s.response_lengths]
     print(f"\nreplayed response lengths: {len(lengths)} samples, mean "
           f"{statistics.mean(lengths):.1f}, max {max(lengths)}; calibration: concurrent speed "
-          f"{cal.concurrent_speed:.2f}, lock-step {cal.lockstep:.2f}, train {cal.train_tokens_per_s_per_device:,.0f} tok/s, "
+          f"{cal.concurrent_speed:.2f}, lock-step {cal.lockstep:.2f} (whole probe workload), train "
+          f"{cal.train_tokens_per_s_per_device:,.0f} tok/s + {cal.train_context_ns:.1f} ns x length^2, "
           f"decode {cal.decode_step_ms[0]:.2f}-{cal.decode_step_ms[-1]:.2f} ms/step")
     print()
     external_validation(targets=False)

@@ -119,6 +119,39 @@ def test_lockstep_speed_slows_colocated_devices_and_not_separated_overlap():
         FLAT.replace(lockstep_speed=1.5)
 
 
+def test_each_kind_of_work_has_its_own_contention_speed():
+    # lock-step speeds: decode 0.5, train (update and reference) 0.8; the step by hand of
+    # test_colocated_step_by_hand with each part divided by its kind's speed: engine0 decodes 30
+    # steps (0.030 / 0.5) and scores 60 tokens (0.030 / 0.8), the update 120 / (2 x 1000 x 0.8) +
+    # 0.1 / 0.8
+    kinds = FLAT.replace(concurrent_speed=0.9, lockstep_speed=0.7, decode_lockstep_speed=0.5,
+                         train_lockstep_speed=0.8)
+    expected = 0.01 + (0.060 + 0.0375) + 0.01 + (0.075 + 0.125)
+    assert _step_s(TWO, kinds) == pytest.approx(expected)
+    # a kind not measured (0) takes the whole workload's speed
+    assert kinds.speed("context", lockstep=True) == 0.7 and kinds.speed("decode", lockstep=False) == 0.9
+    busy = FLAT.replace(decode_context_ms=0.002, context_speed=0.25, lockstep_speed=0.5).contended(lockstep=False)
+    assert busy.decode_context_ms == pytest.approx(0.008) and busy.decode_step_ms == (1.0,)
+    assert busy.speed("train", lockstep=True) == 1.0  # nothing left to apply twice
+    with pytest.raises(ValueError, match="context_lockstep_speed"):
+        FLAT.replace(context_lockstep_speed=1.5)
+    with pytest.raises(ValueError, match="unknown kind"):
+        FLAT.speed("prefill", lockstep=True)
+
+
+def test_attention_over_each_sequence_is_charged_by_its_squared_length():
+    # TWO's sequences are 20, 40, 30 and 30 tokens: 3,800 squared; at 10 us per squared token the
+    # update (over 2 devices) takes 3,800 x 10 us / 2 = 0.019 s longer; engine0 scores 20 + 40
+    # (2,000 squared), at 5 us: 0.010 s longer, and it is the slower engine
+    cal = FLAT.replace(train_context_ns=1e4, reference_context_ns=5e3)
+    assert _step_s(TWO, cal) == pytest.approx(_step_s(TWO, FLAT) + 0.019 + 0.010)
+    assert cal.train_s(120, 2, 3800) == pytest.approx(0.1 + 0.060 + 0.019)
+    assert cal.reference_s(60, 1, 2000) == pytest.approx(0.030 + 0.010)
+    assert cal.reference_s(60, 1, 2000, fixed=False) == cal.reference_s(60, 1, 2000)  # FLAT: no fixed cost
+    slow = cal.replace(probe_s=1.0).at_probe_speed(2.0)
+    assert (slow.train_context_ns, slow.reference_context_ns) == pytest.approx((2e4, 1e4))
+
+
 def test_train_fraction_scales_only_the_update():
     half = _step_s(TWO.replace(train_fraction=0.5), FLAT)
     assert _step_s(TWO, FLAT) - half == pytest.approx(0.5 * 120 / 2000)
@@ -287,6 +320,32 @@ def test_advantage_cost_is_measured_on_the_runtimes_own_stage():
     assert 0 < measure_advantage(tokenizer, model.config.vocab_size, quick=True, n=64) < 0.01
 
 
+def test_a_pass_cost_plane_through_short_and_long_batches():
+    from rlfusion.measure.calibrate import _plane
+    from rlfusion.measure.contention import probe_speeds
+
+    # seconds = 0.01 + tokens / 8,000 + 1e-7 x squared lengths, at three batch shapes
+    points = [(t, q, 0.01 + t / 8000 + 1e-7 * q) for t, q in ((3000, 2e5), (12000, 8e5), (11000, 5e6))]
+    fixed, rate, square = _plane(points)
+    assert (fixed, rate, square) == pytest.approx((0.01, 8000, 1e-7))
+    # a negative fixed cost is 0; the rate and the squared term by least squares through the origin
+    shifted = [(t, q, y - 0.05) for t, q, y in points]
+    fixed, rate, square = _plane(shifted)
+    assert fixed == 0.0 and 8000 < rate < 9000 and 0 < square < 1.1e-7
+    # noise that makes the squared term negative: the line through the two short batches, no term
+    fixed, rate, square = _plane(points[:2] + [(11000, 5e6, 0.5)])
+    assert square == 0.0 and rate == pytest.approx((12000 - 3000) / (points[1][2] - points[0][2]))
+    # probe samples -> each kind's speed: median alone / median together (or in lock-step)
+    alone = [{"decode": 1.0, "context": 0.2, "train": 1.0, "total": 2.2}] * 3
+    together = [{"decode": 1.25, "context": 0.4, "train": 1.0, "total": 2.65}] * 3
+    lockstep = [{"decode": 2.0, "context": 0.4, "train": 1.25, "total": 3.65}] * 3
+    speeds = probe_speeds(alone, together, lockstep)
+    assert speeds == pytest.approx({"concurrent_speed": 2.2 / 2.65, "lockstep_speed": 2.2 / 3.65, "probe_s": 2.2,
+                                    "decode_speed": 0.8, "decode_lockstep_speed": 0.5, "context_speed": 0.5,
+                                    "context_lockstep_speed": 0.5, "train_speed": 1.0, "train_lockstep_speed": 0.8})
+    Calibration(**{**dataclasses.asdict(FLAT), **{k: v for k, v in speeds.items()}})  # valid fields
+
+
 def test_colocation_bound_rises_with_device_concurrency():
     """bench/colocation_bound.py's model: colocated / separated grows as two busy devices slow
     each other down less, and stays below 2 (the rollout's tail runs on each device)."""
@@ -320,6 +379,36 @@ def test_verl_publication_is_self_consistent_and_reproduced_from_hardware():
     (r,) = reproduce((64,))
     assert set(r.sync_phases) >= {"rollout", "ref", "train"} and r.async_step_s > 0
     assert r.sync_step_s == pytest.approx(sum(r.sync_phases.values()), rel=0.25)  # engine0 is busy most of the step
+
+
+def test_verl_trainers_are_costed_from_their_own_settings():
+    """The two published trainers differ only in what their scripts set: hand-computed offload
+    traffic, FSDP collectives and micro-batch counts; full recompute costs one extra forward."""
+    from rlfusion.sim.external import (ASYNC_TRAINER, ENGINE, SYNC_TRAINER, fsdp_comm_s, measured_step_floor_ms,
+                                       micro_batches, offload_s, train_rate)
+
+    assert (SYNC_TRAINER.fsdp_size, SYNC_TRAINER.param_offload, SYNC_TRAINER.optimizer_offload) == (2, True, True)
+    assert (ASYNC_TRAINER.fsdp_size, ASYNC_TRAINER.param_offload, ASYNC_TRAINER.optimizer_offload) == (8, False, False)
+    # 8e9 params over an FSDP group of 2: a 4e9 shard; fp32 in + out = 32 GB, Adam in + out = 64 GB at 50 GB/s
+    assert offload_s(8e9, SYNC_TRAINER, 50.0) == pytest.approx((0.64, 0.64 + 1.28))
+    assert offload_s(8e9, ASYNC_TRAINER, 50.0) == (0.0, 0.0)
+    h20 = get_cluster("h20", 32)
+    # group of 2 on NVLink (450 GB/s): all-gathers 2 x 1/2 x 16 GB + reduce-scatter 1/2 x 32 GB = 32 GB;
+    # 16 replica groups across nodes (50 GB/s): 2 x 15/16 x 16 GB = 30 GB
+    assert fsdp_comm_s(8e9, 32, SYNC_TRAINER, h20) == pytest.approx(32e9 / 450e9 + 30e9 / 50e9)
+    # group of 8: 2 x 7/8 x 16 GB + 7/8 x 32 GB = 56 GB on NVLink; 2 replicas: 2 x 1/2 x 4 GB = 4 GB across
+    assert fsdp_comm_s(8e9, 16, ASYNC_TRAINER, get_cluster("h20", 16)) == pytest.approx(56e9 / 450e9 + 4e9 / 50e9)
+    # 18M tokens, 16 mini-batches: 140,625 tokens per sp group of 8 groups (one micro-batch under the
+    # 61,440 x 4 budget), 281,250 per group of 4 groups (two)
+    assert micro_batches(18e6, 32, SYNC_TRAINER) == 16 and micro_batches(18e6, 16, ASYNC_TRAINER) == 32
+    assert SYNC_TRAINER.forward_fraction() == 0.25  # forward + recompute + backward = 4 forwards
+    model, a = get_preset("qwen2.5-7b"), ENGINE
+    full = train_rate(model, h20, SYNC_TRAINER, a)
+    selective = train_rate(model, h20, dataclasses.replace(SYNC_TRAINER, gradient_checkpointing=False), a)
+    assert 0.72 < full / selective < 0.8  # one extra forward of the three a train token costs
+    assert train_rate(model, get_cluster("h20", 16), ASYNC_TRAINER, a) == pytest.approx(full, rel=0.01)
+    # the independent small-batch measurement (3.65 ms, Mistral-7B TP4 on H100) less the cost model's step
+    assert 1.0 < measured_step_floor_ms() < 1.6 and ENGINE.step_overhead_ms == round(measured_step_floor_ms(), 2)
 
 
 def test_plan_scores_a_named_layout_and_ranks_it(capsys):

@@ -5,10 +5,13 @@ run, one device (worker process, `threads` threads) at a time, with the shipped 
 
     decode_step_ms(b)        LLMEngine.step() with b rows decoding (continuous batching, the
                              rollout's max_num_seqs), median over the steps of a fixed-length run
+    decode_context_ms        decode passes of `CONTEXT_ROWS` rows at the table's context and at
+                             `LONG_CONTEXT` (the base built for it): the cost per row and position
     prefill                  the engine's first step of a 1-row and of a 128-row run (a line
                              through the two: fixed + per-token cost)
     train tokens/s, overhead ActorStage.update() (GRPO loss, KL to the reference, AdamW) on 64 and
-                             on 256 synthetic samples: a line through the two
+                             on 256 synthetic task-shaped samples and on 32 long ones: the plane
+                             through the three in (tokens, sum of squared lengths)
     reference tokens/s       ReferenceStage.logprobs() on the same samples, the same way
     switch_s                 the colocated switch: optimizer state to host + KV cache in, and
                              back (HostPool, KVCache), half the round trip
@@ -16,11 +19,12 @@ run, one device (worker process, `threads` threads) at a time, with the shipped 
     transfer_GBps            two processes in a gloo world: bucketed weight broadcast (what a
                              separated-mode weight sync does), bytes / seconds
     concurrent_speed         two Ray device actors (as the real runs place them, 1 thread
-                             each) run a rollout + update workload alone and then both at once:
-                             time alone / time together (two busy 1-thread processes on this VM,
-                             with Ray's own processes beside them, do not get two full cores)
+                             each) run a rollout + long-context decode + update workload alone
+                             and then both at once: time alone / time together (two busy 1-thread
+                             processes on this VM, with Ray's own processes beside them, do not
+                             get two full cores), in all and per part (decode, context, train)
     lockstep_speed           the same with the two meeting as colocated devices do (a barrier
-                             after the rollout, the gradient all-reduce): `contention.py`
+                             after each part, the gradient all-reduce): `contention.py`
 
 Nothing here sees an RL step's throughput: the simulator predicts that from these numbers.
 torch and the model are imported inside the functions, so importing this module (as
@@ -44,6 +48,9 @@ from pathlib import Path
 from rlfusion.sim.calibration import Calibration, save_calibration
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128)
+LONG_CONTEXT = 1280  # the longest context priced (the replay workload's: prompt + a 1,000-token cap);
+#                      the base decodes past its own context with the same weights (rotary positions)
+CONTEXT_ROWS = 32  # rows of the long-context decode passes: a replay device's share (64 samples / 2)
 MAX_NUM_SEQS = 128  # the rollout's default max_num_seqs (RolloutConfig)
 BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
 
@@ -55,14 +62,15 @@ class _Setup:
     quick: bool
 
 
-def _load(setup: _Setup):
+def _load(setup: _Setup, max_seq_len: int | None = None):
+    """The base model and tokenizer (`max_seq_len`: the context to build it with; None: its own)."""
     import torch
 
     from rlfusion.model.checkpoint import load_checkpoint
 
     torch.set_num_threads(setup.threads)
     torch.manual_seed(0)
-    model, tokenizer, _ = load_checkpoint(setup.base)
+    model, tokenizer, _ = load_checkpoint(setup.base, max_seq_len=max_seq_len)
     return model, tokenizer
 
 
@@ -96,8 +104,10 @@ def engine_step_times(model, prompts: list[list[int]], new_tokens: int,
     return times
 
 
-def measure_engine(model, tokenizer, quick: bool) -> dict:
-    """Decode step time per batch size, and the prefill line."""
+def measure_engine(model, tokenizer, quick: bool, long_model=None) -> dict:
+    """Decode step time per batch size, the prefill line, and the decode cost per row and
+    context position on `long_model` (the same weights built for `LONG_CONTEXT`; default
+    `model`)."""
     new_tokens = 24 if quick else 48
     model.eval()
     engine_step_times(model, task_prompts(tokenizer, 32), 8)  # warm-up
@@ -116,47 +126,96 @@ def measure_engine(model, tokenizer, quick: bool) -> dict:
             "prefill_ms_per_token": per_token,
             "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small),
             "decode_reference_context": reference,
-            "decode_context_ms": decode_context_ms(model, reference, quick)}
+            "decode_context_ms": decode_context_ms(long_model or model, reference, quick)}
 
 
-def decode_context_ms(model, reference: int, quick: bool, rows: int = 64) -> float:
+def decode_context_ms(model, reference: int, quick: bool, rows: int = CONTEXT_ROWS) -> float:
     """Extra decode-step time per row and per context position: `rows` rows decoding at
-    context `reference` vs near the model's context length (every row at the same position)."""
+    context `reference` vs near the model's context length (every row at the same position).
+    The cache a long context reads outgrows the processor's caches (2 KB per token of the tiny
+    model: 32 rows x 1,280 positions are 84 MB), so the model must be built for the longest
+    context a workload reads: a slope measured over short contexts under-prices it."""
+    longest = model.config.max_seq_len - 1
+    if longest <= reference:
+        return 0.0
+    long_step, ref_step = context_steps(model, rows, (longest, reference))
+    # the two contexts in turn, so drift in machine speed cancels
+    long_s, ref_s = _interleaved_medians([long_step, ref_step], 12 if quick else 40)
+    return max(0.0, (long_s - ref_s) * 1e3 / (rows * (longest - reference)))
+
+
+def context_steps(model, rows: int, contexts: tuple[int, ...]) -> list:
+    """One decode pass of `rows` rows at each of `contexts` (every row's new token at position
+    context - 1, attending over the whole context), as callables over one shared KV cache."""
     import torch
 
     from rlfusion.model.kv_cache import CacheBatch
 
-    longest = model.config.max_seq_len - 1
-    if longest <= reference:
-        return 0.0
-    cache = model.new_kv_cache(rows, longest + 1)
+    cache = model.new_kv_cache(rows, max(contexts) + 1)
     tokens_B1 = torch.randint(1, model.config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
 
     def step(context: int):
-        start_B = torch.full((rows,), context - 1)  # the new token sits at position context - 1
-        return lambda: model(tokens_B1, CacheBatch(cache, 0, start_B))
+        start_B = torch.full((rows,), context - 1)
 
-    with torch.inference_mode():  # the two contexts in turn, so drift in machine speed cancels
-        long_s, ref_s = _interleaved_medians([step(longest), step(reference)], 10 if quick else 30)
-    return max(0.0, (long_s - ref_s) * 1e3 / (rows * (longest - reference)))
+        def run() -> None:
+            with torch.inference_mode():
+                model(tokens_B1, CacheBatch(cache, 0, start_B))
+        return run
+    return [step(c) for c in contexts]
 
 
 # ---- trainer, reference, switch ------------------------------------------------------------
 
-def synthetic_trajectories(tokenizer, n: int, vocab: int, seed: int = 0) -> list:
-    """`n` samples shaped like the task's: real prompts, log-normal response lengths (median 24,
-    p99/median ~4), random tokens, GRPO-like advantages, behaviour and reference logprobs."""
+def synthetic_trajectories(tokenizer, n: int, vocab: int, seed: int = 0, median: int = 24,
+                           cap: int = 160) -> list:
+    """`n` samples shaped like the task's: real prompts, log-normal response lengths (median
+    `median`, p99/median ~4, at most `cap`), random tokens, GRPO-like advantages, behaviour and
+    reference logprobs."""
     from rlfusion.rl.trajectory import Trajectory
 
     rng = random.Random(seed)
     out = []
     for i, prompt in enumerate(task_prompts(tokenizer, n, seed)):
-        length = min(160, max(2, round(24 * rng.lognormvariate(0.0, 0.57))))
+        length = min(cap, max(2, round(median * rng.lognormvariate(0.0, 0.57))))
         response = [rng.randrange(1, vocab) for _ in range(length)]
         out.append(Trajectory(i // 8, None, prompt, response, [-1.0] * length, [0] * length,
                               "stop", advantage=rng.choice((-1.0, 1.0)),
                               ref_logprobs=[-1.0] * length))
     return out
+
+
+def _plane(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(fixed seconds, tokens per second, seconds per squared sequence length) of a pass
+    through three (tokens, sum of squared lengths, seconds) points: two batches of short
+    samples and one of long ones. A negative fixed cost (noise: the update has none to speak
+    of) is 0, the other two then fitted by least squares through the origin; where noise makes
+    the squared term or the rate come out negative, the squared term is 0 and the line through
+    the short batches holds."""
+    (a0, b0, y0), (a1, b1, y1), (a2, b2, y2) = points
+
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    rows = [[1.0, a0, b0], [1.0, a1, b1], [1.0, a2, b2]]
+    ys = [y0, y1, y2]
+    d = det(rows)
+    if d:
+        solved = [det([[ys[r] if c == k else rows[r][c] for c in range(3)] for r in range(3)]) / d
+                  for k in range(3)]
+        fixed, per_token, per_square = solved
+        if fixed < 0:  # y = per_token * tokens + per_square * squares, least squares
+            saa, sab, sbb = (sum(p[0] * p[0] for p in points), sum(p[0] * p[1] for p in points),
+                             sum(p[1] * p[1] for p in points))
+            say, sby = sum(p[0] * p[2] for p in points), sum(p[1] * p[2] for p in points)
+            d2 = saa * sbb - sab * sab
+            fixed, per_token, per_square = (0.0, (say * sbb - sby * sab) / d2, (saa * sby - sab * say) / d2) \
+                if d2 else (0.0, 0.0, 0.0)
+        if per_square > 0 and per_token > 0:
+            return fixed, 1.0 / per_token, per_square
+    fixed, rate = _line({a0: y0, a1: y1})
+    return fixed, rate, 0.0
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:
@@ -193,7 +252,10 @@ def _interleaved_medians(fns: list, reps: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def measure_train_and_reference(model, tokenizer, quick: bool) -> dict:
+def measure_train_and_reference(model, tokenizer, quick: bool, switch_model=None) -> dict:
+    """The update's and the reference pass's cost planes (`_plane`) and the switches, on `model`
+    (built for the long samples' context); the switch restores a KV cache sized for
+    `switch_model`'s context (default `model`'s)."""
     from rlfusion.runtime.actor import ActorStage
     from rlfusion.runtime.stages import ReferenceStage
     from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
@@ -202,16 +264,21 @@ def measure_train_and_reference(model, tokenizer, quick: bool) -> dict:
     vocab = model.config.vocab_size
     actor = ActorStage(copy.deepcopy(model), AlgoConfig(), OptimConfig(), temperature=1.0)
     reference = ReferenceStage(copy.deepcopy(model), 1.0, OptimConfig().microbatch_tokens)
+    # two batches of task-shaped samples and one of long ones (a replay device's share of an
+    # update, responses of median 300 and up to 1,000 tokens) of about the same tokens as the
+    # larger: the long batch prices the attention over each sequence, which grows with its square
     batches = [synthetic_trajectories(tokenizer, n, vocab, seed=n) for n in (64, 256)]
-    tokens = [sum(t.num_tokens for t in trajs) for trajs in batches]
+    batches.append(synthetic_trajectories(tokenizer, 32, vocab, seed=32, median=300, cap=1000))
+    shapes = [(sum(t.num_tokens for t in trajs), sum(t.num_tokens ** 2 for t in trajs)) for trajs in batches]
     seconds = _interleaved_medians([lambda trajs=trajs: actor.update(trajs) for trajs in batches]
                                    + [lambda trajs=trajs: reference.logprobs(trajs) for trajs in batches], reps)
-    train, ref = dict(zip(tokens, seconds[:2])), dict(zip(tokens, seconds[2:]))
-    train_fixed, train_rate = _line(train)
-    ref_fixed, ref_rate = _line(ref)
-    switch_s, ref_switch_s = _measure_switches(actor, reference, model, reps)
+    train_fixed, train_rate, train_square = _plane([(*x, y) for x, y in zip(shapes, seconds[:3])])
+    ref_fixed, ref_rate, ref_square = _plane([(*x, y) for x, y in zip(shapes, seconds[3:])])
+    switch_s, ref_switch_s = _measure_switches(actor, reference, switch_model or model, reps)
     return {"train_tokens_per_s_per_device": train_rate, "train_step_overhead_s": train_fixed,
+            "train_context_ns": train_square * 1e9,
             "reference_tokens_per_s_per_device": ref_rate, "reference_overhead_s": ref_fixed,
+            "reference_context_ns": ref_square * 1e9,
             "switch_s": switch_s, "reference_switch_s": ref_switch_s}
 
 
@@ -324,7 +391,8 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
 
     model.eval()
     engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=rank))
-    params = SamplingParams(temperature=1.0, max_new_tokens=32 if quick else 64)  # no stop ids
+    # 24 sums (quick: 12) of 8 steps each: one slow step of either process weighs on few of them
+    params = SamplingParams(temperature=1.0, max_new_tokens=96 if quick else 192)  # no stop ids
     for i, ids in enumerate(task_prompts(tokenizer, 64, seed=100 + rank)):
         engine.add_request(Request(f"r{i}", list(ids), params))
     counts = torch.zeros(4, dtype=torch.int64)
@@ -390,15 +458,18 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     setup = default_setup(threads, quick)
     t0 = time.perf_counter()
     model, tokenizer = _load(setup)
-    engine = measure_engine(model, tokenizer, quick)
+    long_model, _ = _load(setup, max_seq_len=max(model.config.max_seq_len, LONG_CONTEXT))
+    engine = measure_engine(model, tokenizer, quick, long_model)
     log(f"  engine: decode ms {dict(zip(engine['decode_batch_sizes'], (round(x, 2) for x in engine['decode_step_ms'])))} "
         f"at context {engine['decode_reference_context']}, + {engine['decode_context_ms'] * 1e6:.0f} ns per row "
         f"and longer context token, prefill {engine['prefill_fixed_ms']:.2f} ms + "
         f"{engine['prefill_ms_per_token'] * 1e3:.1f} us/token")
-    train = measure_train_and_reference(model, tokenizer, quick)
-    log(f"  train {train['train_tokens_per_s_per_device']:,.0f} tok/s + {train['train_step_overhead_s'] * 1e3:.1f} ms, "
+    # long samples need the long context; the switch's KV cache is the base's (the default task's)
+    train = measure_train_and_reference(long_model, tokenizer, quick, switch_model=model)
+    log(f"  train {train['train_tokens_per_s_per_device']:,.0f} tok/s + {train['train_step_overhead_s'] * 1e3:.1f} ms "
+        f"+ {train['train_context_ns']:.1f} ns x sequence length^2, "
         f"reference {train['reference_tokens_per_s_per_device']:,.0f} tok/s + "
-        f"{train['reference_overhead_s'] * 1e3:.1f} ms, switch {train['switch_s'] * 1e3:.1f} ms, "
+        f"{train['reference_overhead_s'] * 1e3:.1f} ms + {train['reference_context_ns']:.1f} ns x length^2, switch {train['switch_s'] * 1e3:.1f} ms, "
         f"reference switch {train['reference_switch_s'] * 1e3:.1f} ms")
     advantage = measure_advantage(tokenizer, model.config.vocab_size, quick)
     log(f"  advantage stage: {advantage * 1e6:.0f} us per sample between the rollout and the update "
@@ -408,13 +479,13 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     log(f"  weight broadcast {pair['weight_GB'] * 1e3:.2f} MB in {bcast_s * 1e3:.1f} ms "
         f"({pair['transfer_GBps']:.2f} GB/s); stop-rule sum (4-int all-reduce) "
         f"{pair['stop_sync_s'] * 1e6:.0f} us while both decode ({idle_sum_s * 1e6:.0f} us idle)")
-    from rlfusion.measure.contention import measure_contention  # it imports this module
+    from rlfusion.measure.contention import measure_contention, speeds_line  # it imports this module
 
     contention = measure_contention(setup)
     alone, together, lockstep = contention.pop("_contention")
-    log(f"  2 Ray device actors, rollout+update workload: alone {alone:.3f} s, both at once "
-        f"{together:.3f} s, in lock-step {lockstep:.3f} s -> concurrent speed "
-        f"{contention['concurrent_speed']:.2f}, lock-step speed {contention['lockstep_speed']:.2f}")
+    log(f"  2 Ray device actors, rollout + long-context decode + update workload: alone {alone:.3f} s, "
+        f"both at once {together:.3f} s, in lock-step {lockstep:.3f} s -> speeds (independent / "
+        f"lock-step) {speeds_line(contention)}")
     cal = Calibration(
         **engine, **train, **pair, **contention, devices_per_engine=1, advantage_s_per_sample=advantage,
         source=f"measured on this machine by rlfusion.measure.calibrate ({threads} thread(s) per "
@@ -431,9 +502,15 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "advantage_s_per_sample: the first train device's advantage stage on 256 synthetic "
             "samples (numbers per row read from and written to a DistQueue, the data-parallel "
             "split, the retire), per sample",
-            "concurrent_speed / lockstep_speed: 2 Ray actors, rollout+update workload, alone vs "
-            "both at once (independent / meeting after the rollout and in the gradient all-reduce); "
+            "concurrent_speed / lockstep_speed: 2 Ray actors, rollout + long-context decode + update "
+            "workload, alone vs both at once (independent / meeting after each part and in the gradient "
+            "all-reduce); decode_speed, context_speed, train_speed (and lock-step): the same per part; "
             "probe_s: that workload alone (machine-speed mark)",
+            "train_context_ns / reference_context_ns: a third batch of 32 long samples (responses "
+            "of median 300, up to 1,000 tokens): the plane through the three batches' (tokens, "
+            "sum of squared lengths, seconds)",
+            f"decode_context_ms: {CONTEXT_ROWS} rows at the reference context vs {LONG_CONTEXT - 1} "
+            "(the base built for that context)",
             "not measured (small here): reward rule scoring, Ray's own call latency",
         ),
     )

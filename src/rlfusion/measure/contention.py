@@ -2,8 +2,10 @@
 `rlfusion.measure.calibrate`'s calibration; `bench/simulator.py` also samples it between its rounds).
 
 Two Ray actors, placed as the real device workers are (1 thread each), run a fixed workload
-sized like one colocated device's step — a rollout of `PROBE_SAMPLES` rows and an update on as
-many samples:
+sized like one colocated device's step — a rollout of `PROBE_SAMPLES` rows, decode passes of
+`CONTEXT_ROWS` rows at a long and at a short context, and an update on `PROBE_SAMPLES` samples —
+each part timed apart (`PARTS`: decode, context, train), since two busy processes slow
+memory-bound work (the attention's reads over a long cache) more than compute-bound work:
 
     alone      each actor in turn, the other idle
     together   both at once, independently (separated devices that overlap work like this)
@@ -11,7 +13,8 @@ many samples:
                rollout (the driver waits for every device's rollout before the update) and
                the data-parallel gradient all-reduce inside the update
 
-concurrent_speed = alone / together and lockstep_speed = alone / lockstep (medians). Other work
+concurrent_speed = alone / together and lockstep_speed = alone / lockstep (medians) of the whole
+workload, and the same of each part (`decode_speed`, `decode_lockstep_speed`, ...). Other work
 on the machine (other sessions, Ray's own processes) slows whichever process it lands on; two
 independent processes each lose only their own share, while two in lock-step both wait for
 the slower one at every meeting, so lock-step speed is the lower one here (0.84 vs 0.90 on a
@@ -29,22 +32,50 @@ import datetime
 import statistics
 import time
 
-from rlfusion.measure.calibrate import _load, _Setup, engine_step_times, synthetic_trajectories, task_prompts
+from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, _load, _Setup, context_steps, engine_step_times,
+                                        synthetic_trajectories, task_prompts)
 
 PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
+PARTS = ("decode", "context", "train")  # the kinds of work timed apart (Calibration.speed)
+CONTEXT_SHORT = 64  # the long-context passes (`LONG_CONTEXT`) less passes at about the decode table's
+CONTEXT_PASSES = 12
 
 
-def _mixed_workload(model, tokenizer, actor, trajs, meet=None) -> None:
+def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[str, float]:
     """The probe's fixed work, sized like one colocated device's step: a rollout of
-    `PROBE_SAMPLES` rows (a full KV cache's worth) and an update on as many samples. Two busy
-    processes slow each other by how much their working sets crowd the shared caches and memory
-    bus, so the probe's must be the real one's size, not smaller. `meet()`, if given, runs
-    between the rollout and the update (the lock-step run's barrier)."""
+    `PROBE_SAMPLES` rows (a full KV cache's worth), decode passes at a long and at a short
+    context (`context`: the two callables, `CONTEXT_PASSES` of each in turn) and an update on
+    `PROBE_SAMPLES` samples. Two busy processes slow each other by how much their working sets
+    crowd the shared caches and memory bus, so the probe's must be the real one's size, not
+    smaller. Returns the seconds of each part (`PARTS`; "context" is the long passes' time less
+    the short ones': the attention's reads over the longer context). `meet()`, if given, runs
+    after each part (the lock-step run's barriers: colocated devices meet after the rollout and
+    in the update's gradient all-reduce), and its wait counts in the part before it."""
+    def met() -> float:
+        if meet is not None:
+            meet()
+        return time.perf_counter()
+
     model.eval()
+    start = time.perf_counter()
     engine_step_times(model, task_prompts(tokenizer, PROBE_SAMPLES), 24)
-    if meet is not None:
-        meet()
+    after_rollout = met()
+    long_s = short_s = 0.0
+    for _ in range(CONTEXT_PASSES):
+        for i, step in enumerate(context):
+            t = time.perf_counter()
+            step()
+            if i == 0:
+                long_s += time.perf_counter() - t
+            else:
+                short_s += time.perf_counter() - t
+    after_context = met()
     actor.update(trajs)
+    end = met()
+    # the barrier's wait after the passes belongs to the long ones (the longer part)
+    long_s += after_context - after_rollout - long_s - short_s
+    return {"decode": after_rollout - start, "context": max(1e-9, long_s - short_s),
+            "train": end - after_context, "total": end - start}
 
 
 class ContentionWorker:
@@ -55,6 +86,10 @@ class ContentionWorker:
         from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
         self.model, self.tokenizer = _load(setup)
+        # the same weights built for the long context (rotary positions), as the replay runs load them
+        long_model, _ = _load(setup, max_seq_len=max(self.model.config.max_seq_len, LONG_CONTEXT))
+        long_model.eval()
+        self.context = context_steps(long_model, CONTEXT_ROWS, (LONG_CONTEXT - 1, CONTEXT_SHORT))
         self.actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0)
         self.trajs = synthetic_trajectories(self.tokenizer, PROBE_SAMPLES, self.model.config.vocab_size,
                                             seed=seed)
@@ -82,16 +117,15 @@ class ContentionWorker:
         group = dist.new_group([0, 1])
         self.dp_actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0, dp_group=group)
 
-    def work(self, lockstep: bool = False) -> float:
-        """Seconds of the workload; `lockstep`: meeting the other worker (both must call)."""
+    def work(self, lockstep: bool = False) -> dict[str, float]:
+        """Seconds of the workload's parts and in all ("total"); `lockstep`: meeting the other
+        worker (both must call)."""
         import torch.distributed as dist
 
-        start = time.perf_counter()
         if lockstep:
-            _mixed_workload(self.model, self.tokenizer, self.dp_actor, self.trajs, meet=dist.barrier)
-        else:
-            _mixed_workload(self.model, self.tokenizer, self.actor, self.trajs)
-        return time.perf_counter() - start
+            return _mixed_workload(self.model, self.tokenizer, self.dp_actor, self.trajs, self.context,
+                                   meet=dist.barrier)
+        return _mixed_workload(self.model, self.tokenizer, self.actor, self.trajs, self.context)
 
 
 def contention_workers(setup: _Setup) -> list:
@@ -115,9 +149,9 @@ def contention_workers(setup: _Setup) -> list:
     return workers
 
 
-def contention_probe(workers: list, reps: int = 1) -> tuple[list[float], list[float], list[float]]:
-    """(seconds alone, together, in lock-step) of the workload: each worker alone, then both
-    independently, then both in lock-step."""
+def contention_probe(workers: list, reps: int = 1) -> tuple[list[dict], list[dict], list[dict]]:
+    """(alone, together, in lock-step): the seconds of the workload's parts (`work`) of each
+    worker alone, then both independently, then both in lock-step."""
     import ray
 
     alone, together, lockstep = [], [], []
@@ -128,9 +162,29 @@ def contention_probe(workers: list, reps: int = 1) -> tuple[list[float], list[fl
     return alone, together, lockstep
 
 
-def concurrent_speed(alone: list[float], together: list[float]) -> float:
-    """Median alone / median together (or in lock-step), at most 1."""
-    return min(1.0, statistics.median(alone) / statistics.median(together))
+def concurrent_speed(alone: list[dict], together: list[dict], part: str = "total") -> float:
+    """Median alone / median together (or in lock-step) of one part of the workload, at most 1."""
+    return min(1.0, statistics.median(x[part] for x in alone) / statistics.median(x[part] for x in together))
+
+
+def probe_speeds(alone: list[dict], together: list[dict], lockstep: list[dict]) -> dict[str, float]:
+    """The calibration's contention fields from probe samples: the whole workload's speeds
+    (`concurrent_speed`, `lockstep_speed`), each part's (`decode_speed`, ...) and `probe_s`, the
+    whole workload alone (the machine-speed mark)."""
+    out = {"concurrent_speed": concurrent_speed(alone, together),
+           "lockstep_speed": concurrent_speed(alone, lockstep),
+           "probe_s": statistics.median(x["total"] for x in alone)}
+    for part in PARTS:
+        out[f"{part}_speed"] = concurrent_speed(alone, together, part)
+        out[f"{part}_lockstep_speed"] = concurrent_speed(alone, lockstep, part)
+    return out
+
+
+def speeds_line(speeds: dict[str, float]) -> str:
+    """The probe's speeds in one line (independent / lock-step)."""
+    return ", ".join(f"{part} {speeds[f'{part}_speed']:.2f} / {speeds[f'{part}_lockstep_speed']:.2f}"
+                     for part in PARTS) + \
+        f"; whole workload {speeds['concurrent_speed']:.2f} / {speeds['lockstep_speed']:.2f}"
 
 
 def measure_contention(setup: _Setup) -> dict:
@@ -151,8 +205,5 @@ def measure_contention(setup: _Setup) -> dict:
             ray.kill(w)
         if started:
             ray.shutdown()
-    return {"concurrent_speed": concurrent_speed(alone, together),
-            "lockstep_speed": concurrent_speed(alone, lockstep),
-            "probe_s": statistics.median(alone),
-            "_contention": (statistics.median(alone), statistics.median(together),
-                            statistics.median(lockstep))}
+    return {**probe_speeds(alone, together, lockstep),
+            "_contention": tuple(statistics.median(x["total"] for x in runs) for runs in (alone, together, lockstep))}

@@ -25,6 +25,10 @@ from pathlib import Path
 from rlfusion.model.row_segments import row_segments
 
 
+KIND_SPEEDS = ("decode_speed", "decode_lockstep_speed", "context_speed", "context_lockstep_speed",
+               "train_speed", "train_lockstep_speed")
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Costs of one rollout engine instance and of the trainer, per device where stated."""
@@ -42,6 +46,10 @@ class Calibration:
     prefill_fixed_ms: float = 0.0  # fixed cost of one prefill pass (any rows), ms
     reference_tokens_per_s_per_device: float = 0.0  # measured ref forward rate; 0: use fraction
     reference_overhead_s: float = 0.0  # fixed cost of one reference pass over a batch, s
+    train_context_ns: float = 0.0  # update time per token and per position of its sequence
+    #                                (attention over the sequence): a sample of L tokens adds
+    #                                L^2 x this to the tokens / rate line, ns
+    reference_context_ns: float = 0.0  # the same for the reference (or reward) forward, ns
     reference_switch_s: float | None = None  # bring the offloaded reference in and out
     #                                          (fully_shared mode); None: same as switch_s
     concurrent_speed: float = 1.0  # per-device speed while every device of a host is busy,
@@ -51,6 +59,15 @@ class Calibration:
     #                              fully shared devices do (they meet at the driver's phase barriers
     #                              and the gradient all-reduce, so work that slows one holds up
     #                              the other); 0: concurrent_speed
+    # the same two speeds per kind of work, from the probe's parts timed apart (0: the whole
+    # workload's `concurrent_speed` / `lockstep_speed`): two busy CPU processes slow memory-bound
+    # work (the attention's cache reads) more than compute-bound work (the update's matmuls)
+    decode_speed: float = 0.0  # decode passes at the table's context, and prefill
+    decode_lockstep_speed: float = 0.0
+    context_speed: float = 0.0  # the attention's reads beyond the table's context (`decode_context_ms`)
+    context_lockstep_speed: float = 0.0
+    train_speed: float = 0.0  # the update and the reference (or reward) forward
+    train_lockstep_speed: float = 0.0
     grad_sync_GB: float = 0.0  # gradient bytes each train device all-reduces per update across
     #                            the train devices (data-parallel replicas); 0: in the train rate
     stop_sync_s: float = 0.0  # one stop-rule sum of the rollout devices (a 4-integer gloo
@@ -83,13 +100,15 @@ class Calibration:
         if not 0.0 < self.concurrent_speed <= 1.0:
             raise ValueError(f"calibration.concurrent_speed={self.concurrent_speed} must be "
                              "in (0, 1]")
-        if not 0.0 <= self.lockstep_speed <= 1.0:
-            raise ValueError(f"calibration.lockstep_speed={self.lockstep_speed} must be in [0, 1] "
-                             "(0 = concurrent_speed)")
+        for key in ("lockstep_speed",) + KIND_SPEEDS:
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"calibration.{key}={getattr(self, key)} must be in [0, 1] "
+                                 "(0 = the whole workload's speed)")
         for key in ("prefill_ms_per_token", "prefill_fixed_ms", "train_step_overhead_s",
                     "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
                     "reference_overhead_s", "grad_sync_GB", "stop_sync_s", "decode_context_ms",
-                    "decode_reference_context", "advantage_s_per_sample"):
+                    "decode_reference_context", "advantage_s_per_sample", "train_context_ns",
+                    "reference_context_ns"):
             if getattr(self, key) < 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
 
@@ -98,6 +117,33 @@ class Calibration:
         """Per-device speed of devices working in lock-step (`lockstep_speed`, else
         `concurrent_speed`)."""
         return self.lockstep_speed or self.concurrent_speed
+
+    def speed(self, kind: str, lockstep: bool) -> float:
+        """Per-device speed of `kind` work ("decode", "context" or "train") while every device of
+        the host is busy, independently or in lock-step; the whole workload's where the kind's
+        was not measured."""
+        if kind not in ("decode", "context", "train"):
+            raise ValueError(f"unknown kind of work {kind!r}: decode, context or train")
+        measured = getattr(self, f"{kind}_lockstep_speed" if lockstep else f"{kind}_speed")
+        return measured or (self.lockstep if lockstep else self.concurrent_speed)
+
+    def contended(self, lockstep: bool) -> "Calibration":
+        """These costs while every device of the host is busy (independently, or in lock-step as
+        co-located devices and data-parallel trainers work): each kind of work divided by its
+        speed. The result has no contention left to apply (every speed 1)."""
+        decode, context, train = (self.speed(k, lockstep) for k in ("decode", "context", "train"))
+        return self.replace(
+            decode_step_ms=tuple(t / decode for t in self.decode_step_ms),
+            prefill_ms_per_token=self.prefill_ms_per_token / decode,
+            prefill_fixed_ms=self.prefill_fixed_ms / decode,
+            decode_context_ms=self.decode_context_ms / context,
+            train_tokens_per_s_per_device=self.train_tokens_per_s_per_device * train,
+            train_step_overhead_s=self.train_step_overhead_s / train,
+            train_context_ns=self.train_context_ns / train,
+            reference_context_ns=self.reference_context_ns / train,
+            reference_tokens_per_s_per_device=self.reference_tokens_per_s_per_device * train,
+            reference_overhead_s=self.reference_overhead_s / train,
+            concurrent_speed=1.0, lockstep_speed=0.0, **dict.fromkeys(KIND_SPEEDS, 0.0))
 
     def decode_step_s(self, batch: int, context: int = 0) -> float:
         """Step time at `batch` active sequences, every one read up to `context` positions: the
@@ -144,12 +190,22 @@ class Calibration:
             return 0.0
         return (self.prefill_fixed_ms + tokens * self.prefill_ms_per_token) / 1e3
 
-    def reference_s(self, tokens: int, devices: int) -> float:
-        """Reference (or reward-model) forward over `tokens` split across `devices`."""
+    def reference_s(self, tokens: int, devices: int, squares: float = 0.0, fixed: bool = True) -> float:
+        """Reference (or reward-model) forward over `tokens` split across `devices`; `squares`:
+        the sum of the squared sequence lengths (their attention, `reference_context_ns`);
+        `fixed`: with the fixed cost of a pass."""
         if self.reference_tokens_per_s_per_device > 0:
-            return (self.reference_overhead_s
-                    + tokens / (self.reference_tokens_per_s_per_device * devices))
-        return tokens / (self.train_tokens_per_s_per_device * devices) * self.forward_fraction
+            return (self.reference_overhead_s * fixed
+                    + (tokens / self.reference_tokens_per_s_per_device
+                       + squares * self.reference_context_ns * 1e-9) / devices)
+        return (tokens / self.train_tokens_per_s_per_device
+                + squares * self.train_context_ns * 1e-9) / devices * self.forward_fraction
+
+    def train_s(self, tokens: float, devices: int, squares: float = 0.0) -> float:
+        """One update over `tokens` (prompt + response) split across `devices` data-parallel
+        devices; `squares`: the sum of the squared sequence lengths (their attention)."""
+        return (self.train_step_overhead_s
+                + (tokens / self.train_tokens_per_s_per_device + squares * self.train_context_ns * 1e-9) / devices)
 
     def at_probe_speed(self, probe_s: float) -> "Calibration":
         """These costs on the same machine when the reference workload takes `probe_s` (other
@@ -164,6 +220,8 @@ class Calibration:
             prefill_fixed_ms=self.prefill_fixed_ms * f,
             train_tokens_per_s_per_device=self.train_tokens_per_s_per_device / f,
             train_step_overhead_s=self.train_step_overhead_s * f,
+            train_context_ns=self.train_context_ns * f,
+            reference_context_ns=self.reference_context_ns * f,
             reference_tokens_per_s_per_device=self.reference_tokens_per_s_per_device / f,
             reference_overhead_s=self.reference_overhead_s * f,
             switch_s=self.switch_s * f,

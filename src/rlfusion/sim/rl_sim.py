@@ -21,15 +21,16 @@ Owns `simulate()` and its `SimResult`/`TimelineEvent` outputs. Modes:
 Staleness s = 0 therefore reproduces synchronous RL in every mode. Costs come only from a
 `Calibration` (measured inputs); nothing is fitted to throughput.
 
-Contention: while more than one device works at once, every compute cost is divided by
-`Calibration.concurrent_speed` (measured; < 1 for worker processes sharing a CPU, 1 for
-accelerators). Devices work at once in colocated and fully_shared modes with 2+ devices, in
-separated mode among 2+ engines or 2+ trainers, and between engines and trainers when s >= 1
-(they overlap). Colocated and fully shared devices work in lock-step (the driver's phase barriers,
-the gradient all-reduce), and so do 2+ data-parallel train devices in any mode: there the
-divisor is `Calibration.lockstep` (measured with the two probe processes meeting as a
-colocated step does; work that slows one holds up both). An engine that finishes its share
-early is still charged the slower rate.
+Contention: while more than one device works at once, each compute cost is divided by the
+measured speed of its kind of work with the host's devices busy (`Calibration.contended`: decode
+passes, the attention's reads beyond the decode table's context, and the update and reference
+passes each have their own; < 1 for worker processes sharing a CPU, 1 for accelerators). Devices
+work at once in colocated and fully_shared modes with 2+ devices, in separated mode among 2+
+engines or 2+ trainers, and between engines and trainers when s >= 1 (they overlap). Colocated
+and fully shared devices work in lock-step (the driver's phase barriers, the gradient
+all-reduce), and so do 2+ data-parallel train devices in any mode: there the lock-step speeds
+apply (measured with the two probe processes meeting as a colocated step does; work that slows
+one holds up both). An engine that finishes its share early is still charged the slower rate.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class _Engine:
     clock: float = 0.0
     active: list[Sample] = field(default_factory=list)
     finished_tokens: int = 0  # prompt + response tokens of samples finished since last reset
+    finished_squares: int = 0  # the sum of their squared lengths (prompt + response)
     last_work: float = 0.0  # end of its latest prefill or decode step
     taken: dict[int, int] = field(default_factory=dict)  # new samples admitted, per batch
     min_left: int | None = None  # fewest tokens any active sample still needs (None: unknown)
@@ -144,25 +146,25 @@ class _Sim:
         # separated and hybrid devices work independently (hybrid's train devices update while
         # the others decode), the other modes in lock-step
         independent = cfg.mode in ("separated", "hybrid")
-        slow = 1.0 / (cal.concurrent_speed if independent else cal.lockstep)
         overlap = independent and cfg.max_staleness > 0
-        self.engine_slow = slow if (engines > 1 or overlap) else 1.0
+        # the costs of the engines' and the trainer's work with the host's other devices busy
+        self.engine_cal = cal.contended(lockstep=not independent) if (engines > 1 or overlap) else cal
         # data-parallel train devices meet in the gradient all-reduce: lock-step in every mode
-        self.train_slow = (1.0 / cal.lockstep if self.train_devices() > 1
-                           else slow if overlap else 1.0)
+        self.train_cal = (cal.contended(lockstep=True) if self.train_devices() > 1
+                          else cal.contended(lockstep=False) if overlap else cal)
 
     # ---- stragglers ---------------------------------------------------------------------
     def slow(self, eng: "_Engine") -> float:
-        """How much longer `eng`'s work takes: contention (`engine_slow`) times its straggler
-        factor for the policy version it generates with (a log-normal of `straggler_sigma`,
-        drawn once per engine and version: a barrier waits for the slowest)."""
+        """How much longer `eng`'s work takes than `engine_cal` prices it: its straggler factor
+        for the policy version it generates with (a log-normal of `straggler_sigma`, drawn once
+        per engine and version: a barrier waits for the slowest)."""
         sigma = self.cfg.straggler_sigma
         if not sigma:
-            return self.engine_slow
+            return 1.0
         key = (eng.name, eng.version)
         if key not in self.speeds:
             self.speeds[key] = math.exp(self.straggle_rng.gauss(0.0, sigma))
-        return self.engine_slow * self.speeds[key]
+        return self.speeds[key]
 
     def slowest(self, devices: int) -> float:
         """The slowest of `devices` data-parallel train devices' straggler factors for one
@@ -228,7 +230,7 @@ class _Sim:
             if s.needs_prefill:
                 prefill_tokens += s.prompt_len + s.generated
                 s.needs_prefill = False
-        cost = self.cal.prefill_s(prefill_tokens) * self.slow(eng)
+        cost = self.engine_cal.prefill_s(prefill_tokens) * self.slow(eng)
         self.record(eng.name, "prefill", eng.clock, eng.clock + cost, eng.version)
         eng.clock += cost
         eng.last_work = eng.clock
@@ -246,7 +248,7 @@ class _Sim:
     def next_finish(self, eng: _Engine) -> float:
         if not eng.active:
             return math.inf
-        return eng.clock + self.cal.decode_steps_s(len(eng.active), self.context(eng), eng.fewest_left()) * self.slow(eng)
+        return eng.clock + self.engine_cal.decode_steps_s(len(eng.active), self.context(eng), eng.fewest_left()) * self.slow(eng)
 
     def context(self, eng: _Engine) -> int:
         """The longest context the engine's next decode step attends over."""
@@ -255,7 +257,7 @@ class _Sim:
         return eng.longest_context()
 
     def decode_step_s(self, eng: _Engine) -> float:
-        return self.cal.decode_step_s(len(eng.active), self.context(eng)) * self.slow(eng)
+        return self.engine_cal.decode_step_s(len(eng.active), self.context(eng)) * self.slow(eng)
 
     def advance(self, eng: _Engine, until: float) -> list[Sample]:
         """Run decode steps up to `until` (finishing the step in progress); return finished."""
@@ -266,7 +268,7 @@ class _Sim:
             return []
         step = self.decode_step_s(eng)  # the first; later ones attend over one more token each
         steps = min(eng.fewest_left(), math.ceil((until - eng.clock) / step - 1e-9))
-        seconds = self.cal.decode_steps_s(len(eng.active), self.context(eng), steps) * self.slow(eng)
+        seconds = self.engine_cal.decode_steps_s(len(eng.active), self.context(eng), steps) * self.slow(eng)
         self.record(eng.name, "rollout", eng.clock, eng.clock + seconds, eng.version)
         eng.clock += seconds
         eng.last_work = eng.clock
@@ -275,11 +277,12 @@ class _Sim:
         eng.changed()
         done = [s for s in eng.active if s.generated >= s.length]
         eng.active = [s for s in eng.active if s.generated < s.length]
-        tokens = sum(s.prompt_len + s.length for s in done)
+        tokens, squares = sum(s.prompt_len + s.length for s in done), squared_lengths(done)
         eng.finished_tokens += tokens
+        eng.finished_squares += squares
         if tokens and self.cfg.reference and self.cfg.mode == "separated" and self.cfg.scorers == "rollout":
             # scored where generated, as they finish (the per-pass fixed cost is not charged)
-            ref = tokens / self.cal.reference_rate(self.cal.devices_per_engine) * self.slow(eng)
+            ref = self.engine_cal.reference_s(tokens, self.cal.devices_per_engine, squares, fixed=False) * self.slow(eng)
             self.record(eng.name, "ref", eng.clock, eng.clock + ref, eng.version)
             eng.clock += ref
             eng.last_work = eng.clock
@@ -310,29 +313,32 @@ class _Sim:
         colocated modes the reference pass already ran on the engines (`reference_phases`)."""
         cfg, cal = self.cfg, self.cal
         tokens = sum(s.prompt_len + s.length for s in batch)
+        squares = squared_lengths(batch)
         queued = tokens if cfg.padding_free else len(batch) * (max((s.prompt_len for s in batch), default=cfg.prompt_len)
                                                                + cfg.max_new_tokens)
         devices = self.train_devices()
-        rate = cal.train_tokens_per_s_per_device * devices
         phases = [("queue", queued * cfg.queue_bytes_per_token / (cal.transfer_GBps * 1e9)
                    + len(batch) * cal.advantage_s_per_sample)]
         if cfg.reference and (cfg.mode == "hybrid" or (cfg.mode == "separated" and cfg.scorers == "train")):
-            phases.append(("ref", cal.reference_s(tokens, devices) * self.train_slow))
+            phases.append(("ref", self.train_cal.reference_s(tokens, devices, squares)))
         if cfg.mode == "fully_shared" and cfg.reward_model:
             phases += [("switch", cal.switch_s),
-                       ("reward", cal.reference_s(tokens, devices) * self.train_slow)]
-        train = (tokens * cfg.train_fraction / rate + cal.train_step_overhead_s) * self.train_slow * self.slowest(devices)
+                       ("reward", self.train_cal.reference_s(tokens, devices, squares))]
+        # the trainer's costs with the other devices busy, on the share of tokens it keeps
+        train = self.train_cal.train_s(tokens * cfg.train_fraction, devices,
+                                       squares * cfg.train_fraction) * self.slowest(devices)
         phases.append(("train", train + self.dp_sync_s(devices) + self.grad_sync_s()))
         return phases
 
-    def reference_phases(self, tokens: int, eng: "_Engine | None" = None) -> list[tuple[str, float]]:
-        """One engine's reference pass over the `tokens` it generated (colocated modes; with
-        scorers 'train' the pass runs on the same devices after the switch)."""
+    def reference_phases(self, tokens: int, squares: int, eng: "_Engine | None" = None) -> list[tuple[str, float]]:
+        """One engine's reference pass over the `tokens` it generated, `squares` the sum of their
+        squared sequence lengths (colocated modes; with scorers 'train' the pass runs on the
+        same devices after the switch)."""
         cal = self.cal
         if not self.cfg.reference:
             return []
-        forward = ("ref", cal.reference_s(tokens, cal.devices_per_engine)
-                   * (self.slow(eng) if eng is not None else self.engine_slow))
+        forward = ("ref", self.engine_cal.reference_s(tokens, cal.devices_per_engine, squares)
+                   * (self.slow(eng) if eng is not None else 1.0))
         if self.cfg.mode != "fully_shared":
             return [forward]
         return [("switch", cal.reference_switch / 2), forward,
@@ -368,6 +374,12 @@ class _Sim:
             self.timeline.append(TimelineEvent(lane, role, start, end, version))
 
 
+def squared_lengths(samples) -> int:
+    """The sum of the samples' squared sequence lengths (prompt + response): what their
+    attention costs in an update or a reference pass grows with (`Calibration.train_context_ns`)."""
+    return sum((s.prompt_len + s.length) ** 2 for s in samples)
+
+
 # ---- drivers ------------------------------------------------------------------------------
 
 def _colocated_phase_done(sim: _Sim, update: int, partial: bool) -> bool:
@@ -387,7 +399,7 @@ def _run_colocated(sim: _Sim) -> float:
     for update in range(cfg.num_steps):
         limit = update + cfg.max_staleness if partial else update
         for eng in sim.engines:
-            eng.version, eng.clock, eng.finished_tokens = update, now, 0
+            eng.version, eng.clock, eng.finished_tokens, eng.finished_squares = update, now, 0, 0
             sim.admit(eng, limit, now)
         t = now
         while not _colocated_phase_done(sim, update, partial):
@@ -404,7 +416,7 @@ def _run_colocated(sim: _Sim) -> float:
             eng.active = []
             eng.changed()
             eng.clock = max(eng.last_work, now)  # its own rollout's end: it scores right away
-            for role, seconds in sim.reference_phases(eng.finished_tokens, eng):
+            for role, seconds in sim.reference_phases(eng.finished_tokens, eng.finished_squares, eng):
                 sim.record(eng.name, role, eng.clock, eng.clock + seconds, update)
                 eng.clock += seconds
         now = max([t] + [e.clock for e in sim.engines])

@@ -57,7 +57,7 @@ from rlfusion.engine.scheduler import Scheduler, SchedulerConfig
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.runtime.stalesync import (JOIN_SHARE, RolloutPlan, StaleSyncConfig, StalenessBook, assign_groups,
                                         assign_hybrid, join_share, rollout_stops, staleness)
-from rlfusion.sim.rl_sim import TimelineEvent, _Sim
+from rlfusion.sim.rl_sim import TimelineEvent, _Sim, squared_lengths
 
 # a step's busiest rollout engine, named as RLTrainer's metrics name them (SimResult.rollout_stats)
 ROLLOUT_STATS = ("engine_decode_passes", "time_decode_s", "time_prefill_s", "time_stop_sync_s")
@@ -256,7 +256,7 @@ class RuntimeStaleSync:
             eng = next(e for e in sim.engines if e.name == dev.name)
             eng.clock = end
             if tokens and not scorers_on_train:  # the device scores what finished (reward is free; reference forward)
-                for role, seconds in sim.reference_phases(tokens):
+                for role, seconds in sim.reference_phases(tokens, squared_lengths(dev.finished.values())):
                     sim.record(eng.name, role, eng.clock, eng.clock + seconds, version)
                     eng.clock += seconds
         self.book.collect(plan, out)
@@ -289,17 +289,18 @@ class RuntimeStaleSync:
     def _engine_step(self, dev: _Device, version: int) -> None:
         """One `LLMEngine.step()`: the scheduler's plan, its decode + prefill passes, a token for
         every scheduled row; the rows at their length finish."""
-        sim, cal = self.sim, self.sim.cal
+        sim = self.sim
         step = dev.scheduler.schedule()
         decode_s = prefill_s = 0.0
+        busy = sim.engine_cal  # with the other devices busy
         if step.decode:
-            decode_s = cal.decode_pass_s([seq.num_tokens for seq in step.decode])
+            decode_s = busy.decode_pass_s([seq.num_tokens for seq in step.decode])
             dev.decode_passes += 1
         if step.prefill:
-            prefill_s = cal.prefill_s(sum(seq.num_tokens for seq in step.prefill))
-        dev.decode_s += decode_s * sim.engine_slow
-        dev.prefill_s += prefill_s * sim.engine_slow
-        seconds = (decode_s + prefill_s) * sim.engine_slow
+            prefill_s = busy.prefill_s(sum(seq.num_tokens for seq in step.prefill))
+        dev.decode_s += decode_s
+        dev.prefill_s += prefill_s
+        seconds = decode_s + prefill_s
         self._record_rollout(dev.name, dev.clock, dev.clock + seconds, version)
         dev.clock += seconds
         dev.steps += 1
