@@ -52,6 +52,7 @@ A validation entry is a `Case` builder in `VALIDATIONS`.
 
     python bench/simulator.py            # 6 rounds of each measurement (about 12 min)
     python bench/simulator.py --quick    # 2 rounds, quick calibration
+    python bench/simulator.py --only replay   # one validation's cases (task | replay)
 """
 
 from __future__ import annotations
@@ -371,11 +372,11 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
 
 # Each entry measures real runs (taking contention probes between rounds) and returns the cases
 # to predict: the synchronous modes and the StaleSync variants are measured interleaved.
-VALIDATIONS: list[tuple[str, Callable[[int, Probes], list[Case]]]] = [
-    ("fusion + stalesync", measured_cases),
-    ("replay workload: sync + stalesync co-located + hybrid",
-     lambda rounds, probes: measured_cases(rounds, probes, "replay")),
-]
+VALIDATIONS: dict[str, tuple[str, Callable[[int, Probes], list[Case]]]] = {
+    "task": ("fusion + stalesync", measured_cases),
+    "replay": ("replay workload: sync + stalesync co-located + hybrid",
+               lambda rounds, probes: measured_cases(rounds, probes, "replay")),
+}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -412,6 +413,8 @@ def main() -> None:
                         "(default 6, --quick 2)")
     parser.add_argument("--calibration-out", type=Path, default=None,
                         help="also save the measured calibration JSON here")
+    parser.add_argument("--only", choices=sorted(VALIDATIONS), default=None,
+                        help="measure one validation's cases (default: all)")
     parser.add_argument("--external-only", action="store_true",
                         help="only the external validation (verl's fully async ablation, seconds)")
     args = parser.parse_args()
@@ -429,7 +432,9 @@ def main() -> None:
         print(f"  saved {args.calibration_out}")
     cases: list[Case] = []
     probes = Probes([], [], [])
-    for name, measure in VALIDATIONS:
+    for key, (name, measure) in VALIDATIONS.items():
+        if args.only and key != args.only:
+            continue
         print(f"measuring real runs: {name}, {rounds} rounds", flush=True)
         cases += measure(rounds, probes)
     speeds = probe_speeds(probes.alone, probes.together, probes.lockstep)

@@ -346,6 +346,24 @@ def test_a_pass_cost_plane_through_short_and_long_batches():
     Calibration(**{**dataclasses.asdict(FLAT), **{k: v for k, v in speeds.items()}})  # valid fields
 
 
+def test_each_run_of_rows_a_decode_pass_reads_apart_costs_its_own():
+    from rlfusion.measure.calibrate import LONG_CONTEXT, segment_lengths
+    from rlfusion.model.row_segments import row_segments
+
+    # rows of 1,000 and 10 positions are read in two runs: the table, the reads beyond the
+    # reference context (1,000 - 100 positions at 1 ns... here 0) and one run's extra cost
+    cal = FLAT.replace(decode_segment_ms=0.5, decode_reference_context=100)
+    assert cal.decode_pass_s([1000, 10]) == pytest.approx((1.0 + 0.5) / 1e3)
+    assert cal.decode_pass_s([1000, 990]) == pytest.approx(1.0 / 1e3)  # one run
+    assert cal.contended(lockstep=True).decode_segment_ms == 0.5  # FLAT: speed 1
+    assert FLAT.replace(decode_segment_ms=0.5, decode_lockstep_speed=0.5).contended(lockstep=True) \
+        .decode_segment_ms == pytest.approx(1.0)  # dispatch-bound: the decode kind's speed
+    # the calibration's mixed pass: rows longest first in several runs, within the long context
+    lengths = segment_lengths()
+    assert lengths == sorted(lengths, reverse=True) and max(lengths) < LONG_CONTEXT
+    assert len(row_segments(lengths)) >= 5
+
+
 def test_colocation_bound_rises_with_device_concurrency():
     """bench/colocation_bound.py's model: colocated / separated grows as two busy devices slow
     each other down less, and stays below 2 (the rollout's tail runs on each device)."""

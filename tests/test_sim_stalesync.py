@@ -131,6 +131,7 @@ def test_rollout_stats_account_for_each_steps_engine_time():
                 per_lane[e.device] = per_lane.get(e.device, 0.0) + e.end - e.start
         if r.generated_per_update[k]:
             assert st["engine_decode_passes"] >= 1 and st["time_stop_sync_s"] > 0  # 2 engines meet
+            assert 1 <= st["engine_decode_rows_mean"] <= BASE.max_num_seqs  # rows per pass, as the runtime's metric
             assert st["time_decode_s"] + st["time_prefill_s"] == pytest.approx(max(per_lane.values()))
         else:
             assert not per_lane

@@ -126,7 +126,51 @@ def measure_engine(model, tokenizer, quick: bool, long_model=None) -> dict:
             "prefill_ms_per_token": per_token,
             "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small),
             "decode_reference_context": reference,
-            "decode_context_ms": decode_context_ms(long_model or model, reference, quick)}
+            "decode_context_ms": decode_context_ms(long_model or model, reference, quick),
+            "decode_segment_ms": decode_segment_ms(long_model or model, quick)}
+
+
+def segment_lengths(rows: int = 64, runs: int = 7) -> list[int]:
+    """Context lengths of `rows` rows, longest first, in about `runs` runs of mixed lengths that
+    the decode pass reads apart (`row_segments`; the two shortest share one, within
+    `SEGMENT_SLACK`): each run's lengths spread over x1.3, each run x1.6 longer than the next,
+    the longest below `LONG_CONTEXT`."""
+    per = rows // runs
+    out = []
+    for j in reversed(range(runs)):
+        base = 50 * 1.6 ** j
+        out += [round(base * (1.3 - 0.3 * i / max(1, per - 1))) for i in range(per)]
+    return out
+
+
+def decode_segment_ms(model, quick: bool) -> float:
+    """What each run of rows a decode pass reads apart costs beyond the first: a pass over rows
+    of mixed lengths in several runs (`segment_lengths`, as a long-tailed rollout's rows sorted
+    longest first fall) against one over as many rows all at one length that reads as many
+    positions (one run, no mask), in turn."""
+    import torch
+
+    from rlfusion.model.kv_cache import CacheBatch
+    from rlfusion.model.row_segments import row_segments
+
+    lengths = segment_lengths()
+    runs = row_segments(lengths)
+    reads = sum((end - start) * positions for start, end, positions in runs)
+    uniform = max(1, round(reads / len(lengths)))
+    cache = model.new_kv_cache(len(lengths), max(max(lengths), uniform) + 1)
+    tokens_B1 = torch.randint(1, model.config.vocab_size, (len(lengths), 1),
+                              generator=torch.Generator().manual_seed(0))
+
+    def step(start_B):
+        def run() -> None:
+            with torch.inference_mode():
+                model(tokens_B1, CacheBatch(cache, 0, start_B))
+        return run
+
+    mixed = step(torch.tensor([n - 1 for n in lengths]))
+    one = step(torch.full((len(lengths),), uniform - 1))
+    mixed_s, one_s = _interleaved_medians([mixed, one], 12 if quick else 40)
+    return max(0.0, (mixed_s - one_s) * 1e3 / (len(runs) - 1))
 
 
 def decode_context_ms(model, reference: int, quick: bool, rows: int = CONTEXT_ROWS) -> float:
@@ -462,7 +506,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     engine = measure_engine(model, tokenizer, quick, long_model)
     log(f"  engine: decode ms {dict(zip(engine['decode_batch_sizes'], (round(x, 2) for x in engine['decode_step_ms'])))} "
         f"at context {engine['decode_reference_context']}, + {engine['decode_context_ms'] * 1e6:.0f} ns per row "
-        f"and longer context token, prefill {engine['prefill_fixed_ms']:.2f} ms + "
+        f"and longer context token, {engine['decode_segment_ms']:.2f} ms per run of rows read apart, prefill {engine['prefill_fixed_ms']:.2f} ms + "
         f"{engine['prefill_ms_per_token'] * 1e3:.1f} us/token")
     # long samples need the long context; the switch's KV cache is the base's (the default task's)
     train = measure_train_and_reference(long_model, tokenizer, quick, switch_model=model)

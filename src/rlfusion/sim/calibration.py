@@ -79,6 +79,9 @@ class Calibration:
     #                                 over the KV cache; every row attends over the longest
     #                                 context of the step); 0: context-independent
     decode_reference_context: int = 0  # the context length the decode table was measured at
+    decode_segment_ms: float = 0.0  # each run of rows a decode pass reads apart beyond the first
+    #                                 (`row_segments`: its own slices, matmuls and masked softmax
+    #                                 per layer over rows of mixed lengths), ms
     advantage_s_per_sample: float = 0.0  # the advantage stage's work per sample between the
     #                                      rollout and the update, on the first train device
     #                                      (reading each row's numbers, advantages, the split), s
@@ -108,7 +111,7 @@ class Calibration:
                     "switch_s", "weight_GB", "reference_tokens_per_s_per_device",
                     "reference_overhead_s", "grad_sync_GB", "stop_sync_s", "decode_context_ms",
                     "decode_reference_context", "advantage_s_per_sample", "train_context_ns",
-                    "reference_context_ns"):
+                    "reference_context_ns", "decode_segment_ms"):
             if getattr(self, key) < 0:
                 raise ValueError(f"calibration.{key}={getattr(self, key)} must be >= 0")
 
@@ -137,6 +140,7 @@ class Calibration:
             prefill_ms_per_token=self.prefill_ms_per_token / decode,
             prefill_fixed_ms=self.prefill_fixed_ms / decode,
             decode_context_ms=self.decode_context_ms / context,
+            decode_segment_ms=self.decode_segment_ms / decode,
             train_tokens_per_s_per_device=self.train_tokens_per_s_per_device * train,
             train_step_overhead_s=self.train_step_overhead_s / train,
             train_context_ns=self.train_context_ns / train,
@@ -156,12 +160,15 @@ class Calibration:
     def decode_pass_s(self, lengths: list[int]) -> float:
         """One decode pass over rows of these context lengths, in slot order: the table at their
         number plus the attention beyond the table's context over each run of rows the pass
-        reads up to its own longest (`row_segments`, as the model reads the cache)."""
+        reads up to its own longest (`row_segments`, as the model reads the cache), plus each
+        run beyond the first (`decode_segment_ms`)."""
         if not lengths:
             return 0.0
+        segments = row_segments(lengths)
         reads = sum((end - start) * max(0, positions - self.decode_reference_context)
-                    for start, end, positions in row_segments(lengths))
-        return (self._table_ms(len(lengths)) + reads * self.decode_context_ms) / 1e3
+                    for start, end, positions in segments)
+        return (self._table_ms(len(lengths)) + reads * self.decode_context_ms
+                + (len(segments) - 1) * self.decode_segment_ms) / 1e3
 
     def _table_ms(self, batch: int) -> float:
         """The decode table at `batch` rows: piecewise linear between measured points, flat below
@@ -216,6 +223,7 @@ class Calibration:
         return self.replace(
             decode_step_ms=tuple(t * f for t in self.decode_step_ms),
             decode_context_ms=self.decode_context_ms * f,
+            decode_segment_ms=self.decode_segment_ms * f,
             prefill_ms_per_token=self.prefill_ms_per_token * f,
             prefill_fixed_ms=self.prefill_fixed_ms * f,
             train_tokens_per_s_per_device=self.train_tokens_per_s_per_device / f,

@@ -60,7 +60,8 @@ from rlfusion.runtime.stalesync import (JOIN_SHARE, RolloutPlan, StaleSyncConfig
 from rlfusion.sim.rl_sim import TimelineEvent, _Sim, squared_lengths
 
 # a step's busiest rollout engine, named as RLTrainer's metrics name them (SimResult.rollout_stats)
-ROLLOUT_STATS = ("engine_decode_passes", "time_decode_s", "time_prefill_s", "time_stop_sync_s")
+ROLLOUT_STATS = ("engine_decode_passes", "engine_decode_rows_mean", "time_decode_s", "time_prefill_s",
+                 "time_stop_sync_s")
 
 
 @dataclass
@@ -102,6 +103,7 @@ class _Device:
     decode_s: float = 0.0  # this rollout's engine passes, as the runtime's engine stats count them
     prefill_s: float = 0.0
     decode_passes: int = 0
+    decode_rows: int = 0  # rows of those passes
     stop_sync_s: float = 0.0  # in the stop-rule sums, waiting for the other devices included
     version: int = 0  # the weights it generates with
 
@@ -296,6 +298,7 @@ class RuntimeStaleSync:
         if step.decode:
             decode_s = busy.decode_pass_s([seq.num_tokens for seq in step.decode])
             dev.decode_passes += 1
+            dev.decode_rows += len(step.decode)
         if step.prefill:
             prefill_s = busy.prefill_s(sum(seq.num_tokens for seq in step.prefill))
         dev.decode_s += decode_s
@@ -400,15 +403,20 @@ class RuntimeStaleSync:
         """The step's rollout passes of the engine that spent the most time in them (the runtime's
         `_engine_metrics`), summed over the step's rollouts."""
         per: dict[str, dict[str, float]] = {}
+        rows: dict[str, int] = {}
         for d in devs:
             acc = per.setdefault(d.name, dict.fromkeys(ROLLOUT_STATS, 0.0))
             acc["time_decode_s"] += d.decode_s
             acc["time_prefill_s"] += d.prefill_s
             acc["engine_decode_passes"] += d.decode_passes
             acc["time_stop_sync_s"] += d.stop_sync_s
+            rows[d.name] = rows.get(d.name, 0) + d.decode_rows
         if not per:
             return {}
-        return max(per.values(), key=lambda e: e["time_decode_s"] + e["time_prefill_s"])
+        name = max(per, key=lambda n: per[n]["time_decode_s"] + per[n]["time_prefill_s"])
+        busiest = per[name]
+        busiest["engine_decode_rows_mean"] = rows[name] / busiest["engine_decode_passes"] if busiest["engine_decode_passes"] else 0.0
+        return busiest
 
     def _load_weights(self, now: float, version: int, skip: set[str] = frozenset()) -> None:
         """The engines take the broadcast weights in (`skip`: hybrid's train devices, which
