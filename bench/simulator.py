@@ -9,10 +9,12 @@
    turn. Each step's response lengths, prompt lengths and the share of tokens the update
    trained on (DAPO dynamic sampling) are recorded: they are inputs of the prediction, the
    workload, not something fitted. Before every round the contention microbenchmark runs
-   again (two Ray actors, a fixed synthetic rollout + update workload, alone vs together):
+   again (two Ray actors, a fixed synthetic rollout + long-context decode + update workload,
+   each part timed apart, alone vs together):
    this machine is shared and how much two busy processes slow each other changes from
    minute to minute (0.46-1.0 seen), so it is sampled at the same times as the runs; the
-   median of those probes is the calibration's `concurrent_speed`. The probe also runs the two
+   medians of those probes are the calibration's `concurrent_speed` and each kind of work's
+   speed (`decode_speed`, `context_speed`, `train_speed`). The probe also runs the two
    in lock-step (a barrier after the rollout, a data-parallel update), as colocated devices
    work: that median is `lockstep_speed`, which the colocated and fully shared cases use. The same probes time the
    workload alone on one device; their median over the calibration run's time scales every
@@ -50,7 +52,7 @@ reads them.
 
 A validation entry is a `Case` builder in `VALIDATIONS`.
 
-    python bench/simulator.py            # 6 rounds of each measurement (about 12 min)
+    python bench/simulator.py            # 6 rounds of each measurement (about 18 min)
     python bench/simulator.py --quick    # 2 rounds, quick calibration
     python bench/simulator.py --only replay   # one validation's cases (task | replay)
 """
