@@ -77,7 +77,7 @@ def main() -> None:
                       group_size=cfg.rollout.group_size, max_staleness=0, max_num_seqs=cfg.rollout.max_num_seqs,
                       max_new_tokens=cfg.rollout.max_new_tokens, response_lengths=tuple(responses),
                       prompt_len=round(statistics.mean(prompts)), num_steps=3)
-    speeds = [(cal.concurrent_speed, cal.lockstep, "measured, each kind of work its own")] + [(c, c, "") for c in (0.9, 1.0)]
+    speeds = [(cal.concurrent_speed, cal.lockstep, "measured; simulated with each kind of work's own")] + [(c, c, "") for c in (0.9, 1.0)]
     print("\n| concurrent / lock-step speed | " + " | ".join(f"decode fixed cost x{s:g}" for s in FIXED_COST_SCALES)
           + " |")
     print("|---|" + "---|" * len(FIXED_COST_SCALES))

@@ -15,8 +15,9 @@
    minute to minute (0.46-1.0 seen), so it is sampled at the same times as the runs; the
    medians of those probes are the calibration's `concurrent_speed` and each kind of work's
    speed (`decode_speed`, `context_speed`, `train_speed`). The probe also runs the two
-   in lock-step (a barrier after the rollout, a data-parallel update), as colocated devices
-   work: that median is `lockstep_speed`, which the colocated and fully shared cases use. The same probes time the
+   in lock-step (a barrier after each part, a data-parallel update), as colocated devices
+   work: those medians are the lock-step speeds (`lockstep_speed`, `decode_lockstep_speed`, ...),
+   which the colocated and fully shared cases use. The same probes time the
    workload alone on one device; their median over the calibration run's time scales every
    compute cost (`Calibration.at_probe_speed`): other sessions' work slows this machine by a
    varying factor, and the probe measures it with a fixed workload, not with an RL step. The

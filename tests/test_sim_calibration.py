@@ -344,6 +344,10 @@ def test_a_pass_cost_plane_through_short_and_long_batches():
                                     "decode_speed": 0.8, "decode_lockstep_speed": 0.5, "context_speed": 0.5,
                                     "context_lockstep_speed": 0.5, "train_speed": 1.0, "train_lockstep_speed": 0.8})
     Calibration(**{**dataclasses.asdict(FLAT), **{k: v for k, v in speeds.items()}})  # valid fields
+    # a part noise left without a valid sample (long passes no slower than short ones: nan) is
+    # not measured (0): the simulator then uses the whole workload's speed for that kind
+    noisy = [{**x, "context": math.nan} for x in alone]
+    assert probe_speeds(noisy, together, lockstep)["context_speed"] == 0.0
 
 
 def test_each_run_of_rows_a_decode_pass_reads_apart_costs_its_own():

@@ -7,6 +7,8 @@ run, one device (worker process, `threads` threads) at a time, with the shipped 
                              rollout's max_num_seqs), median over the steps of a fixed-length run
     decode_context_ms        decode passes of `CONTEXT_ROWS` rows at the table's context and at
                              `LONG_CONTEXT` (the base built for it): the cost per row and position
+    decode_segment_ms        a mixed-length decode pass in several runs of rows read apart against
+                             a one-run pass of equal reads: the cost per run beyond the first
     prefill                  the engine's first step of a 1-row and of a 128-row run (a line
                              through the two: fixed + per-token cost)
     train tokens/s, overhead ActorStage.update() (GRPO loss, KL to the reference, AdamW) on 64 and
@@ -104,10 +106,10 @@ def engine_step_times(model, prompts: list[list[int]], new_tokens: int,
     return times
 
 
-def measure_engine(model, tokenizer, quick: bool, long_model=None) -> dict:
-    """Decode step time per batch size, the prefill line, and the decode cost per row and
-    context position on `long_model` (the same weights built for `LONG_CONTEXT`; default
-    `model`)."""
+def measure_engine(model, tokenizer, quick: bool, long_model) -> dict:
+    """Decode step time per batch size and the prefill line on `model`; the decode cost per row
+    and context position and per run of rows read apart on `long_model` (the same weights
+    built for `LONG_CONTEXT`)."""
     new_tokens = 24 if quick else 48
     model.eval()
     engine_step_times(model, task_prompts(tokenizer, 32), 8)  # warm-up
@@ -126,12 +128,13 @@ def measure_engine(model, tokenizer, quick: bool, long_model=None) -> dict:
             "prefill_ms_per_token": per_token,
             "prefill_fixed_ms": max(0.0, ms_small - per_token * t_small),
             "decode_reference_context": reference,
-            "decode_context_ms": decode_context_ms(long_model or model, reference, quick),
-            "decode_segment_ms": decode_segment_ms(long_model or model, quick)}
+            "decode_context_ms": decode_context_ms(long_model, reference, quick),
+            "decode_segment_ms": decode_segment_ms(long_model, quick)}
 
 
 def segment_lengths(rows: int = 64, runs: int = 7) -> list[int]:
-    """Context lengths of `rows` rows, longest first, in about `runs` runs of mixed lengths that
+    """Context lengths of `rows` rows (rounded down to a multiple of `runs`), longest first, in
+    about `runs` runs of mixed lengths that
     the decode pass reads apart (`row_segments`; the two shortest share one, within
     `SEGMENT_SLACK`): each run's lengths spread over x1.3, each run x1.6 longer than the next,
     the longest below `LONG_CONTEXT`."""

@@ -9,16 +9,17 @@ memory-bound work (the attention's reads over a long cache) more than compute-bo
 
     alone      each actor in turn, the other idle
     together   both at once, independently (separated devices that overlap work like this)
-    lockstep   both at once, meeting as a colocated step's devices do: a barrier after the
-               rollout (the driver waits for every device's rollout before the update) and
-               the data-parallel gradient all-reduce inside the update
+    lockstep   both at once, meeting as a colocated step's devices do: a barrier after each
+               part (the driver waits for every device's rollout before the update) and the
+               data-parallel gradient all-reduce inside the update
 
 concurrent_speed = alone / together and lockstep_speed = alone / lockstep (medians) of the whole
 workload, and the same of each part (`decode_speed`, `decode_lockstep_speed`, ...). Other work
 on the machine (other sessions, Ray's own processes) slows whichever process it lands on; two
 independent processes each lose only their own share, while two in lock-step both wait for
-the slower one at every meeting, so lock-step speed is the lower one here (0.84 vs 0.90 on a
-quiet machine, 0.78 vs 0.85 beside 12 idle device workers, one measurement each). The
+the slower one at every meeting, so lock-step speed is the lower one here (whole workload
+0.73-0.80 vs 0.80-0.86 between the rounds of `bench/simulator.py`; the long-context reads the
+lowest, 0.55-0.75 in lock-step). The
 lock-step run includes its own gradient all-reduce (~1% of the workload here), which the
 simulator also charges separately (`grad_sync_GB`): a small pessimistic bias, stated.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import statistics
 import time
 
@@ -37,8 +39,8 @@ from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, _load, _Setu
 
 PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
 PARTS = ("decode", "context", "train")  # the kinds of work timed apart (Calibration.speed)
-CONTEXT_SHORT = 64  # the long-context passes (`LONG_CONTEXT`) less passes at about the decode table's
-CONTEXT_PASSES = 12
+CONTEXT_SHORT = 64  # the context part: passes at `LONG_CONTEXT` less passes at this (about the decode table's)
+CONTEXT_PASSES = 12  # passes at each of the two contexts per run of the workload
 
 
 def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[str, float]:
@@ -74,7 +76,8 @@ def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[
     end = met()
     # the barrier's wait after the passes belongs to the long ones (the longer part)
     long_s += after_context - after_rollout - long_s - short_s
-    return {"decode": after_rollout - start, "context": max(1e-9, long_s - short_s),
+    # noise can make the long passes no slower than the short ones: no context figure then (nan)
+    return {"decode": after_rollout - start, "context": long_s - short_s if long_s > short_s else math.nan,
             "train": end - after_context, "total": end - start}
 
 
@@ -163,8 +166,14 @@ def contention_probe(workers: list, reps: int = 1) -> tuple[list[dict], list[dic
 
 
 def concurrent_speed(alone: list[dict], together: list[dict], part: str = "total") -> float:
-    """Median alone / median together (or in lock-step) of one part of the workload, at most 1."""
-    return min(1.0, statistics.median(x[part] for x in alone) / statistics.median(x[part] for x in together))
+    """Median alone / median together (or in lock-step) of one part of the workload, at most 1;
+    0 (not measured: the calibration then uses the whole workload's) where that part has no
+    valid sample on either side."""
+    a = [x[part] for x in alone if x[part] > 0]  # nan compares false
+    b = [x[part] for x in together if x[part] > 0]
+    if not a or not b:
+        return 0.0
+    return min(1.0, statistics.median(a) / statistics.median(b))
 
 
 def probe_speeds(alone: list[dict], together: list[dict], lockstep: list[dict]) -> dict[str, float]:

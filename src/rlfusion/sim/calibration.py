@@ -202,7 +202,7 @@ class Calibration:
         the sum of the squared sequence lengths (their attention, `reference_context_ns`);
         `fixed`: with the fixed cost of a pass."""
         if self.reference_tokens_per_s_per_device > 0:
-            return (self.reference_overhead_s * fixed
+            return ((self.reference_overhead_s if fixed else 0.0)
                     + (tokens / self.reference_tokens_per_s_per_device
                        + squares * self.reference_context_ns * 1e-9) / devices)
         return (tokens / self.train_tokens_per_s_per_device

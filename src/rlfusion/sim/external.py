@@ -203,7 +203,8 @@ def trainer_calibration(base: Calibration, model: ModelConfig, cluster: ClusterS
 
 
 def expected_tokens_per_step(cfg: RLSimConfig) -> float:
-    """Prompt + response tokens of one step under the workload's log-normal (the cap ignored)."""
+    """Prompt + response tokens of one step under the workload's log-normal: its mean response,
+    at most the cap (the cap's clipping of the tail itself is left out)."""
     mean = min(cfg.response_median * math.exp(cfg.length_sigma ** 2 / 2), cfg.max_new_tokens)
     return cfg.samples_per_step * (cfg.prompt_len + mean)
 
