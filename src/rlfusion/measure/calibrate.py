@@ -151,27 +151,13 @@ def decode_segment_ms(model, quick: bool) -> float:
     of mixed lengths in several runs (`segment_lengths`, as a long-tailed rollout's rows sorted
     longest first fall) against one over as many rows all at one length that reads as many
     positions (one run, no mask), in turn."""
-    import torch
-
-    from rlfusion.model.kv_cache import CacheBatch
     from rlfusion.model.row_segments import row_segments
 
     lengths = segment_lengths()
     runs = row_segments(lengths)
     reads = sum((end - start) * positions for start, end, positions in runs)
     uniform = max(1, round(reads / len(lengths)))
-    cache = model.new_kv_cache(len(lengths), max(max(lengths), uniform) + 1)
-    tokens_B1 = torch.randint(1, model.config.vocab_size, (len(lengths), 1),
-                              generator=torch.Generator().manual_seed(0))
-
-    def step(start_B):
-        def run() -> None:
-            with torch.inference_mode():
-                model(tokens_B1, CacheBatch(cache, 0, start_B))
-        return run
-
-    mixed = step(torch.tensor([n - 1 for n in lengths]))
-    one = step(torch.full((len(lengths),), uniform - 1))
+    mixed, one = decode_passes(model, [lengths, [uniform] * len(lengths)])
     mixed_s, one_s = _interleaved_medians([mixed, one], 12 if quick else 40)
     return max(0.0, (mixed_s - one_s) * 1e3 / (len(runs) - 1))
 
@@ -192,23 +178,32 @@ def decode_context_ms(model, reference: int, quick: bool, rows: int = CONTEXT_RO
 
 
 def context_steps(model, rows: int, contexts: tuple[int, ...]) -> list:
-    """One decode pass of `rows` rows at each of `contexts` (every row's new token at position
-    context - 1, attending over the whole context), as callables over one shared KV cache."""
+    """One decode pass of `rows` rows at each of `contexts` (every row at that context), as
+    callables (`decode_passes`)."""
+    return decode_passes(model, [[c] * rows for c in contexts])
+
+
+def decode_passes(model, passes: list[list[int]]) -> list:
+    """One decode pass per entry of `passes`, each the context lengths of its rows (row i's new
+    token at position length - 1, attending over its whole context), as callables over one
+    shared KV cache."""
     import torch
 
     from rlfusion.model.kv_cache import CacheBatch
 
-    cache = model.new_kv_cache(rows, max(contexts) + 1)
+    rows = max(len(p) for p in passes)
+    cache = model.new_kv_cache(rows, max(max(p) for p in passes) + 1)
     tokens_B1 = torch.randint(1, model.config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
 
-    def step(context: int):
-        start_B = torch.full((rows,), context - 1)
+    def step(lengths: list[int]):
+        start_B = torch.tensor([n - 1 for n in lengths])
+        tokens = tokens_B1[:len(lengths)]
 
         def run() -> None:
             with torch.inference_mode():
-                model(tokens_B1, CacheBatch(cache, 0, start_B))
+                model(tokens, CacheBatch(cache, 0, start_B))
         return run
-    return [step(c) for c in contexts]
+    return [step(p) for p in passes]
 
 
 # ---- trainer, reference, switch ------------------------------------------------------------

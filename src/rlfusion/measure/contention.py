@@ -62,20 +62,18 @@ def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[
     start = time.perf_counter()
     engine_step_times(model, task_prompts(tokenizer, PROBE_SAMPLES), 24)
     after_rollout = met()
-    long_s = short_s = 0.0
+    long_step, short_step = context
+    short_s = 0.0
     for _ in range(CONTEXT_PASSES):
-        for i, step in enumerate(context):
-            t = time.perf_counter()
-            step()
-            if i == 0:
-                long_s += time.perf_counter() - t
-            else:
-                short_s += time.perf_counter() - t
+        long_step()
+        t = time.perf_counter()
+        short_step()
+        short_s += time.perf_counter() - t
     after_context = met()
     actor.update(trajs)
     end = met()
-    # the barrier's wait after the passes belongs to the long ones (the longer part)
-    long_s += after_context - after_rollout - long_s - short_s
+    # the long passes: the part's time less the short ones' (the barrier's wait counts with them)
+    long_s = after_context - after_rollout - short_s
     # noise can make the long passes no slower than the short ones: no context figure then (nan)
     return {"decode": after_rollout - start, "context": long_s - short_s if long_s > short_s else math.nan,
             "train": end - after_context, "total": end - start}
