@@ -42,6 +42,13 @@ _UNIT_POWER = re.compile(r"\^\s*\{?\s*-?\d+\s*\}?|[²³]")  # m^2, cm³: part of
 _NUMBER_WITH_UNIT = re.compile(r"(?:\\?\$\s*)?(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+)"
                                r"\s*(?:\\?%|(?:[A-Za-z]+\.?(?:\s*(?:\^\s*\{?\d+\}?|[²³]))?\s*)*)")
 _TEXT_COMMAND = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{\s*([^{}]*?)\s*\}")
+# The answer label of the "Q: ... A: ..." style, at the start of a line. It also opens worked
+# solutions ("A: Natalia sold 48/2 = 24 clips..."), so it states the answer only when a value
+# follows it (`_states_a_value`); a final line keeps it out of what is compared (`extract_answer`).
+_ANSWER_LABEL = re.compile(r"^[ \t]*A[ \t]*:", re.MULTILINE)
+# A value as a whole answer: a currency sign, the value, then a percent or a few unit words.
+_VALUE_ANSWER = re.compile(r"(?:\\?\$\s*)?(?:" + _VALUE.pattern + r")\s*"
+                           r"(?:\\?%|(?:[A-Za-z]+\.?(?:\s*(?:\^\s*\{?\d+\}?|[²³]))?\s*){0,3})")
 _MAX_DIGITS = 100  # a "number" longer than this is not an answer (and would only slow the parser)
 
 
@@ -58,12 +65,34 @@ def answer_statements(text: str) -> list[str]:
             found.append((at, inner))
         start = at + len(_BOXED)
     for m in _STATEMENT.finditer(text):
-        rest = text[m.end():].split("\n", 1)[0]
-        if m.group(0) != "####":  # a sentence: up to its full stop
-            rest = re.split(r"(?<=[^\d\s])\.(?:\s|$)|\.\s|\.$", rest, maxsplit=1)[0]
-        if _BOXED not in rest and rest.strip():
-            found.append((m.start(), rest.strip()))
+        rest = _statement_at(text, m.end(), sentence=m.group(0) != "####")
+        if _BOXED not in rest and rest:
+            found.append((m.start(), rest))
+    for m in _ANSWER_LABEL.finditer(text):
+        rest = _statement_at(text, m.end(), sentence=True)
+        if _BOXED not in rest and _STATEMENT.search(rest) is None and _states_a_value(rest):
+            found.append((m.start(), rest))
     return [segment for _, segment in sorted(found)]
+
+
+def _statement_at(text: str, start: int, sentence: bool) -> str:
+    """What a marker ending at `start` states: the rest of its line, or of its sentence (up to
+    a full stop that ends no number)."""
+    rest = text[start:].split("\n", 1)[0]
+    if sentence:
+        rest = re.split(r"(?<=[^\d\s])\.(?:\s|$)|\.\s|\.$", rest, maxsplit=1)[0]
+    return rest.strip()
+
+
+def _states_a_value(segment: str) -> bool:
+    """Whether an answer-label segment is a value ("18", "$1,234", "1/2 cup", "18%"), or values
+    given as alternatives (which `math_reward` then scores as hedged), rather than reasoning."""
+    if _hedged(segment):
+        return True
+    inner = _TEXT_COMMAND.sub(r" \1 ", _clause(segment)).strip()
+    if len(inner) > 1 and inner[0] == inner[-1] == "$":  # inline math: $\frac{1}{2}$
+        inner = inner[1:-1].strip()
+    return _VALUE_ANSWER.fullmatch(inner) is not None
 
 
 def _before_new_question(text: str) -> str:
@@ -82,7 +111,8 @@ def extract_answer(text: str, fallback: str = "final_line") -> str | None:
     kept = _before_new_question(text)
     if fallback == "final_line":
         lines = [line.strip() for line in kept.splitlines() if line.strip()]
-        return lines[-1] if lines else None
+        # "A: x = 18": the label is not part of the answer (math would read "A: 18" as A/18)
+        return (_ANSWER_LABEL.sub("", lines[-1], count=1).strip() or None) if lines else None
     if fallback == "last_number":
         numbers = _NUMBER.findall(kept)
         return numbers[-1] if numbers else None
@@ -126,7 +156,7 @@ def _clause(segment: str) -> str:
 
 def _hedged(segment: str) -> bool:
     """Two different values side by side as alternatives or a list."""
-    cleaned = _UNIT_POWER.sub("", segment)
+    cleaned = _UNIT_POWER.sub("", _TEXT_COMMAND.sub(r" \1 ", segment))  # "18 \text{ or } 26" too
     values = list(_VALUE.finditer(cleaned))
     for a, b in zip(values, values[1:]):
         if _ALTERNATIVE.match(cleaned[a.end():b.start()]) and _number(a.group(0)) != _number(b.group(0)):
@@ -150,6 +180,7 @@ def _same(got: str, want: str) -> bool:
     """Whether answer text `got` has the value of answer text `want`."""
     if any(len(run) > _MAX_DIGITS for run in re.findall(r"\d+", got + " " + want)):
         return False  # not an answer a problem has (and slow to parse)
+    got = got.strip().removesuffix(".")  # the sentence's full stop ("#### 1/2."), not the value's
     a, b = normalize_number(got), normalize_number(want)
     if _NUMERIC.fullmatch(b):  # a numeric reference, the common case: exact and fast
         m = _NUMBER_WITH_UNIT.fullmatch(_TEXT_COMMAND.sub(r" \1 ", got).strip())
