@@ -11,12 +11,16 @@
    move 1024 rows concurrently (batches of 64; actor start-up excluded); rows/s and MB/s of packed data, repeated and
    interleaved, median reported. 2 cores are shared by driver, actors and Ray itself, so the
    shard counts compare relative to each other only.
-4. The RL loop through the in-process queue: the default run's step (32 prompts x 8 samples
-   from the shipped base model) for a few steps; queue time (gets, puts, row <-> trajectory
-   translation) as a share of the step is the throughput lost to the queue.
+4. The RL loop through the Ray queue as runs use it: the default run's step (32 prompts x 8
+   samples from the shipped base model) on 2 devices, co-located, separated with the scorers on
+   the train device (they read each row as soon as its rollout columns are ready) and with
+   train_tp=2 (one reader per tensor-parallel group); the devices' time in queue calls (`queue`
+   spans: puts, gets, retires, waits for rows) as a share of their step time (`queue_share`) is
+   the throughput lost to the queue; the target takes the largest of the three.
 
     python bench/dist_queue.py            # full run
     python bench/dist_queue.py --quick    # fewer repetitions and RL steps
+    python bench/dist_queue.py --smoke    # every section at the smallest sizes (a test runs it)
 
 (Not `bench/queue.py`: a file named `queue.py` in bench/ would shadow the standard library's
 `queue`, which torch imports, and break every script in the folder.)
@@ -168,15 +172,15 @@ def throughput_once(num_shards: int, rows: dict[str, list], repeats: int, batch:
     return total / seconds
 
 
-def throughput_section(reps: int) -> dict[int, float]:
+def throughput_section(reps: int, repeats: int) -> dict[int, float]:
     rows = long_tail_rows(256, seed=2)
     mb_per_row = pack_columns(Schema(COLUMNS), rows, 256).nbytes / 256 / 1e6
     results: dict[int, list[float]] = {1: [], 2: [], 4: []}
     throughput_once(1, rows, 1, 64)  # warm-up: actor processes, imports
     for _ in range(reps):
         for shards in results:
-            results[shards].append(throughput_once(shards, rows, 4, 64))
-    print(f"\n## Ray backend throughput (256 long-tail rows x 4, batches of 64, {mb_per_row * 1e3:.0f} kB/row packed; "
+            results[shards].append(throughput_once(shards, rows, repeats, 64))
+    print(f"\n## Ray backend throughput (256 long-tail rows x {repeats}, batches of 64, {mb_per_row * 1e3:.0f} kB/row packed; "
           f"median of {reps})")
     print("| shards | rows/s | MB/s | runs (rows/s) |\n|---|---|---|---|")
     med = {k: statistics.median(v) for k, v in results.items()}
@@ -185,47 +189,80 @@ def throughput_section(reps: int) -> dict[int, float]:
     return med
 
 
-# ---- the RL loop ----
+# ---- the RL loop: rows put and read by the devices ----
 
-def rl_loop_section(steps: int) -> float:
-    from pathlib import Path
+# (name, overrides): how a run uses the queue. Co-located: each device puts its scored rows and
+# reads its share for the update. Separated with the scorers on the train devices: reward and
+# reference read each row once its rollout columns are ready (per-column readiness) while the
+# rollout devices still decode. TP2: one device per tensor-parallel group reads the update's
+# rows and broadcasts them (hierarchical reads).
+RL_VARIANTS = (("colocated dp2", []),
+               ("separated, scorers on the train device", ["deploy.mode=separated", "deploy.scorers=train"]),
+               ("colocated tp2, hierarchical reads", ["deploy.train_tp=2"]))
+
+
+def rl_run(overrides: list[str], steps: int, smoke: bool) -> tuple[list[dict[str, float]], float]:
+    """`steps` steps of the default run (after a warm-up step) on 2 Ray devices; each step's
+    metrics and the queue's get requests per step."""
     import tempfile
+    from pathlib import Path
 
+    from rlfusion.config import load_config
     from rlfusion.model.checkpoint import find_base
     from rlfusion.runtime.train_config import TrainConfig
     from rlfusion.runtime.trainer import RLTrainer
 
+    size = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=8"] if smoke else []
+    cfg = load_config(TrainConfig, None, ["deploy.num_devices=2", "threads=1", *size, *overrides])
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = RLTrainer(TrainConfig(), Path(tmp), find_base())
-        trainer.train_step()  # warm-up
-        rows = [trainer.train_step() for _ in range(steps)]
-    queue_s = sum(r["time_queue_s"] for r in rows)
-    step_s = sum(r["time_step_s"] for r in rows)
-    print(f"\n## RL loop through the in-process DistQueue (default config, {steps} steps after a warm-up)")
-    print("| step | step s | queue s | queue share |\n|---|---|---|---|")
-    for i, r in enumerate(rows):
-        print(f"| {i + 1} | {r['time_step_s']:.2f} | {r['time_queue_s']:.3f} | {r['time_queue_s'] / r['time_step_s']:.1%} |")
-    return queue_s / step_s
+        trainer = RLTrainer(cfg, Path(tmp), find_base())
+        try:
+            trainer.train_step()  # warm-up
+            before = trainer.devices.queue.stats.get_requests
+            rows = [trainer.train_step() for _ in range(steps)]
+            requests = (trainer.devices.queue.stats.get_requests - before) / steps
+        finally:
+            trainer.close()
+    return rows, requests
+
+
+def rl_loop_section(steps: int, smoke: bool) -> float:
+    """Each variant's queue time (the devices' reads, writes, retires and waits for rows) as a
+    share of their step time, the throughput the queue costs; returns the largest median."""
+    print(f"\n## RL loop through the Ray DistQueue (default run, 2 devices, {steps} steps after a warm-up)")
+    print("| run | step s | queue s (busiest device) | queue share | queue MB/step | get requests/step "
+          "| controller bytes share |\n|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for name, overrides in RL_VARIANTS:
+        rows, requests = rl_run(overrides, steps, smoke)
+        med = {k: statistics.median(r[k] for r in rows)
+               for k in ("time_step_s", "time_queue_s", "queue_share", "queue_bytes", "driver_bytes_share")}
+        worst = max(worst, med["queue_share"])
+        print(f"| {name} | {med['time_step_s']:.2f} | {med['time_queue_s']:.3f} | {med['queue_share']:.1%} "
+              f"| {med['queue_bytes'] / 1e6:.2f} | {requests:.0f} | {med['driver_bytes_share']:.3f} |")
+    return worst
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="every section at the smallest sizes, in seconds")
     args = parser.parse_args()
-    reps, steps = (2, 2) if args.quick else (5, 4)
-    reduction = wire_bytes_section(512)
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    reps, repeats, steps = (1, 1, 1) if args.smoke else (2, 4, 2) if args.quick else (5, 4, 4)
+    reduction = wire_bytes_section(64 if args.smoke else 512)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, configure_logging=False)
     try:
-        flat, hier = requests_section(gets=4)
-        throughput_section(reps)
+        flat, hier = requests_section(gets=1 if args.smoke else 4)
+        throughput_section(reps, repeats)
     finally:
         ray.shutdown()
-    share = rl_loop_section(steps)
+    share = rl_loop_section(steps, args.smoke)
     print()
     print(f"target wire_bytes_reduction_packed_vs_padded: {reduction:.3f} (goal >= 0.8)")
     print(f"target hierarchical_request_reduction_tp2_pp2: {flat / hier:.2f} (goal >= 4.0)")
     print(f"target rl_loop_queue_overhead: {share:.4f} (goal <= 0.05)")
-
 
 if __name__ == "__main__":
     main()

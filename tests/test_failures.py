@@ -120,7 +120,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(base, tmp_path, monkey
     with pytest.raises(run_state.RunError, match=r"No space left on device.*step 0 .* is kept"):
         run_state.save(trainer)
     assert run_state.read_state(run_dir / "checkpoint" / run_state.STATE)["step"] == 0
-    assert not (run_dir / "checkpoint.tmp").exists() and cfg["run_name"] == "full"
+    assert not list(run_dir.glob(".checkpoint.*.tmp")) and cfg["run_name"] == "full"
 
 
 def test_bad_reward_module_is_named_on_the_default_backend(base, tmp_path, capsys):

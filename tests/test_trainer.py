@@ -19,7 +19,7 @@ from rlfusion.runtime.trainer import RLTrainer, resume
 TIMING_KEYS = {"time", "rollout_tokens_per_s", "update_tokens_per_s", "engine_decode_gflop_per_s", "time_rollout_s",
                "engine_decode_peak_share", "update_gflop_per_s", "update_peak_share", "device_matmul_peak_gflop_per_s",
                "time_update_s", "time_step_s", "time_queue_s", "time_decode_s", "time_prefill_s",
-               "time_stop_sync_s", "time_switch_s", "time_advantage_s",
+               "time_stop_sync_s", "time_switch_s", "time_advantage_s", "queue_share",
                # switches since the last step: an evaluation or checkpoint between steps adds one
                "optimizer_offloads", "optimizer_restores"}
 

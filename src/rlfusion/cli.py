@@ -69,6 +69,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ValueError("--resume needs the run folder to continue, e.g. --resume runs/NAME")
         if args.config:
             raise ValueError(f"--resume continues a run with its own config.json; drop {args.config!r}")
+        if args.restart:
+            raise ValueError("--restart starts a run over and --resume continues it: pass one of them")
         overrides = dict(parse_override(o) for o in args.overrides)
         for key in overrides:
             if key not in ("max_steps", "time_budget_s"):
@@ -94,16 +96,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ValueError(f"{run_dir} holds a model checkpoint, not an rlfusion run; pick another "
                              f"run_name= or out_dir=")
         lock = run_state.lock_run_dir(run_dir)  # before anything starts: one process per run folder
-        if run_state.has_checkpoint(run_dir):
-            raise ValueError(f"run folder {run_dir} already exists; pick another run_name= or "
-                             f"continue it with --resume {run_dir}")
-        if (run_dir / "config.json").exists():
-            if not run_state.is_run_folder(run_dir):
-                raise ValueError(f"{run_dir} holds a config.json that is not an rlfusion run's; "
-                                 f"pick another run_name= or out_dir=")
-            print(f"run folder {run_dir} has no checkpoint (an earlier start stopped before its first "
-                  f"step): starting it again")
-            run_state.clear_outputs(run_dir)
+        _take_run_folder(run_dir, args.restart)
         write_run_config(run_dir, cfg)
         print(f"deployment: {DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg)).describe()} "
               f"({cfg.deploy.backend})")
@@ -114,6 +107,32 @@ def cmd_train(args: argparse.Namespace) -> None:
     finally:
         trainer.close()
         lock.close()
+
+
+def _take_run_folder(run_dir: Path, restart: bool) -> None:
+    """Make `run_dir` ready for a new run: a run that started there (any of its outputs) is never
+    started over unless `--restart` asks, and then its files move aside, never deleted."""
+    from rlfusion.runtime import run_state
+
+    if (run_dir / "config.json").exists() and not run_state.is_run_folder(run_dir):
+        raise ValueError(f"{run_dir} holds a config.json that is not an rlfusion run's; "
+                         f"pick another run_name= or out_dir=")
+    if restart:
+        aside = run_state.move_aside(run_dir)
+        if aside is not None:
+            print(f"--restart: the earlier run's files are now in {aside}")
+        return
+    held = run_state.outputs(run_dir)
+    if run_state.has_checkpoint(run_dir):
+        raise ValueError(f"run folder {run_dir} already exists; pick another run_name=, continue it with "
+                         f"--resume {run_dir}, or start it over with --restart (its files move aside)")
+    if held:
+        raise ValueError(f"run folder {run_dir} holds a run that started ({', '.join(held)}) and no trainer state; "
+                         f"it is never started over: pick another run_name=, or pass --restart to move its files "
+                         f"to {run_dir}/replaced-DATE/ first (--resume {run_dir} says how to go on from its weights)")
+    if (run_dir / "config.json").exists():
+        print(f"run folder {run_dir} has no checkpoint (an earlier start stopped before its first "
+              f"step): starting it again")
 
 
 def _load_train_config(args: argparse.Namespace):
@@ -190,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="TOML file (optional)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algo.kl_coef=0 max_steps=50")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--restart", action="store_true",
+                   help="start over in a run folder that holds a run: its files move to RUN/replaced-DATE/")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="held-out greedy accuracy of a checkpoint")

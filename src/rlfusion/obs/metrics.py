@@ -18,12 +18,13 @@ import math
 from array import array
 from collections.abc import Mapping
 import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from rlfusion.obs.files import atomic_write_text, open_append
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
@@ -47,7 +48,7 @@ class MetricsWriter:
         self.path = self.run_dir / METRICS_FILE
         _drop_partial_last_line(self.path)
         # Line-buffered so a killed run loses at most the line being written.
-        self._file = self.path.open("a", encoding="utf-8", buffering=1)
+        self._file = open_append(self.path, encoding="utf-8", buffering=1)
         self._start = time.monotonic()
         tb_dir = self.run_dir / TENSORBOARD_DIR
         self._tb = _open_tensorboard(tb_dir, purge_step) if tensorboard else None
@@ -157,24 +158,6 @@ def truncate_metrics(path: Path, after_step: int) -> int:
             kept.append(row)
     atomic_write_text(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
     return len(kept)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same folder and a rename.
-
-    Readers (and a run killed mid-write) see either the old file or the new one, never a mix.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _drop_partial_last_line(path: Path) -> None:

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rlfusion.obs.files import save_figure
+
 DEFAULT_PANELS: dict[str, list[str]] = {
     "reward": ["reward_mean"],
     "accuracy": ["heldout_accuracy"],
@@ -48,7 +50,7 @@ def plot_metrics(
         fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
         _draw_panel(ax, panel, series)
         path = out_dir / f"{panel}.png"
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
@@ -77,7 +79,7 @@ def plot_panels_grid(
         ax.set_visible(False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlfusion.obs.metrics import atomic_write_text
+from rlfusion.obs.files import atomic_write_text
 
 SUMMARY_FILE = "summary.json"
 

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfusion.obs.files import atomic_write_text, save_figure
+
 PHASES = (
     "rollout", "train", "reference", "reward", "advantage", "switch", "transfer", "idle", "eval",
 )
@@ -176,7 +178,7 @@ class Timeline:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         trace = {"traceEvents": chrome_trace_events(self.spans), "displayTimeUnit": "ms"}
-        path.write_text(json.dumps(trace), encoding="utf-8")
+        atomic_write_text(path, json.dumps(trace))
         return path
 
     def plot_gantt(self, path: Path, title: str = "Device timeline") -> Path:
@@ -260,7 +262,7 @@ def plot_gantt(spans: list[Span], path: Path, title: str = "Device timeline") ->
         ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1, 1), fontsize="small")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 

@@ -1,9 +1,10 @@
 """Checkpoint and resume of an RL run: model, optimizer, RNG states, data position, step, the
 StaleSync's in-flight partial rollouts.
 
-Written to `run_dir/checkpoint.tmp`; the previous checkpoint is renamed to `checkpoint.old`
-before the new one takes its place, so a run killed at any moment of a save leaves a complete
-checkpoint to resume from (`load` falls back to `checkpoint.old`).
+Written to a fresh hidden folder in `run_dir`; the previous checkpoint is renamed to
+`checkpoint.old` before the new one takes its place, so a run killed at any moment of a save
+leaves a complete checkpoint to resume from (`load` falls back to `checkpoint.old`). The final
+model goes to `final/` the same way.
 
 Checkpoints are shared between people, so loading one never runs code: the trainer state is
 read with `torch.load(weights_only=True)`, which builds only tensors, containers, numbers and
@@ -11,14 +12,19 @@ strings plus the few plain dataclasses listed in `_STATE_CLASSES` (a pickled cal
 `os.system` is refused).
 
 Also here: the run-folder lock (`lock_run_dir`), taken before a run starts anything, so two
-processes never write one run folder.
+processes never write one run folder, and a folder holding a symbolic link is refused before
+anything is written (`obs/files.py`: no write in a run folder follows a link); and what a run
+folder holds (`outputs`), so a run that finished or started is never started over unless asked
+(`move_aside`), and a resume without a trainer state says what can be done (`no_state_message`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import IO
 
@@ -27,6 +33,7 @@ from safetensors import SafetensorError
 
 from rlfusion.errors import RunError
 from rlfusion.model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint
+from rlfusion.obs.files import fresh_dir, refuse_links, replace_dir
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.stalesync import Group
@@ -41,7 +48,9 @@ _STATE_CLASSES = [Group, Trajectory, Problem]
 def save(trainer) -> Path:
     """Write the checkpoint; a failed write (disk full, read-only folder) stops the run with one
     line and leaves the previous checkpoint as it was."""
-    tmp = trainer.run_dir / "checkpoint.tmp"
+    for leftover in trainer.run_dir.glob(".checkpoint.*.tmp"):  # of a save killed midway
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = fresh_dir(trainer.run_dir, "checkpoint")
     try:
         return _save(trainer, tmp)
     except (OSError, SafetensorError, RuntimeError) as e:
@@ -62,7 +71,6 @@ def _is_write_error(e: RuntimeError) -> bool:
 
 def _save(trainer, tmp: Path) -> Path:
     final = trainer.run_dir / "checkpoint"
-    shutil.rmtree(tmp, ignore_errors=True)
     trainer.sync_model()
     save_checkpoint(tmp, trainer.model, trainer.tokenizer, {"rl_steps": trainer.step})
     devices = trainer.devices
@@ -87,12 +95,21 @@ def _save(trainer, tmp: Path) -> Path:
                                                          "shape": _stalesync_shape(trainer)},
         "critic": devices.critic_state() if trainer.cfg.algo.advantage == "gae" else None,
     }, tmp / STATE)
-    old = trainer.run_dir / "checkpoint.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, final, keep_old=trainer.run_dir / "checkpoint.old")
+    return final
+
+
+def save_final(trainer, heldout_accuracy: float) -> Path:
+    """The run's final model in `run_dir/final`, written under a fresh name and renamed in."""
+    tmp = fresh_dir(trainer.run_dir, "final")
+    try:
+        save_checkpoint(tmp, trainer.model, trainer.tokenizer,
+                        {"rl_steps": trainer.step, "heldout_accuracy": heldout_accuracy})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = trainer.run_dir / "final"
+    replace_dir(tmp, final)
     return final
 
 
@@ -101,8 +118,7 @@ def load(trainer) -> None:
     if not (path / STATE).is_file():
         path = trainer.run_dir / "checkpoint.old"  # killed between the two renames of a save
     if not (path / STATE).is_file():
-        raise FileNotFoundError(f"{trainer.run_dir} has no checkpoint to resume from (expected {path / STATE}): "
-                                f"the run stopped before its first step; start it again with the same command")
+        raise FileNotFoundError(no_state_message(trainer.run_dir))
     model, _, _ = load_checkpoint(path)
     load_weights_into(trainer.model, model.state_dict(), str(path))
     file = path / STATE
@@ -181,7 +197,11 @@ def lock_run_dir(run_dir: Path) -> IO:
     closed or the process exits. A second run or resume of the same folder stops here with one
     line, before it has written anything."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / LOCK, "a+")
+    refuse_links(run_dir)
+    try:
+        handle = os.fdopen(os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a+")
+    except OSError as e:
+        raise ValueError(f"cannot take the run folder's lock {run_dir / LOCK} ({e.strerror})") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -197,13 +217,61 @@ def lock_run_dir(run_dir: Path) -> IO:
     return handle
 
 
-def clear_outputs(run_dir: Path) -> None:
-    """Remove what a start that never reached its first checkpoint wrote (metrics, TensorBoard
-    events), so starting the run again does not mix two starts."""
-    from rlfusion.obs.metrics import METRICS_FILE, TENSORBOARD_DIR
+# What a run writes besides config.json and its lock: a folder holding any of these is a run
+# that started (and perhaps finished), never one to start over.
+OUTPUTS = ("metrics.jsonl", "tb", "summary.json", "final", "plots", "timeline.json", "timeline.png", "checkpoint",
+           "checkpoint.old")
 
-    (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
+
+def outputs(run_dir: Path) -> list[str]:
+    """The outputs of a run that `run_dir` holds, as "name" or "name/" (folders)."""
+    return [name + ("/" if (run_dir / name).is_dir() else "") for name in OUTPUTS
+            if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """Move every entry of `run_dir` but its lock into a new `run_dir/replaced-DATE-TIME/`, so a
+    run can start there again without losing them; None when there was nothing to move."""
+    entries = [p for p in run_dir.iterdir() if p.name != LOCK and not p.name.startswith("replaced-")]
+    if not entries:
+        return None
+    aside = run_dir / time.strftime("replaced-%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "-1")
+    aside.mkdir()
+    for p in entries:
+        p.rename(aside / p.name)
+    return aside
+
+
+def latest_weights(run_dir: Path) -> Path | None:
+    """The folder of `run_dir`'s most trained model (final/, checkpoint/ or checkpoint.old/)."""
+    best, best_steps = None, -1
+    for name in ("final", "checkpoint", "checkpoint.old"):
+        try:
+            meta = json.loads((run_dir / name / "config.json").read_text(encoding="utf-8"))
+            steps = int(meta["extra"]["rl_steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if (run_dir / name / "model.safetensors").is_file() and steps > best_steps:
+            best, best_steps = run_dir / name, steps
+    return best
+
+
+def no_state_message(run_dir: Path) -> str:
+    """Why `run_dir` cannot be resumed (it has no trainer state), what it holds and what to do."""
+    held = outputs(run_dir)
+    if not held:
+        return (f"{run_dir} has no checkpoint to resume from: the run stopped before its first step; "
+                f"start it again with the same command")
+    weights = latest_weights(run_dir)
+    options = "start it again under a new run_name="
+    if weights is not None:
+        options = (f"continue from its last weights as a new run (rlfusion train base={weights} run_name=NEW; the "
+                   f"optimizer state is lost), evaluate them (rlfusion eval --ckpt {weights}), or {options}")
+    return (f"{run_dir} has no trainer state to resume from (checkpoint/{STATE} is missing) but holds "
+            f"{', '.join(held)}: {options}; `rlfusion train ... --restart` starts it over in place after "
+            f"moving these to {run_dir}/replaced-DATE/")
 
 
 def is_run_folder(run_dir: Path) -> bool:

@@ -28,7 +28,8 @@ from tqdm import tqdm
 from rlfusion.config import from_dict
 from rlfusion.errors import RunError
 from rlfusion.evaluate import EvalResult, eval_max_new_tokens, summarize
-from rlfusion.model.checkpoint import load_base, save_checkpoint
+from rlfusion.model.checkpoint import load_base
+from rlfusion.obs.files import atomic_write_text
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.obs.timeline import Timeline
 from rlfusion.rl.rewards import import_reward
@@ -249,10 +250,12 @@ class RLTrainer:
                     step.add_wall(device, phase, s, e, step=self.step)
                 self.timeline.add_wall(device, phase, s, e, step=self.step)
         util = {d: u.fraction for d, u in step.utilization().items()}
-        switch_s = max(sum(e - s for phase, s, e in r["spans"] if phase == "switch" and s >= start)
-                       for r in reports.values())
+        switch_s, queue_s = ([sum(e - s for phase, s, e in r["spans"] if phase == name and s >= start)
+                              for r in reports.values()] for name in ("switch", "queue"))
         out = {**{f"utilization_{d}": u for d, u in util.items()},
-               "utilization_mean": sum(util.values()) / len(util), "time_switch_s": switch_s,
+               "utilization_mean": sum(util.values()) / len(util), "time_switch_s": max(switch_s),
+               # queue reads, writes and retires (waits for rows included), busiest device / all devices
+               "time_queue_s": max(queue_s), "queue_share": sum(queue_s) / (len(queue_s) * max(end - start, 1e-9)),
                "device_matmul_peak_gflop_per_s": statistics.median(r["matmul_peak_gflop_per_s"] for r in reports.values()),
                **_engine_metrics([{**r["engine"], "matmul_peak_flops": r["matmul_peak_gflop_per_s"] * 1e9}
                                   for r in reports.values() if r["engine"]], self.model.config)}
@@ -313,6 +316,9 @@ class RLTrainer:
 
     def run(self, progress: bool = True) -> RunResult:
         self.progress = progress
+        if self.saved_step is None and run_state.outputs(self.run_dir):  # not resumed: nothing to lose
+            raise ValueError(f"{self.run_dir} holds a run's outputs ({', '.join(run_state.outputs(self.run_dir))}); "
+                             f"a new run is never started over them (rlfusion train --restart moves them aside)")
         write_run_config(self.run_dir, self.cfg)
         # a signal during the final evaluation and save lets them finish: the run is then complete
         with StopRequest() as stop:
@@ -336,8 +342,7 @@ class RLTrainer:
             writer.close()
             self._write_timeline()
             self._save()
-            save_checkpoint(self.run_dir / "final", self.model, self.tokenizer,
-                            {"rl_steps": self.step, "heldout_accuracy": final})
+            run_state.save_final(self, final)
         return RunResult(self.run_dir, self.step, self.base_accuracy, final, self.elapsed, stopped)
 
     def _final_eval(self, writer: MetricsWriter) -> float:
@@ -398,7 +403,7 @@ class RLTrainer:
 def write_run_config(run_dir: Path, cfg: TrainConfig) -> None:
     """`run_dir/config.json`: what `--resume` rebuilds the run from."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    atomic_write_text(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
 def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> None:
@@ -451,8 +456,7 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not an rlfusion run folder (no config.json)")
     if not run_state.has_checkpoint(run_dir):
-        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: the run stopped before its first "
-                                f"step; start it again with the same command")
+        raise FileNotFoundError(run_state.no_state_message(run_dir))
     try:
         data = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
