@@ -240,9 +240,10 @@ class DeviceWorker:
 
         With `share`, finished samples wait in a pool that `take_finished` (served on its own
         thread while this call runs) hands out, a chunk at a time, to an idle peer running
-        `score_from`, which scores and puts them; this device scores and puts the rest,
+        `score_from`, which scores and puts them; this device scores the rest,
         `SCORE_CHUNK_TOKENS` at a time, so a peer that runs out of work shares that too and
-        the two finish together."""
+        the two finish together. Each side puts its rows in one write at the end: a put costs
+        a few queue round trips, and no stage reads these rows before the rollout ends."""
         if share and not score_here:
             raise ValueError("generate(share=True) needs score_here=True: the samples a peer takes are "
                              "scored there, the rest here")
@@ -261,9 +262,11 @@ class DeviceWorker:
                 trajs = self.rollout.generate(problems, group_ids, version, on_finish=self.pool.offer)
             generated = sum(len(t.response_ids) for t in trajs)
             self.pool.decoding_done()
+            scored: list[Trajectory] = []  # one put for all: nothing reads these rows before the rollout ends
             while chunk := self.pool.take(SCORE_CHUNK_TOKENS):
-                self._put(self.score_and_reference(chunk), scored=True)
-                mine += len(chunk)
+                scored += self.score_and_reference(chunk)
+            self._put(scored, scored=True)
+            mine = len(scored)
         finally:
             self.pool.close()
         return {"rows": mine, "generated_tokens": generated}
@@ -290,21 +293,21 @@ class DeviceWorker:
         return self.pool.take_waiting(min_count, max_tokens, wait_s)
 
     def score_from(self, peer: Any, wait_s: float, min_count: int) -> int:
-        """Score and put `peer`'s finished samples (another device's worker, inside
-        `generate(share=True)`) a chunk at a time until its pool closes; returns how many. While
+        """Score `peer`'s finished samples (another device's worker, inside `generate(share=True)`)
+        a chunk at a time until its pool closes, then put them; returns how many. While
         it has fewer than `min_count` waiting, the peer holds each request up to `wait_s` and
         answers as soon as that changes, so this call ends the moment the pool closes."""
         import ray
 
-        done = 0
+        scored: list[Trajectory] = []  # put once at the end, as the peer puts its own
         while True:
             taken, open_ = ray.get(peer.take_finished.options(concurrency_group="pool").remote(
                 min_count, SCORE_CHUNK_TOKENS, wait_s))
             if taken:
-                self._put(self.score_and_reference(taken), scored=True)
-                done += len(taken)
+                scored += self.score_and_reference(taken)
             elif not open_:
-                return done
+                self._put(scored, scored=True)
+                return len(scored)
 
     def score_and_reference(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """Reward and (if this device holds one) reference logprobs, written into `trajs`."""
