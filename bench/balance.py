@@ -8,12 +8,13 @@
    AdamW state), and the bytes it moved. Four ranks share 2 CPU cores, so the total work, not
    the slowest rank, sets the step time: the step-time effect here understates what separate
    devices would see (the max/mean load is the device-independent number).
-3. Recompute/swap planner: tiny model, 4 rows x 256 tokens, budget 25% of the measured
+3. Recompute/swap planner: tiny model, 4 rows x 256 tokens (smoke: 32), budget 25% of the measured
    activation bytes; measured saving and step-time overhead of the planner's choice (swap
    allowed; on CPU a swap is a host copy the pool accounts) and of a recompute-only plan.
 
     python bench/balance.py           # full
     python bench/balance.py --quick   # fewer steps and intervals
+    python bench/balance.py --smoke   # every section at the smallest sizes (a test runs it)
 """
 
 from __future__ import annotations
@@ -112,12 +113,12 @@ def live_migration(steps: int, seq: int) -> dict:
 
 # ---- 3. recompute / swap planner -----------------------------------------------------------
 
-def planner(repeats: int) -> list[dict]:
+def planner(repeats: int, seq: int = 256) -> list[dict]:
     torch.set_num_threads(1)
     cfg = get_preset("tiny")
     torch.manual_seed(0)
     model = MoETransformer(cfg).train()
-    tokens = torch.randint(3, cfg.vocab_size, (4, 257), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(3, cfg.vocab_size, (4, seq + 1), generator=torch.Generator().manual_seed(0))
     forward = lambda: lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
     profiles, total = profile_modules(model, forward, candidate_names(model))
     bandwidth = measure_copy_bandwidth()
@@ -156,8 +157,12 @@ def _overhead(model, forward, plan, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="every section at the smallest sizes, in seconds")
     args = ap.parse_args()
-    steps, seq, intervals, repeats = (3, 64, 4, 3) if args.quick else (6, 128, 8, 7)
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    steps, seq, intervals, repeats, plan_seq = ((1, 16, 1, 1, 32) if args.smoke else (3, 64, 4, 3, 256)
+                                                if args.quick else (6, 128, 8, 7, 256))
 
     before, after = trace_balance(intervals)
     print(f"routing trace ({NUM_EXPERTS} experts, {HOT} hot at 3x, ep{EP}): worst layer "
@@ -174,7 +179,7 @@ def main() -> None:
     print(f"  step time {step_before * 1e3:.0f} ms -> {step_after * 1e3:.0f} ms "
           f"({step_after / step_before - 1:+.1%}; 4 ranks on shared CPU cores)")
 
-    results = planner(repeats)
+    results = planner(repeats, plan_seq)
     for r in results:
         p = r["plan"]
         print(f"{r['name']}: activations {r['total'] / 1e6:.1f} MB -> {r['kept'] / 1e6:.1f} MB "

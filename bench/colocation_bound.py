@@ -13,6 +13,7 @@ cut by 90%.
 
     python bench/colocation_bound.py           # full calibration (~3 min)
     python bench/colocation_bound.py --quick   # quick calibration
+    python bench/colocation_bound.py --smoke   # quick calibration, 1 rollout of 2 prompts x 2 samples (a test runs it)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 
 import torch
 
+from rlfusion.config import load_config
 from rlfusion.measure.calibrate import measure_calibration
 from rlfusion.model.checkpoint import find_base, load_base
 from rlfusion.rl.tasks import make_task
@@ -33,6 +35,8 @@ from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import simulate
 
 FIXED_COST_SCALES = (1.0, 0.5, 0.1)
+# --smoke: the response lengths of one rollout of 2 prompts x 2 samples, at most 8 tokens each
+SMOKE_ROLLOUT = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8"]
 
 
 def default_lengths(cfg: TrainConfig, steps: int = 3) -> tuple[list[int], list[int]]:
@@ -65,10 +69,13 @@ def with_fixed_cost(cal: Calibration, scale: float) -> Calibration:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args().quick
-    cal = measure_calibration(None, threads=1, quick=quick)
-    cfg = TrainConfig()
-    responses, prompts = default_lengths(cfg)
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes (quick calibration), to check it runs")
+    args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    cal = measure_calibration(None, threads=1, quick=args.quick or args.smoke)
+    cfg = load_config(TrainConfig, None, SMOKE_ROLLOUT if args.smoke else [])
+    responses, prompts = default_lengths(cfg, steps=1 if args.smoke else 3)
     print(f"response lengths: {len(responses)} samples, mean {statistics.mean(responses):.1f}, "
           f"median {statistics.median(responses)}, max {max(responses)}; decode "
           f"{cal.decode_step_ms[0]:.2f} ms at {cal.decode_batch_sizes[0]} row(s), {cal.decode_step_ms[-1]:.2f} ms at "

@@ -19,6 +19,7 @@ Passes are interleaved, 30 repetitions each, medians; ratios in one run.
 
     python bench/decode_reads.py            # full run
     python bench/decode_reads.py --quick    # 10 repetitions
+    python bench/decode_reads.py --smoke    # 1 repetition (a test runs it)
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def contexts(seed: int = 0) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    reps = 10 if parser.parse_args().quick else 30
+    parser.add_argument("--smoke", action="store_true", help="1 repetition, to check it runs")
+    args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    reps = 1 if args.smoke else 10 if args.quick else 30
     torch.set_num_threads(1)
     model, _, _ = load_base(find_base(), max_seq_len=CONTEXT)
     model.eval()

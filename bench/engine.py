@@ -20,6 +20,7 @@ engine's whole `step()`: scheduling, the forward, sampling and the token bookkee
 
     python bench/engine.py            # full run
     python bench/engine.py --quick    # fewer prompts and repetitions
+    python bench/engine.py --smoke    # every section at the smallest sizes (a test runs it)
     python bench/engine.py --kernels-only
 """
 
@@ -89,7 +90,7 @@ def decode_engine(model, tokenizer, rows: int) -> LLMEngine:
     return engine
 
 
-def kernel_rows(repeats: int) -> list[tuple[str, float, float, float]]:
+def kernel_rows(repeats: int, rounds: int = ROUNDS) -> list[tuple[str, float, float, float]]:
     """(pass, useful GFLOP/s, share of the matmul peak, host-bound share) per measured pass (a
     decode pass's name gives its rows and mean context)."""
     model, tokenizer, _ = load_checkpoint(find_base())
@@ -100,7 +101,7 @@ def kernel_rows(repeats: int) -> list[tuple[str, float, float, float]]:
     for rows in DECODE_ROWS:
         engine = decode_engine(model, tokenizer, rows)
         engine.take_stats()
-        share, wall, _ = host_bound_share(engine.step, repeats, floor, rounds=ROUNDS)
+        share, wall, _ = host_bound_share(engine.step, repeats, floor, rounds=rounds)
         st = engine.take_stats()  # the warm-up, timed and profiled steps
         if st["decode_rows"] != rows * st["decode_passes"]:
             raise RuntimeError(f"decode b{rows}: rows finished while measured ({st['decode_rows']} rows over "
@@ -116,23 +117,25 @@ def kernel_rows(repeats: int) -> list[tuple[str, float, float, float]]:
             engine.add_request(Request(f"p{i}", list(ids), SamplingParams(temperature=1.0, max_new_tokens=1)))
         engine.step()
     flops = forward_flops(cfg, sum(map(len, prompts)), causal_positions([len(p) for p in prompts]))
-    share, wall, _ = host_bound_share(prefill, repeats, floor)
+    share, wall, _ = host_bound_share(prefill, repeats, floor, rounds=rounds)
     out.append(("prefill 32 prompts", flops / wall / 1e9, flops / wall / peak, share))
     trajs = synthetic_trajectories(tokenizer, 64, cfg.vocab_size, seed=0)
     actor = ActorStage(model, AlgoConfig(), OptimConfig(), 1.0)
     model.train()
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
     flops = 3 * forward_flops(cfg, sum(lengths), causal_positions(lengths))
-    share, wall, _ = host_bound_share(lambda: actor.update(trajs), max(3, repeats // 4), floor)
+    # an update takes longer than a decode step: a quarter of the repeats, at least 3 (smoke: 1)
+    update_repeats = min(repeats, max(3, repeats // 4))
+    share, wall, _ = host_bound_share(lambda: actor.update(trajs), update_repeats, floor, rounds=rounds)
     out.append(("update 64 samples", flops / wall / 1e9, flops / wall / peak, share))
     print(f"matmul peak (512 x 512 fp32, 1 thread): {peak / 1e9:.1f} GFLOP/s; dispatch floor "
           f"{floor * 1e6:.2f} us per operator call")
     return out
 
 
-def kernels(quick: bool) -> None:
+def kernels(repeats: int, rounds: int = ROUNDS) -> None:
     torch.set_num_threads(1)
-    rows = kernel_rows(10 if quick else 30)  # 3 rounds x 61 steps from context 40 fit the 256 positions
+    rows = kernel_rows(repeats, rounds)
     print("| pass | useful GFLOP/s | share of the matmul peak | host-bound share |")
     print("|---|---|---|---|")
     for name, gflops, frac, share in rows:
@@ -144,13 +147,17 @@ def kernels(quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="every section at the smallest sizes, in seconds")
     parser.add_argument("--kernels-only", action="store_true", help="only the kernel-efficiency table")
     args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    # kernel repeats: full 3 rounds x 61 steps from context 40 fit the 256 positions
+    num_prompts, reps, batch, repeats, rounds = ((16, 1, 8, 1, 1) if args.smoke else (256, 2, 128, 10, ROUNDS)
+                                                 if args.quick else (768, 3, 128, 30, ROUNDS))
     if args.kernels_only:
-        kernels(args.quick)
+        kernels(repeats, rounds)
         return
-    num_prompts, reps = (256, 2) if args.quick else (768, 3)
-    batch = 128
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = MoETransformer(get_preset("tiny")).eval()
@@ -172,7 +179,7 @@ def main() -> None:
         print(f"rep {rep}: continuous {n_engine / t_engine:8.0f} tok/s   static "
               f"{n_static / t_static:8.0f} tok/s   ratio {ratios[-1]:.2f}")
     print(f"target continuous_vs_static_tokens_per_s: {statistics.median(ratios):.2f} (goal >= 2.0)")
-    kernels(args.quick)
+    kernels(repeats, rounds)
 
 
 if __name__ == "__main__":

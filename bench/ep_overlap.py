@@ -21,6 +21,7 @@ Layout ep2 (dp2, one expert half per rank), a model with MoE layers shaped like 
 
     python bench/ep_overlap.py            # 9 steps of each
     python bench/ep_overlap.py --quick    # 4 steps of each
+    python bench/ep_overlap.py --smoke    # 1 step of each, 2 x 16 tokens per rank (a test runs it)
     python bench/ep_overlap.py --record   # also write the planner's efficiency (src/rlfusion/sim/ep_overlap.json)
 """
 
@@ -45,12 +46,13 @@ LATENCY_S = 20e-6  # per transfer
 A2A_SHARE = 0.3  # of the blocking step, what the emulated bandwidth is sized for
 CHUNKS = 4  # layout.a2a_chunks of the overlapped runs
 ROWS, SEQ = 8, 128  # per rank
+SMOKE_ROWS, SMOKE_SEQ = 2, 16  # --smoke
 
 
-def model_config() -> ModelConfig:
+def model_config(seq: int = SEQ) -> ModelConfig:
     return ModelConfig(vocab_size=512, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                        num_dense_layers=1, dense_ffn_dim=512, num_experts=8, top_k=4, expert_ffn_dim=512,
-                       num_shared_experts=1, max_seq_len=SEQ + 1)
+                       num_shared_experts=1, max_seq_len=seq + 1)
 
 
 def _step(pm, tokens) -> tuple[float, float, int]:
@@ -66,10 +68,10 @@ def _step(pm, tokens) -> tuple[float, float, int]:
     return took, c.wait_s, c.sent_bytes
 
 
-def _rank_main(reps: int) -> dict:
-    cfg = model_config()
+def _rank_main(reps: int, rows: int = ROWS, seq: int = SEQ) -> dict:
+    cfg = model_config(seq)
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
-    tokens = torch.randint(3, cfg.vocab_size, (ROWS, SEQ + 1), generator=g)
+    tokens = torch.randint(3, cfg.vocab_size, (rows, seq + 1), generator=g)
     models = {}
     for name, chunks in (("blocking", 0), ("overlapped", CHUNKS)):
         torch.manual_seed(0)
@@ -101,17 +103,23 @@ def _rank_main(reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--record", action="store_true",
                         help="write the measured efficiency for the planner (src/rlfusion/sim/ep_overlap.json)")
     args = parser.parse_args()
-    reps = args.reps or (4 if args.quick else 9)
-    ranks = run_world(_rank_main, 2, reps, timeout=1200)
+    if args.smoke and args.record:
+        parser.error("--record writes a measurement for the planner; a --smoke run measures nothing")
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    reps = args.reps or (1 if args.smoke else 4 if args.quick else 9)
+    rows, seq = (SMOKE_ROWS, SMOKE_SEQ) if args.smoke else (ROWS, SEQ)
+    ranks = run_world(_rank_main, 2, reps, rows, seq, timeout=1200)
     mean = lambda key, name: statistics.mean(r[name][key] for r in ranks)  # noqa: E731
     block_step, over_step = mean("step_s", "blocking"), mean("step_s", "overlapped")
     block_wait, over_wait = mean("wait_s", "blocking"), mean("wait_s", "overlapped")
     r0 = ranks[0]
-    print(f"ep2 on 2 gloo ranks, {ROWS} x {SEQ} tokens per rank, {model_config().num_layers} layers; emulated link "
+    print(f"ep2 on 2 gloo ranks, {rows} x {seq} tokens per rank, {model_config().num_layers} layers; emulated link "
           f"{r0['bandwidth'] / 1e6:.0f} MB/s + {LATENCY_S * 1e6:.0f} us per transfer ({r0['bytes'] / 1e6:.1f} MB in "
           f"{r0['calls']} transfers per step and rank); loopback step {r0['free_step_s'] * 1e3:.0f} ms")
     print(f"{'':<21} {'step ms':>8} {'a2a waited ms':>14} {'share of step':>14}")

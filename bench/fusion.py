@@ -29,6 +29,7 @@ Scoring: the busier device's reward spans per colocated step over the step
 
     python bench/fusion.py            # 9 rounds (~2 min)
     python bench/fusion.py --quick    # 3 rounds
+    python bench/fusion.py --smoke    # separated and colocated, 1 round of 2 prompts x 2 samples (a test runs it)
 """
 
 from __future__ import annotations
@@ -52,21 +53,29 @@ LAYOUTS = {"colocated_tp2": ("colocated", ["deploy.train_tp=2"]), "colocated_ep2
            "colocated_fsdp2": ("colocated", ["deploy.train_fsdp=true"]),
            "colocated_pp2": ("colocated", ["deploy.train_pp=2"])}
 PHASES = ("rollout", "reference", "reward", "train", "switch", "transfer")
+# --smoke: the smallest step each mode can run (1 prompt group per device); responses this short
+# rarely score, so dynamic sampling would drop every group and skip the update the bench reports on
+SMOKE_ROLLOUT = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "algo.dynamic_sampling=false"]
+# --smoke runs the two modes the targets compare: every mode's trainer starts 2 Ray workers (~3 s
+# each on 2 cores), and the others differ from these only in the config the library runs
+SMOKE_MODES = ("separated", "colocated")
 
 
-def make_trainer(mode: str, out: Path) -> RLTrainer:
+def make_trainer(mode: str, out: Path, overrides: list[str] | tuple[str, ...] = ()) -> RLTrainer:
+    """Mode `mode` on 2 Ray devices; `overrides`: config items over the default run's (e.g. sizes)."""
     deploy_mode, layout = LAYOUTS.get(mode, (mode, []))
     cfg = load_config(TrainConfig, None, [f"deploy.mode={deploy_mode}", "deploy.backend=ray", "deploy.num_devices=2",
-                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *layout])
+                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *layout, *overrides])
     return RLTrainer(cfg, out / mode, find_base())
 
 
-def _matmul_seconds() -> float:
+def _matmul_seconds(products: int) -> float:
     import torch
 
     x, w = torch.randn(512, 512), torch.randn(512, 512)
     start = time.perf_counter()
-    for _ in range(600):
+    for _ in range(products):
         x @ w
     return time.perf_counter() - start
 
@@ -75,11 +84,11 @@ def _timer_loop(conn) -> None:
     import torch
 
     torch.set_num_threads(1)
-    while conn.recv():
-        conn.send(_matmul_seconds())
+    while products := conn.recv():  # 0: stop
+        conn.send(_matmul_seconds(products))
 
 
-def two_process_ceiling(reps: int) -> float:
+def two_process_ceiling(reps: int, products: int = 600) -> float:
     """Throughput of two concurrent 1-thread processes over one alone (2.0 = perfect scaling):
     the most any 2-device mode can gain over a mode that keeps one device busy at a time."""
     import multiprocessing as mp
@@ -93,31 +102,37 @@ def two_process_ceiling(reps: int) -> float:
 
     def run(which: list) -> float:
         for conn in which:
-            conn.send(True)
+            conn.send(products)
         return max(conn.recv() for conn in which)
 
     run(ends)  # warm-up
     ratios = [2 * run(ends[:1]) / run(ends) for _ in range(reps)]
     for conn in ends:
-        conn.send(False)
+        conn.send(0)
     return statistics.median(ratios)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    rounds = 3 if parser.parse_args().quick else 9
-    ceiling = two_process_ceiling(5)
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
+    args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    rounds = 1 if args.smoke else 3 if args.quick else 9
+    modes = SMOKE_MODES if args.smoke else MODES
+    ceiling = two_process_ceiling(1, 20) if args.smoke else two_process_ceiling(5)
     print(f"two-process throughput ceiling on this machine: {ceiling:.2f}x (2.00 = two independent cores)", flush=True)
     # logical CPUs for one 2-device placement group per mode; only one mode runs at a time
-    ray.init(num_cpus=2 * len(MODES), include_dashboard=False, log_to_driver=False, configure_logging=False)
-    rows: dict[str, list[dict]] = {m: [] for m in MODES}
+    ray.init(num_cpus=2 * len(modes), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {m: make_trainer(m, Path(tmp)) for m in MODES}
-        for m in MODES:
+        trainers = {m: make_trainer(m, Path(tmp), SMOKE_ROLLOUT if args.smoke else ()) for m in modes}
+        batch = trainers["colocated"].cfg.rollout
+        for m in modes:
             trainers[m].train_step()  # warm-up
         for r in range(rounds):
-            for m in MODES:
+            for m in modes:
                 t = trainers[m]
                 start = len(t.timeline.spans)
                 metrics = t.train_step()
@@ -138,30 +153,32 @@ def main() -> None:
                                 "driver_kb": metrics["driver_bytes"] / 1024, "queue_kb": metrics["queue_bytes"] / 1024,
                                 **{f"{d}/{ph}": sum(s.duration_s for s in new if s.device == d and s.phase == ph)
                                    for d in ("device0", "device1") for ph in PHASES}})
-            print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['tok_s']:.0f} tok/s" for m in MODES), flush=True)
+            print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['tok_s']:.0f} tok/s" for m in modes), flush=True)
         for t in trainers.values():
             t.close()
     ray.shutdown()
-    med = {m: {k: statistics.median(x[k] for x in rows[m]) for k in rows[m][0]} for m in MODES}
-    print(f"\n## 2 devices, 32 prompts x 8 samples, synchronous on-policy, median of {rounds} interleaved rounds")
+    med = {m: {k: statistics.median(x[k] for x in rows[m]) for k in rows[m][0]} for m in modes}
+    samples = batch.prompts_per_step * batch.group_size
+    print(f"\n## 2 devices, {batch.prompts_per_step} prompts x {batch.group_size} samples, synchronous on-policy, "
+          f"median of {rounds} interleaved rounds")
     print("| mode | tokens/s | step s | util device 0 | util device 1 | util mean | switch s | switch share "
           "| train peak MB | rollout peak MB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for m in MODES:
+    for m in modes:
         x = med[m]
         print(f"| {m} | {x['tok_s']:.0f} | {x['step_s']:.2f} | {x['util0']:.0%} | {x['util1']:.0%} | "
               f"{x['util']:.0%} | {x['switch_s']:.3f} | {x['switch_s'] / x['step_s']:.1%} "
               f"| {x['train_mb']:.1f} | {x['rollout_mb']:.1f} |")
     print(f"\ntwo-process throughput ceiling (measured before the rounds): {ceiling:.2f}x")
     print("\nseconds per step by phase (median): device0 | device1")
-    for m in MODES:
+    for m in modes:
         print(f"  {m}: " + "; ".join(f"{ph} {med[m][f'device0/{ph}']:.2f} | {med[m][f'device1/{ph}']:.2f}"
                                      for ph in PHASES))
-    print("samples (of 256) scored by the device that did not generate them, per step (mean, max): " +
+    print(f"samples (of {samples}) scored by the device that did not generate them, per step (mean, max): " +
           ", ".join(f"{m} {statistics.mean(x['peer_scored'] for x in rows[m]):.0f}, "
-                    f"{max(x['peer_scored'] for x in rows[m])}" for m in MODES))
+                    f"{max(x['peer_scored'] for x in rows[m])}" for m in modes))
     print("KB per step across the controller | through the queue (median): " +
-          "; ".join(f"{m} {med[m]['driver_kb']:.1f} | {med[m]['queue_kb']:.1f}" for m in MODES))
+          "; ".join(f"{m} {med[m]['driver_kb']:.1f} | {med[m]['queue_kb']:.1f}" for m in modes))
     # what bounds colocated / separated here: the same work split over two devices runs at the
     # per-device speed two busy processes get on this machine, not at the speed of one alone
     speed = {ph: sum(med["separated"][f"{d}/{ph}"] for d in ("device0", "device1")) / 2 /
@@ -174,7 +191,7 @@ def main() -> None:
           f"{busy['separated'] / (busy['colocated'] / 2):.2f} (colocated_vs_separated at full utilization, "
           f"no overhead; 2.0 at speed 1)")
     print()
-    total = {m: sum(x["tokens"] for x in rows[m]) / sum(x["step_s"] for x in rows[m]) for m in MODES}
+    total = {m: sum(x["tokens"] for x in rows[m]) / sum(x["step_s"] for x in rows[m]) for m in modes}
     print(f"sum of tokens / sum of step times: colocated / separated {total['colocated'] / total['separated']:.2f}")
     ratios = [c["tok_s"] / s["tok_s"] for c, s in zip(rows["colocated"], rows["separated"])]
     print("colocated / separated tokens/s per round: " + ", ".join(f"{r:.2f}" for r in ratios))
@@ -186,16 +203,16 @@ def main() -> None:
     # scoring: the busier device's reward spans per colocated step (the task's verifier), and
     # what the math verifier takes for as many GSM8K-style responses on this process
     reward_s = statistics.median(max(x["device0/reward"], x["device1/reward"]) for x in rows["colocated"])
-    math_s = math_verifier_seconds(256)
-    print(f"scoring a step's 256 samples: the task's verifier {reward_s * 1e3:.1f} ms on the busier device; the "
-          f"math verifier on 256 GSM8K solutions {math_s * 1e3:.1f} ms in one process "
+    math_s = math_verifier_seconds(samples, passes=1 if args.smoke else 3)
+    print(f"scoring a step's {samples} samples: the task's verifier {reward_s * 1e3:.1f} ms on the busier device; the "
+          f"math verifier on {samples} GSM8K solutions {math_s * 1e3:.1f} ms in one process "
           f"({math_s / med['colocated']['step_s']:.1%} of the colocated step)")
     print(f"target reward_scoring_share_of_step: {reward_s / med['colocated']['step_s']:.3f} (goal <= 0.05)")
 
 
-def math_verifier_seconds(samples: int) -> float:
+def math_verifier_seconds(samples: int, passes: int = 3) -> float:
     """Seconds the math verifier (`rl/verifiers.math_reward`, math-verify behind it) takes to
-    score `samples` GSM8K test solutions against their answers (median of 3 passes)."""
+    score `samples` GSM8K test solutions against their answers (median of `passes` passes)."""
     import json
 
     from rlfusion.rl.verifiers import math_reward
@@ -204,7 +221,7 @@ def math_verifier_seconds(samples: int) -> float:
     rows = [json.loads(line) for line in path.read_text().splitlines()[:samples]]
     pairs = [(r["answer"], r["answer"].rsplit("####", 1)[1].strip()) for r in rows]
     times = []
-    for _ in range(3):
+    for _ in range(passes):
         start = time.perf_counter()
         for solution, answer in pairs:
             math_reward(solution, answer)

@@ -11,6 +11,7 @@ routing metadata (counts; for hierarchical also int32 expert ids and fp32 weight
 
     python bench/parallel.py           # full
     python bench/parallel.py --quick   # fewer steps, shorter sequences
+    python bench/parallel.py --smoke   # 1 step of 8-token sequences (a test runs it)
 """
 
 from __future__ import annotations
@@ -123,8 +124,11 @@ def both(steps: int, seq: int, a2a_seq: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
     args = parser.parse_args()
-    steps, seq = (2, 32) if args.quick else (5, 64)
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    steps, seq = (1, 8) if args.smoke else (2, 32) if args.quick else (5, 64)
     base_s = single_process_step_s(steps, seq)
     ranks = run_world(both, 4, steps, seq, seq)
     print(f"tiny model, global batch {ROWS}×{seq}, 4 gloo ranks on a shared 2-core CPU "

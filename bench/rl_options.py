@@ -18,6 +18,7 @@ and what expert balancing does to a skewed router.
 
     python bench/rl_options.py           # 5 rounds, 8 balancing updates (~6 min)
     python bench/rl_options.py --quick   # 2 rounds, 4 updates
+    python bench/rl_options.py --smoke   # none and full, 1 round, 2 updates of 2 prompts x 2 samples (a test runs it)
 """
 
 from __future__ import annotations
@@ -37,11 +38,19 @@ from rlfusion.runtime.trainer import RLTrainer
 
 RECOMPUTE = ("none", "selective", "full", "swap")
 HOT_BIAS = 0.1  # added to the routing score (softmax probability ~1/8) of each hot expert
+# --smoke: the two recompute modes the target compares (each run starts 2 Ray workers, ~3 s each on
+# 2 cores; the others differ only in the config the library runs), at the smallest step (1 prompt
+# group per device); responses this short rarely score, so dynamic sampling would drop every group
+# and skip the update the bench measures
+SMOKE_RECOMPUTE = ("none", "full")
+SMOKE_ROLLOUT = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "algo.dynamic_sampling=false"]
+SIZES: list[str] = []  # config items every run gets (--smoke: SMOKE_ROLLOUT)
 
 
 def trainer(out: Path, name: str, base: Path, *items: str) -> RLTrainer:
     cfg = load_config(TrainConfig, None, ["deploy.mode=colocated", "deploy.backend=ray", "deploy.num_devices=2",
-                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *items])
+                                          "deploy.threads_per_device=1", f"out_dir=\"{out}\"", *SIZES, *items])
     return RLTrainer(cfg, out / name, base)
 
 
@@ -53,24 +62,24 @@ def skewed_base(out: Path) -> Path:
     return save_checkpoint(out / "skewed-base", model, tokenizer, extra)
 
 
-def recompute(out: Path, rounds: int) -> dict[str, dict[str, float]]:
-    runs = {m: trainer(out, f"recompute_{m}", find_base(), f"optim.recompute={m}") for m in RECOMPUTE}
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in RECOMPUTE}
+def recompute(out: Path, rounds: int, modes: tuple[str, ...] = RECOMPUTE) -> dict[str, dict[str, float]]:
+    runs = {m: trainer(out, f"recompute_{m}", find_base(), f"optim.recompute={m}") for m in modes}
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     try:
-        for m in RECOMPUTE:
+        for m in modes:
             runs[m].train_step()  # warm-up
         for r in range(rounds):
-            for m in RECOMPUTE:
+            for m in modes:
                 x = runs[m].train_step()
                 rows[m].append({"act": x["activation_mb"], "host": x.get("activation_host_mb", 0.0),
                                 "update_s": x["time_update_s"]})
             print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['act']:.1f} MB {rows[m][-1]['update_s']:.2f} s"
-                                                 for m in RECOMPUTE), flush=True)
+                                                 for m in modes), flush=True)
     finally:
         for t in runs.values():
             t.close()
     out_rows = {}
-    for m in RECOMPUTE:
+    for m in modes:
         out_rows[m] = {
             "act": statistics.median(x["act"] for x in rows[m]),
             "host": statistics.median(x["host"] for x in rows[m]),
@@ -107,18 +116,25 @@ def measured_imbalance(loads: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args().quick
-    rounds, updates = (2, 4) if quick else (5, 8)
-    ray.init(num_cpus=2 * (len(RECOMPUTE) + 2), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
+    args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+        SIZES.extend(SMOKE_ROLLOUT)
+    # updates: the first runs in the built placement, so >= 2
+    rounds, updates = (1, 2) if args.smoke else (2, 4) if args.quick else (5, 8)
+    modes = SMOKE_RECOMPUTE if args.smoke else RECOMPUTE
+    ray.init(num_cpus=2 * (len(modes) + 2), include_dashboard=False, log_to_driver=False, configure_logging=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        rc = recompute(out, rounds)
+        rc = recompute(out, rounds, modes)
         loads = balancing(out, updates)
     ray.shutdown()
-    print(f"\n## recompute / swap: 2 devices colocated, default batch, median of {rounds} interleaved rounds")
+    batch = "2 prompts x 2 samples" if args.smoke else "default batch"
+    print(f"\n## recompute / swap: 2 devices colocated, {batch}, median of {rounds} interleaved rounds")
     print("| optim.recompute | activation MB / device | host MB | saving vs none | update time vs none |")
     print("|---|---|---|---|---|")
-    for m in RECOMPUTE:
+    for m in modes:
         x = rc[m]
         print(f"| {m} | {x['act']:.1f} | {x['host']:.1f} | {x['saving']:.0%} | {x['cost']:.2f}x |")
     print(f"\n## expert balancing, deploy.train_ep=2, experts 0-3 hot (bias +{HOT_BIAS}), {updates} updates")

@@ -56,6 +56,8 @@ A validation entry is a `Case` builder in `VALIDATIONS`.
     python bench/simulator.py            # 6 rounds of each measurement (about 18 min)
     python bench/simulator.py --quick    # 2 rounds, quick calibration
     python bench/simulator.py --only replay   # one validation's cases (task | replay)
+    python bench/simulator.py --smoke    # quick calibration, 1 round of one synchronous and one StaleSync
+                                         # case per validation, 2 prompts x 2 samples (a test runs it)
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ from rlfusion.sim.rl_sim import SimResult, simulate
 from rlfusion.sim.rl_stalesync import ROLLOUT_STATS
 
 GOAL = 0.15  # relative error allowed by the issue
+# --smoke: one synchronous and one StaleSync case of each validation (every branch of the
+# measurement and the report; each case's run starts 2 Ray workers, ~3 s each on 2 cores)
+SMOKE_CASES = ("colocated", "stalesync_s1_colocated", "replay_colocated", "replay_stalesync_s1_colocated")
 
 
 @dataclass(frozen=True)
@@ -294,25 +299,31 @@ REPLAY_CASES = {"replay_colocated": "sync colocated",
                 "replay_stalesync_s2_hybrid": "stalesync s=2 hybrid"}  # threshold 0.75, hybrid placement
 
 
-def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[Case]:
+def measured_cases(rounds: int, probes: Probes, workload: str = "task", smoke: bool = False) -> list[Case]:
     """Real runs on 2 Ray devices (1 thread each), interleaved: a warm-up step each, then rounds
     of one step per run in turn. `task`: the three synchronous deployment modes of
     `bench/fusion.py` and the StaleSync variants of `bench/stalesync.py` in STALESYNC_CASES (32
-    prompts x 8 samples); `replay`: REPLAY_CASES on configs/replay.toml (8 x 8)."""
+    prompts x 8 samples); `replay`: REPLAY_CASES on configs/replay.toml (8 x 8). `smoke`: only
+    SMOKE_CASES, at `bench/stalesync.py`'s smoke sizes."""
     import ray
     from fusion import DEPLOY_MODES, make_trainer  # bench/fusion.py, next to this file
-    from stalesync import VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
+    from stalesync import SMOKE_ROLLOUT, VARIANTS, make_trainer as make_stale_trainer  # bench/stalesync.py
     from workload import REPLAY  # bench/workload.py
 
+    sizes = SMOKE_ROLLOUT if smoke else []
     if workload == "task":
-        sync = {m: (m, lambda tmp, m=m: make_trainer(m, tmp)) for m in DEPLOY_MODES}
+        sync = {m: (m, lambda tmp, m=m: make_trainer(m, tmp, sizes)) for m in DEPLOY_MODES}
         stale = STALESYNC_CASES
         config = None
     else:
-        sync = {c: (VARIANTS[v][0], lambda tmp, v=v: make_stale_trainer(v, tmp, 10, 1000, seed=0, config=REPLAY))
+        sync = {c: (VARIANTS[v][0], lambda tmp, v=v: make_stale_trainer(v, tmp, 10, 1000, seed=0, config=REPLAY,
+                                                                        overrides=sizes))
                 for c, v in REPLAY_CASES.items() if "stalesync.enabled=true" not in VARIANTS[v][1]}
         stale = {c: v for c, v in REPLAY_CASES.items() if c not in sync}
         config = REPLAY
+    if smoke:
+        sync = {c: x for c, x in sync.items() if c in SMOKE_CASES}
+        stale = {c: v for c, v in stale.items() if c in SMOKE_CASES}
     names = list(sync) + list(stale)
     # logical CPUs: a 2-device placement group per run and the 2 probe actors; one runs at a time
     ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False,
@@ -323,7 +334,7 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
         workers = contention_workers(default_setup(threads=1))
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {m: make(Path(tmp)) for m, (_, make) in sync.items()}
-            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000, seed=0, config=config)
+            trainers.update({c: make_stale_trainer(v, Path(tmp), 10, 1000, seed=0, config=config, overrides=sizes)
                              for c, v in stale.items()})
             recorders = {}
             for m, t in trainers.items():
@@ -374,11 +385,12 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task") -> list[
 
 
 # Each entry measures real runs (taking contention probes between rounds) and returns the cases
-# to predict: the synchronous modes and the StaleSync variants are measured interleaved.
-VALIDATIONS: dict[str, tuple[str, Callable[[int, Probes], list[Case]]]] = {
-    "task": ("fusion + stalesync", measured_cases),
+# to predict: the synchronous modes and the StaleSync variants are measured interleaved. Called
+# as measure(rounds, probes, smoke).
+VALIDATIONS: dict[str, tuple[str, Callable[[int, Probes, bool], list[Case]]]] = {
+    "task": ("fusion + stalesync", lambda rounds, probes, smoke: measured_cases(rounds, probes, "task", smoke)),
     "replay": ("replay workload: sync + stalesync co-located + hybrid",
-               lambda rounds, probes: measured_cases(rounds, probes, "replay")),
+               lambda rounds, probes, smoke: measured_cases(rounds, probes, "replay", smoke)),
 }
 
 
@@ -412,8 +424,9 @@ def _phase_line(case: Case, pred: Prediction) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
     parser.add_argument("--rounds", type=int, default=0, help="measured steps per mode "
-                        "(default 6, --quick 2)")
+                        "(default 6, --quick 2, --smoke 1)")
     parser.add_argument("--calibration-out", type=Path, default=None,
                         help="also save the measured calibration JSON here")
     parser.add_argument("--only", choices=sorted(VALIDATIONS), default=None,
@@ -421,15 +434,17 @@ def main() -> None:
     parser.add_argument("--external-only", action="store_true",
                         help="only the external validation (verl's fully async ablation, seconds)")
     args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
     if args.external_only:
         external_validation()
         return
-    rounds = args.rounds or (2 if args.quick else 6)
+    rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 6)
     if rounds < 1:
         parser.error(f"--rounds={rounds} must be >= 1")
     t0 = time.perf_counter()
     print("calibration microbenchmarks (rlfusion.measure.calibrate, 1 thread per device):", flush=True)
-    cal = measure_calibration(None, threads=1, quick=args.quick)
+    cal = measure_calibration(None, threads=1, quick=args.quick or args.smoke)  # quick: its smallest
     if args.calibration_out:
         save_calibration(cal, args.calibration_out)
         print(f"  saved {args.calibration_out}")
@@ -439,7 +454,7 @@ def main() -> None:
         if args.only and key != args.only:
             continue
         print(f"measuring real runs: {name}, {rounds} rounds", flush=True)
-        cases += measure(rounds, probes)
+        cases += measure(rounds, probes, args.smoke)
     speeds = probe_speeds(probes.alone, probes.together, probes.lockstep)
     before = {k: getattr(cal, k) for k in speeds}
     print(f"contention speeds (independent / lock-step; lock-step for colocated and fully shared):\n"

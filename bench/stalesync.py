@@ -67,6 +67,8 @@ with the most favourable floor and speed of any measurement, the largest.
 
     python bench/stalesync.py            # replay workload, 3 seeds x 12 updates per variant (~50 min)
     python bench/stalesync.py --quick    # 1 seed, 5 updates
+    python bench/stalesync.py --smoke    # sync and s=1 co-located, 1 seed, 4 updates of 2 prompts x 2 samples
+                                         # (a test runs it; Gantt charts to a temporary folder)
     python bench/stalesync.py --workload task   # the built-in task, 3 seeds x 30 updates, 500 held-out problems
     python bench/stalesync.py --seeds 1 --seed 1 --variants "sync colocated,stalesync s=1 colocated"
     python bench/stalesync.py --workload task --prompts 8  # every variant at 8 prompts per update
@@ -133,6 +135,13 @@ WORKLOAD = {"file": REPLAY}  # set by --workload
 
 
 FIXED = ["deploy.backend=ray", "deploy.num_devices=2", "deploy.threads_per_device=1"]  # every variant
+# --smoke: a synchronous and a co-located StaleSync variant (every branch of the report; each
+# variant starts 2 Ray workers, ~3 s each on 2 cores) at the smallest step: 1 prompt group per
+# device, 2 engine slots (the floors decode 1-8 rows), the replay lengths' median below the cap;
+# responses this short rarely score, so dynamic sampling would drop every group and the update
+SMOKE_VARIANTS = ["sync colocated", "stalesync s=1 colocated"]
+SMOKE_ROLLOUT = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "rollout.max_num_seqs=2", "rollout.replay_median=4", "algo.dynamic_sampling=false"]
 
 
 def run_config() -> TrainConfig:
@@ -146,11 +155,12 @@ def rollout_config():
 
 
 def make_trainer(name: str, out: Path, eval_problems: int, updates: int, seed: int,
-                 config: Path | None) -> RLTrainer:
-    """Variant `name` over the workload of `config` (a run config file; None: the built-in task)."""
+                 config: Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RLTrainer:
+    """Variant `name` over the workload of `config` (a run config file; None: the built-in task);
+    `overrides`: config items over the variant's (e.g. sizes)."""
     mode, extra = VARIANTS[name]
     cfg = load_config(TrainConfig, config, [f"seed={seed}", f"deploy.mode={mode}", *FIXED,
-        f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra])
+        f"out_dir=\"{out}\"", f"eval_problems={eval_problems}", f"max_steps={updates}", *extra, *overrides])
     return RLTrainer(cfg, out / _folder(name), resolve_base(cfg.base))
 
 
@@ -385,6 +395,7 @@ def row_figures(rows: list[dict]) -> dict[str, float]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
     parser.add_argument("--workload", default="replay", choices=list(WORKLOADS),
                         help="replay (configs/replay.toml, the default), task (the built-in task, with "
                              "accuracy) or learn (configs/learn.toml: the long-reasoning task, with accuracy)")
@@ -406,6 +417,13 @@ def main() -> None:
     args = parse_args()
     WORKLOAD["file"] = WORKLOADS[args.workload]
     accuracy = args.workload != "replay"  # the replay workload forces lengths: its accuracy means nothing
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+        FIXED.extend(SMOKE_ROLLOUT)
+        args.variants = args.variants or ",".join(SMOKE_VARIANTS)
+        if not args.gantt:  # the charts too, where they overwrite nothing (removed at exit)
+            plots = tempfile.TemporaryDirectory(prefix="stalesync-smoke-")
+            args.gantt = plots.name
     if args.prompts is not None:
         if args.prompts < 1:
             raise SystemExit(f"--prompts={args.prompts}: must be >= 1")
@@ -413,9 +431,10 @@ def main() -> None:
     added = [add_variant(spec) for spec in args.add]
     # replay: 12 updates, so the 10 timed ones hold whole cycles of s=1 and s=4 (a bound of s runs the tail
     # out every s+1 updates)
-    updates = args.updates or ((8 if args.quick else 30) if accuracy else (5 if args.quick else 12))
-    seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
-    eval_problems = 100 if args.quick else 500
+    updates = args.updates or (4 if args.smoke else (8 if args.quick else 30) if accuracy
+                               else (5 if args.quick else 12))
+    seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick or args.smoke else 3))))
+    eval_problems = 4 if args.smoke else 100 if args.quick else 500
     names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(LADDER[args.workload])
     names += [n for n in added if n not in names]
     unknown = [n for n in names if n not in VARIANTS]
@@ -462,7 +481,7 @@ def main() -> None:
             for n in names:
                 if accuracy:
                     accs[n].append(trainers[n].evaluate().accuracy)
-                ad_hoc = args.variants or args.add or args.quick or args.seed or args.prompts or accuracy
+                ad_hoc = args.variants or args.add or args.quick or args.smoke or args.seed or args.prompts or accuracy
                 gantt = args.gantt or ("" if ad_hoc else "docs/img")
                 if gantt and seed == seeds[-1]:
                     png = Path(gantt) / f"stalesync_{_folder(n)}.png"

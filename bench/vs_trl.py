@@ -43,6 +43,8 @@ generate, which is what is measured).
     python bench/vs_trl.py                   # 1 warm-up + 5 rounds x 2 steps per side
     python bench/vs_trl.py --quick           # 1 warm-up + 2 rounds x 1 step per side
     python bench/vs_trl.py --base DIR        # an rlfusion checkpoint folder
+    python bench/vs_trl.py --smoke           # 1 warm-up + 1 step per side of 2 prompts x 2 samples, <= 8
+                                             # tokens (a test runs it; without TRL, the rlfusion side alone)
 
 Needs the bench extra: pip install -e '.[bench]'.
 """
@@ -74,6 +76,13 @@ from rlfusion.runtime.trainer import RLTrainer
 PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS = 16, 8, 160
 TEMPERATURE, LR, SEED, THREADS = 1.0, 3e-4, 0, 2
 TRL_MICRO_BATCH = 32  # TRL's fastest of 16/32/64/128 sequences per forward/backward here
+
+
+def use_smoke_sizes() -> None:
+    """--smoke: 2 prompts x 2 samples of at most 8 new tokens, one TRL micro-batch. Both sides
+    read the sizes above when they build, so this rebinds them before anything is built."""
+    global PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS, TRL_MICRO_BATCH
+    PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS, TRL_MICRO_BATCH = 2, 2, 8, 4
 
 
 @dataclass
@@ -140,8 +149,11 @@ def problem_stream(num: int) -> list:
 # ---- rlfusion side ---------------------------------------------------------------------------
 
 def build_rlfusion(checkpoint: Path, out_dir: Path) -> RLTrainer:
+    # deploy.backend=local: the single-process loop with THREADS threads (the default deploy became
+    # Ray workers on every core, 1 thread each, after this bench was written and measured)
     cfg = load_config(TrainConfig, None, [
-        f"base='{checkpoint}'", f"out_dir='{out_dir}'", f"seed={SEED}", f"threads={THREADS}",
+        "deploy.backend=local", f"base='{checkpoint}'", f"out_dir='{out_dir}'", f"seed={SEED}",
+        f"threads={THREADS}",
         f"rollout.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.group_size={GROUP_SIZE}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.temperature={TEMPERATURE}",
         "algo.kl_coef=0", "algo.dynamic_sampling=false", "algo.advantage='grpo'",
@@ -288,25 +300,50 @@ def run_interleaved(model: MoETransformer, tok: CharTokenizer, rounds: int, per_
     return trl_stats, rlf_stats
 
 
+def run_rlfusion_alone(model: MoETransformer, tok: CharTokenizer, steps: int) -> SideStats:
+    """The rlfusion side as `run_interleaved` builds it, without TRL: a warm-up step, then `steps`."""
+    with tempfile.TemporaryDirectory(prefix="rlf-vs-trl-") as tmp:
+        checkpoint = save_checkpoint(Path(tmp) / "base", model, tok)
+        rlf = build_rlfusion(checkpoint, Path(tmp) / "rlfusion")
+        rlfusion_steps(rlf, 1, None)
+        stats = SideStats()
+        rlfusion_steps(rlf, steps, stats)
+    print(f"rlfusion: {stats.tokens} tokens in {stats.steps} steps, {stats.s_per_step:.2f} s/step "
+          f"({stats.rollout_s / stats.steps:.2f} s rollout), {stats.tokens_per_s:.0f} tokens/s")
+    return stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step per side")
+    parser.add_argument("--smoke", action="store_true", help="1 tiny step per side, in seconds; without TRL "
+                        "installed, the rlfusion side alone")
     parser.add_argument("--base", default=None, help="rlfusion checkpoint folder of the base model")
     args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+        use_smoke_sizes()
     try:
         import transformers
         import trl
     except ImportError:
-        raise SystemExit(f"bench/vs_trl.py needs TRL and transformers: pip install -e '.[{EXTRA}]'")
+        if not args.smoke:
+            raise SystemExit(f"bench/vs_trl.py needs TRL and transformers: pip install -e '.[{EXTRA}]'")
+        trl = None  # the smoke still checks the rlfusion side (CI has no bench extra)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.x renames
-    transformers.logging.set_verbosity_error()
     torch.set_num_threads(THREADS)
-    rounds, per_segment = (2, 1) if args.quick else (5, 2)
+    rounds, per_segment = (1, 1) if args.smoke else (2, 1) if args.quick else (5, 2)
 
     model, tok, origin = load_base(args.base)
     dropped = freeze_routing_bias(model)
     print(f"base: {origin}; expert bias zeroed (max |bias| was {dropped:.3g}), bias updates off")
+    if trl is None:
+        print(f"TRL side skipped: trl is not installed (pip install -e '.[{EXTRA}]'); the rlfusion side "
+              f"runs alone, so there is no target")
+        run_rlfusion_alone(model, tok, rounds * per_segment)
+        return
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.x renames
+    transformers.logging.set_verbosity_error()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"trl {trl.__version__}, {THREADS} threads; {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} "
           f"samples, <= {MAX_NEW_TOKENS} new tokens; 1 warm-up + {rounds} rounds x {per_segment} "

@@ -15,6 +15,7 @@ it is comparable between the workloads. Decode occupancy = mean rows per decode 
 
     python bench/workload.py            # 6 timed steps each (~8 min)
     python bench/workload.py --quick    # 3 timed steps each
+    python bench/workload.py --smoke    # 1 timed step each of 2 prompts x 2 samples (a test runs it)
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ from rlfusion.runtime.trainer import RLTrainer
 REPLAY = Path(__file__).resolve().parents[1] / "configs" / "replay.toml"
 WORKLOADS = {"task": None, "replay": REPLAY}  # name: config file (None: the defaults)
 DEVICES = ("device0", "device1")
+# --smoke: the smallest step (1 prompt group per device, over either workload's own sizes; the
+# replay lengths' median must stay below the cap); responses this short rarely score, so dynamic
+# sampling would drop every group and the update with them
+SMOKE_ROLLOUT = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "rollout.replay_median=4", "algo.dynamic_sampling=false"]
 
 
-def make_trainer(name: str, out: Path) -> RLTrainer:
+def make_trainer(name: str, out: Path, overrides: list[str] | tuple[str, ...] = ()) -> RLTrainer:
+    """Workload `name` on 2 Ray devices, colocated; `overrides`: config items over its file's."""
     cfg = load_config(TrainConfig, WORKLOADS[name], ["deploy.mode=colocated", "deploy.backend=ray",
                                                      "deploy.num_devices=2", "deploy.threads_per_device=1",
-                                                     f"out_dir=\"{out}\""])
+                                                     f"out_dir=\"{out}\"", *overrides])
     return RLTrainer(cfg, out / name, find_base())
 
 
@@ -62,12 +69,16 @@ def step_row(trainer: RLTrainer, metrics: dict, spans: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    steps = 3 if parser.parse_args().quick else 6
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes, in seconds")
+    args = parser.parse_args()
+    if args.smoke:
+        print("smoke run: sizes cut to seconds; figures are not measurements")
+    steps = 1 if args.smoke else 3 if args.quick else 6
     ray.init(num_cpus=2 * len(WORKLOADS), include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows: dict[str, list[dict]] = {n: [] for n in WORKLOADS}
     lengths: dict[str, list[int]] = {n: [] for n in WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {n: make_trainer(n, Path(tmp)) for n in WORKLOADS}
+        trainers = {n: make_trainer(n, Path(tmp), SMOKE_ROLLOUT if args.smoke else ()) for n in WORKLOADS}
         caps = {n: t.cfg.rollout.max_new_tokens for n, t in trainers.items()}
         try:
             for t in trainers.values():
