@@ -62,6 +62,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlfusion.runtime.report import finish_run
     from rlfusion.runtime.deployment import DeploymentPlan
     from rlfusion.runtime import run_state
+    from rlfusion.runtime.base_fit import check_base
     from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps, write_run_config
 
     if args.resume is not None:
@@ -91,6 +92,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                              f"at {SHIPPED_BASE}; run `rlfusion pretrain` (about 3 minutes) or pass base=DIR")
         print(f"base model: {base}")
         cfg = dataclasses.replace(cfg, base=str(base.resolve()))
+        check_base(cfg, base, stalesync_overlaps(cfg))  # a base too large is refused before the run folder exists
         run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("grpo-%Y%m%d-%H%M%S"))
         if (run_dir / "model.safetensors").exists():  # checked before the lock adds a file there
             raise ValueError(f"{run_dir} holds a model checkpoint, not an rlfusion run; pick another "
@@ -114,6 +116,9 @@ def _take_run_folder(run_dir: Path, restart: bool) -> None:
     started over unless `--restart` asks, and then its files move aside, never deleted."""
     from rlfusion.runtime import run_state
 
+    if run_state.has_checkpoint(run_dir) and not restart:
+        raise ValueError(f"run folder {run_dir} already exists; pick another run_name=, continue it with "
+                         f"--resume {run_dir}, or start it over with --restart (its files move aside)")
     if (run_dir / "config.json").exists() and not run_state.is_run_folder(run_dir):
         raise ValueError(f"{run_dir} holds a config.json that is not an rlfusion run's; "
                          f"pick another run_name= or out_dir=")
@@ -123,9 +128,6 @@ def _take_run_folder(run_dir: Path, restart: bool) -> None:
             print(f"--restart: the earlier run's files are now in {aside}")
         return
     held = run_state.outputs(run_dir)
-    if run_state.has_checkpoint(run_dir):
-        raise ValueError(f"run folder {run_dir} already exists; pick another run_name=, continue it with "
-                         f"--resume {run_dir}, or start it over with --restart (its files move aside)")
     if held:
         raise ValueError(f"run folder {run_dir} holds a run that started ({', '.join(held)}) and no trainer state; "
                          f"it is never started over: pick another run_name=, or pass --restart to move its files "

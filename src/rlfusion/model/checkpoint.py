@@ -78,7 +78,7 @@ def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
 # ---- loading weights -----------------------------------------------------------------------
 
 def load_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], where: str,
-                      mismatch: str = "does not fit this run's model") -> None:
+                      mismatch: str = "does not fit this run's model", assign: bool = False) -> None:
     """Copy `state_dict` into `model`: same names, same shapes, nothing left over. Anything else
     is a one-line `ValueError`, `{where} {mismatch}: ...` naming the first tensor that differs
     (torch's own error lists every tensor, over many lines). For resuming from, or loading, a
@@ -97,7 +97,7 @@ def load_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Ten
         problems.append(f"{len(unexpected)} tensors are not in the model (e.g. {unexpected[0]!r})")
     if problems:
         raise ValueError(f"{where} {mismatch}: {'; '.join(problems)}")
-    model.load_state_dict(state_dict, strict=True)
+    model.load_state_dict(state_dict, strict=True, assign=assign)  # assign: a meta-built model takes the tensors
 
 
 # ---- rlfusion checkpoints ------------------------------------------------------------------

@@ -2,7 +2,9 @@
 contract.
 
 Owns reading a tokenizer folder (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`),
-the special ids the engine needs, chat-template rendering and the JSON form kept in rlfusion
+the special ids the engine needs, chat-template rendering with the assistant's tokens marked
+(`model/chat_template.py` compiles the template when the tokenizer is made, so a template that
+does not compile is named then, with its file and line) and the JSON form kept in rlfusion
 checkpoints. Needs the `tokenizers` and `jinja2` packages (the `hf` extra), not `transformers`.
 
 Special ids: the project's convention (`evaluate.encode_prompt`) puts `bos_id` before every
@@ -17,6 +19,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+
+from rlfusion.model.chat_template import ChatTemplate, ChatText, token_mask
 
 EXTRA = "hf"
 
@@ -33,15 +37,18 @@ class HFTokenizer:
 
     def __init__(self, tokenizer_json: str, special: dict[str, str | None],
                  chat_template: str | None = None, where: str = "tokenizer.json",
-                 config_where: str = "tokenizer_config.json") -> None:
-        """`where` names the file `tokenizer_json` came from and `config_where` the one that
-        set `special`; errors name them."""
+                 config_where: str = "tokenizer_config.json", template_where: str | None = None) -> None:
+        """`where` names the file `tokenizer_json` came from, `config_where` the one that set
+        `special` and `template_where` (default: `config_where`) the one that held the chat
+        template; errors name them."""
         self._json, self.special, self.chat_template = tokenizer_json, dict(special), chat_template
         self._tok = _parse_tokenizer(tokenizer_json, where)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        template_where = template_where or config_where
         if chat_template is not None and not isinstance(chat_template, str):
-            raise ValueError(f"{config_where}: chat_template must be a string, got "
+            raise ValueError(f"{template_where}: chat_template must be a string, got "
                              f"{type(chat_template).__name__}")
+        self._template = ChatTemplate(chat_template, template_where) if chat_template else None
         ids = {key: self._id(special.get(key), key, where, config_where)
                for key in ("eos_token", "pad_token", "bos_token")}
         if ids["eos_token"] is None:
@@ -79,9 +86,10 @@ class HFTokenizer:
             raise ValueError(f"{config_where}: not a tokenizer config (a JSON object), "
                              f"got a JSON {type(config).__name__}")
         special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
-        template = config.get("chat_template")
+        template, template_where = config.get("chat_template"), config_where
         if (path / "chat_template.jinja").is_file():
-            template = read_text_file(path / "chat_template.jinja")
+            template_where = path / "chat_template.jinja"
+            template = read_text_file(template_where)
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
             template = next((t.get("template") for t in template
                              if isinstance(t, dict) and t.get("name") == "default"), None)
@@ -89,7 +97,7 @@ class HFTokenizer:
         if special["eos_token"] is None and isinstance(fallback_eos_id, int) and fallback_eos_id >= 0:
             vocab = _parse_tokenizer(tokenizer_json, str(where))
             special["eos_token"] = vocab.id_to_token(fallback_eos_id)
-        return cls(tokenizer_json, special, template, str(where), str(config_where))
+        return cls(tokenizer_json, special, template, str(where), str(config_where), str(template_where))
 
     # ---- the Tokenizer protocol ----
 
@@ -104,24 +112,29 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
         """The prompt text of `messages` (`[{"role": ..., "content": ...}]`), rendered by the
-        tokenizer's Jinja chat template the way transformers renders it."""
-        if not self.chat_template:
+        tokenizer's Jinja chat template the way transformers renders it, less a leading BOS."""
+        return self.render_chat(messages, add_generation_prompt).text
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> ChatText:
+        """`messages` rendered as transformers' `apply_chat_template(tokenize=False)` renders
+        them (less a leading BOS string: the rollout puts `bos_id` first), with the character
+        spans of the template's `{% generation %}` bodies, the assistant's text. A template
+        error is one `ValueError` line naming the template's file and line."""
+        if self._template is None:
             raise ValueError("the tokenizer has no chat_template (tokenizer_config.json or "
                              "chat_template.jinja); set data.chat_template=false")
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        specials = {k: v for k, v in self.special.items() if v is not None}
+        chat = self._template.render(messages, add_generation_prompt, **specials)
+        return chat.strip_prefix(self.special.get("bos_token"))
 
-        def raise_exception(message: str):
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in self.special.items() if v is not None})
-        bos = self.special.get("bos_token")
-        return text[len(bos):] if bos and text.startswith(bos) else text
+    def chat_tokens(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """`(ids, assistant_mask)` of `render_chat`'s text: 1 for every token that overlaps a
+        `{% generation %}` span, as transformers' `return_assistant_tokens_mask` marks them (all
+        0 for a template without the tag); what a multi-turn loss mask is made from."""
+        chat = self.render_chat(messages, add_generation_prompt)
+        encoding = self._tok.encode(chat.text, add_special_tokens=False)
+        return encoding.ids, token_mask(encoding.offsets, chat.assistant_spans)
 
     # ---- checkpoint form ----
 

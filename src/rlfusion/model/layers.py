@@ -38,9 +38,16 @@ class Rotary(nn.Module):
 
     def __init__(self, dim: int, max_seq_len: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        angles_LF = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-        # Not saved in checkpoints: derived from the config.
+        self.dim, self.max_seq_len, self.theta = dim, max_seq_len, theta
+        self.build_tables()
+
+    def build_tables(self, device: torch.device | None = None) -> None:
+        """(Re)compute the cos / sin tables on `device` (None: the default one). Not saved in
+        checkpoints: derived from the config, also for a model built on the meta device."""
+        dim = self.dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
+        angles_LF = torch.outer(positions, inv_freq)
         self.register_buffer("cos_LF", angles_LF.cos(), persistent=False)
         self.register_buffer("sin_LF", angles_LF.sin(), persistent=False)
 

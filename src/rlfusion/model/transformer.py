@@ -17,7 +17,7 @@ from torch import nn
 from rlfusion.model.attention import build_attention
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.kv_cache import AttnContext, CacheBatch, KVCache, PackedSeqs
-from rlfusion.model.layers import RMSNorm, SwiGLU
+from rlfusion.model.layers import RMSNorm, Rotary, SwiGLU
 from rlfusion.model.moe import MoE, Router
 
 
@@ -87,6 +87,24 @@ class MoETransformer(nn.Module):
         buffers = [tuple(torch.zeros(num_slots, heads, max_len, width, dtype=dtype, device=device)
                          for heads, width in layer.attn.cache_shapes()) for layer in self.layers]
         return KVCache(buffers, num_slots, max_len)
+
+    @classmethod
+    def meta(cls, cfg: ModelConfig) -> MoETransformer:
+        """The model with every tensor on the meta device: its shapes and no memory. It becomes a
+        real model by taking tensors as its own (`load_state_dict(assign=True)`), then
+        `derive_buffers`; nothing is allocated or initialised twice."""
+        with torch.device("meta"):
+            return cls(cfg)
+
+    def derive_buffers(self) -> None:
+        """Compute the buffers checkpoints do not hold (RoPE tables, routing counts) on the
+        weights' device: what a `meta()` model needs once it has taken its weights."""
+        device = self.embed.weight.device
+        for module in self.modules():
+            if isinstance(module, Rotary):
+                module.build_tables(device)
+        for router in self.routers():
+            router.tokens_per_expert = torch.zeros_like(router.expert_bias)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -229,6 +229,14 @@ def outputs(run_dir: Path) -> list[str]:
             if (run_dir / name).exists() or (run_dir / name).is_symlink()]
 
 
+def refuse_outputs(run_dir: Path) -> None:
+    """Raise a one-line ValueError when `run_dir` holds a run's outputs."""
+    held = outputs(run_dir)
+    if held:
+        raise ValueError(f"{run_dir} holds a run's outputs ({', '.join(held)}); a new run is never started "
+                         f"over them (rlfusion train --restart moves them aside)")
+
+
 def move_aside(run_dir: Path) -> Path | None:
     """Move every entry of `run_dir` but its lock into a new `run_dir/replaced-DATE-TIME/`, so a
     run can start there again without losing them; None when there was nothing to move."""

@@ -35,7 +35,7 @@ from rlfusion.obs.timeline import Timeline
 from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
 from rlfusion.rl.trajectory import Trajectory
-from rlfusion.runtime import run_state
+from rlfusion.runtime import base_fit, run_state
 from rlfusion.runtime.dataflow import REFERENCE, REWARD, ROLLOUT, group_problem, trajectory_columns
 from rlfusion.runtime.devices import Devices, GroupRollout, LocalDevices
 from rlfusion.runtime.stages import CollapseError
@@ -64,6 +64,7 @@ class RLTrainer:
         torch.use_deterministic_algorithms(cfg.deterministic)
         torch.manual_seed(cfg.seed)
         self.cfg, self.run_dir = cfg, run_dir
+        base_fit.check_base(cfg, base_path, stalesync_overlaps(cfg))  # from its config files, before any copy is built
         model, tokenizer, _ = load_base(base_path, max_seq_len=cfg.context_len or None)
         if tokenizer is None:
             raise ValueError(f"base checkpoint {base_path} has no tokenizer")
@@ -316,9 +317,8 @@ class RLTrainer:
 
     def run(self, progress: bool = True) -> RunResult:
         self.progress = progress
-        if self.saved_step is None and run_state.outputs(self.run_dir):  # not resumed: nothing to lose
-            raise ValueError(f"{self.run_dir} holds a run's outputs ({', '.join(run_state.outputs(self.run_dir))}); "
-                             f"a new run is never started over them (rlfusion train --restart moves them aside)")
+        if self.saved_step is None:  # a new run (not resumed): never over another run's outputs
+            run_state.refuse_outputs(self.run_dir)
         write_run_config(self.run_dir, self.cfg)
         # a signal during the final evaluation and save lets them finish: the run is then complete
         with StopRequest() as stop:
