@@ -14,6 +14,7 @@ import pytest
 from rlfusion.cli import main
 from rlfusion.obs.files import atomic_write_text, open_append, replace_dir
 from rlfusion.runtime import run_state
+from test_failures import _one_line
 
 SMALL = ["max_steps=1", "checkpoint_every=25", "eval_every=25", "eval_problems=2", "rollout.prompts_per_step=2",
          "rollout.group_size=2", "rollout.max_new_tokens=8", "collapse_patience=0", "threads=1",
@@ -22,12 +23,6 @@ SMALL = ["max_steps=1", "checkpoint_every=25", "eval_every=25", "eval_problems=2
 
 def _args(base, out, name, *extra):
     return [f"base={base}", f"out_dir={out}", f"run_name={name}", *SMALL, *extra]
-
-
-def _one_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def _checksums(folder: Path) -> dict[str, str]:

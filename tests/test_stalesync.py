@@ -436,7 +436,7 @@ def _cfg(tmp_path, *extra, backend="local"):
 
 
 def _comparable(m):
-    return {k: v for k, v in m.items() if not k.startswith(("time", "utilization", "memory_"))
+    return {k: v for k, v in m.items() if not k.startswith(("time", "utilization", "memory_", "queue_share"))
             and not k.endswith(("_per_s", "_peak_share")) and k != "zero_redundancy_ok"}
 
 
