@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlfusion import cli
-from rlfusion.model.checkpoint import load_weights_into
+from rlfusion.model.files import load_weights_into
 from rlfusion.model.config import ModelConfig, get_preset
 from rlfusion.model.hf import config_from_hf
 from rlfusion.model.transformer import MoETransformer

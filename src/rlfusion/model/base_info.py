@@ -14,8 +14,8 @@ import os
 import resource
 from pathlib import Path
 
-from rlfusion.model.checkpoint import config_from_dict, first_line, read_json_file
-from rlfusion.model.config import ModelConfig
+from rlfusion.model.config import ModelConfig, config_from_dict
+from rlfusion.model.files import first_line, read_json_file
 from rlfusion.model.hf_config import config_from_hf, is_hf_checkpoint
 
 FP32_BYTES = 4  # every copy of the weights is float32 (bf16 runs autocast; the weights stay fp32)

@@ -6,26 +6,22 @@
 one (`rlfusion pretrain`, `default_base_path`), else the one shipped with the package;
 `resolve_base(base)` reads a run's `base=`: a checkpoint folder, or a shipped base by name.
 
-This module is also the one layer that reads model files from disk (`read_json_file`,
-`read_text_file`, `read_safetensors_file`) and loads weights into a model (`load_weights_into`):
-every unreadable or mismatched file ends in a one-line `ValueError` that names the file and what
-is wrong, which the CLI prints as its error line.
+Model files are read, and weights loaded into a model, through `model/files.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from rlfusion.model.config import MLAConfig, ModelConfig
+from rlfusion.model.config import ModelConfig, config_from_dict, config_to_dict
+from rlfusion.model.files import first_line, load_weights_into, read_json_file, read_safetensors_file
 from rlfusion.model.hf_tokenizer import tokenizer_from_dict
 from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
@@ -36,86 +32,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_BASE = ASSETS / "base-tiny"  # made by `rlfusion pretrain`
 
 
-# ---- reading files -------------------------------------------------------------------------
-
-def first_line(e: BaseException, limit: int = 200) -> str:
-    """The gist of a library's error: its first line, clipped (some are multi-line or huge)."""
-    lines = str(e).strip().splitlines()
-    text = lines[0].strip() if lines else type(e).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def read_text_file(path: str | Path) -> str:
-    """The UTF-8 text of `path`; `ValueError` naming the file if it cannot be read or decoded."""
-    try:
-        return Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be read ({e.strerror or first_line(e)})") from None
-
-
-def read_json_file(path: str | Path) -> object:
-    """The parsed JSON of `path`; `ValueError` naming the file if it is not UTF-8 JSON."""
-    try:
-        return json.loads(read_text_file(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply to read") from None
-
-
-def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, on the CPU (callers copy them into a model).
-    `ValueError` naming the file for anything that is not one: a truncated download, a
-    `torch.save` pickle under the wrong name, a folder, a file we may not read."""
-    try:
-        return load_file(str(path))
-    except Exception as e:  # the Rust reader raises SafetensorError, OSError, ... by case
-        raise ValueError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
-
-
-# ---- loading weights -----------------------------------------------------------------------
-
-def load_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], where: str,
-                      mismatch: str = "does not fit this run's model", assign: bool = False) -> None:
-    """Copy `state_dict` into `model`: same names, same shapes, nothing left over. Anything else
-    is a one-line `ValueError`, `{where} {mismatch}: ...` naming the first tensor that differs
-    (torch's own error lists every tensor, over many lines). For resuming from, or loading, a
-    checkpoint that may come from another architecture."""
-    own = model.state_dict()
-    for name, t in state_dict.items():
-        if name in own and tuple(t.shape) != tuple(own[name].shape):
-            raise ValueError(f"{where} {mismatch}: tensor {name!r} has shape {list(t.shape)}, "
-                             f"the model needs {list(own[name].shape)}")
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} tensors are missing (e.g. {missing[0]!r})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} tensors are not in the model (e.g. {unexpected[0]!r})")
-    if problems:
-        raise ValueError(f"{where} {mismatch}: {'; '.join(problems)}")
-    model.load_state_dict(state_dict, strict=True, assign=assign)  # assign: a meta-built model takes the tensors
-
-
 # ---- rlfusion checkpoints ------------------------------------------------------------------
-
-def config_to_dict(cfg: ModelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"unknown model config keys {unknown}; allowed: {sorted(known)}")
-    if isinstance(d.get("mla"), dict):
-        d["mla"] = MLAConfig(**d["mla"])
-    return ModelConfig(**d)
-
 
 def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: Tokenizer | None = None,
                     extra: dict | None = None) -> Path:

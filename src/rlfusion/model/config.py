@@ -243,3 +243,20 @@ def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
     return PRESETS[name]()
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    """The JSON form of a config (a checkpoint's `model` table)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """A config from its JSON form; unknown keys are refused, naming them."""
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown model config keys {unknown}; allowed: {sorted(known)}")
+    if isinstance(d.get("mla"), dict):
+        d["mla"] = MLAConfig(**d["mla"])
+    return ModelConfig(**d)

@@ -41,7 +41,7 @@ identical attention scores; export undoes it. Its multi-token-prediction layers 
 implement (RoPE scaling, sliding windows, o_proj / MLP biases, quantized weights, ...) is
 refused with one line naming the field (`model/hf_config.py` maps `config.json`); so is a
 missing field, an unreadable file and a tensor whose shape does not fit `config.json` (the file
-readers are `model/checkpoint.py`'s). A base too large for the machine is refused from its
+readers are `model/files.py`'s). A base too large for the machine is refused from its
 `config.json` before anything is built (`model/base_info.py`).
 """
 
@@ -54,8 +54,8 @@ import torch
 from safetensors.torch import save_file
 
 from rlfusion.model.base_info import check_weights_fit, hf_tokenizer
-from rlfusion.model.checkpoint import load_weights_into, read_json_file, read_safetensors_file
 from rlfusion.model.config import ModelConfig
+from rlfusion.model.files import load_weights_into, read_json_file, read_safetensors_file
 from rlfusion.model.hf_config import (DEFAULT_MAX_SEQ_LEN, FAMILIES, config_from_hf,  # noqa: F401 (re-exported)
                                       is_hf_checkpoint, read_hf_config)
 from rlfusion.model.transformer import MoETransformer

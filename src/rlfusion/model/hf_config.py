@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlfusion.model.checkpoint import first_line, read_json_file
 from rlfusion.model.config import MLAConfig, ModelConfig
+from rlfusion.model.files import first_line, read_json_file
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 DEFAULT_MAX_SEQ_LEN = 4096  # RoPE tables are precomputed per layer; RL contexts rarely need more

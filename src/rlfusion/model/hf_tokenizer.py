@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlfusion.model.chat_template import ChatTemplate, ChatText, token_mask
+from rlfusion.model.files import first_line, read_json_file, read_text_file
 
 EXTRA = "hf"
 
@@ -74,7 +75,6 @@ class HFTokenizer:
         """Read `tokenizer.json` (required) and the special tokens / chat template beside it.
         `fallback_eos_id` (e.g. from the model's `config.json`) names eos when the tokenizer
         config does not."""
-        from rlfusion.model.checkpoint import read_json_file, read_text_file  # it imports us
 
         path = Path(path)
         where, config_where = path / "tokenizer.json", path / "tokenizer_config.json"
@@ -176,7 +176,6 @@ def _parse_tokenizer(tokenizer_json: str, where: str):
     except ImportError:
         raise ImportError("HF tokenizers need the tokenizers package: "
                           f"pip install 'rlfusion[{EXTRA}]'") from None
-    from rlfusion.model.checkpoint import first_line  # it imports us
 
     try:
         return Tokenizer.from_str(tokenizer_json)

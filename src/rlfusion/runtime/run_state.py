@@ -32,7 +32,8 @@ import torch
 from safetensors import SafetensorError
 
 from rlfusion.errors import RunError
-from rlfusion.model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint
+from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
+from rlfusion.model.files import load_weights_into
 from rlfusion.obs.files import fresh_dir, refuse_links, replace_dir
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
