@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from rlfusion.config import load_config
-from rlfusion.measure.calibrate import measure_calibration
+from rlfusion.measure.calibrate_all import measure_calibration
 from rlfusion.model.checkpoint import find_base, load_base
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import dataflow

@@ -71,7 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfusion.sim.calibration import Calibration, save_calibration
-from rlfusion.measure.calibrate import default_setup, measure_calibration
+from rlfusion.measure.calibrate import default_setup
+from rlfusion.measure.calibrate_all import measure_calibration
 from rlfusion.measure.contention import contention_probe, contention_workers, probe_speeds, speeds_line
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import SimResult, simulate

@@ -1,5 +1,5 @@
 """How much two busy device processes slow each other on this machine (part of
-`rlfusion.measure.calibrate`'s calibration; `bench/simulator.py` also samples it between its rounds).
+`rlfusion.measure.calibrate_all`'s calibration; `bench/simulator.py` also samples it between its rounds).
 
 Two Ray actors, placed as the real device workers are (1 thread each), run a fixed workload
 sized like one colocated device's step — a rollout of `PROBE_SAMPLES` rows, decode passes of

@@ -292,7 +292,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.calibrate is None and not args.project and args.config is None:
         raise ValueError("simulate needs a CONFIG file, --calibrate PATH or --project")
     if args.calibrate is not None:
-        from rlfusion.measure.calibrate import measure_calibration  # torch, only when asked
+        from rlfusion.measure.calibrate_all import measure_calibration  # torch, only when asked
 
         measure_calibration(args.calibrate, quick=args.quick)
         print(f"wrote {args.calibrate}")
