@@ -73,7 +73,7 @@ def open_append(path: Path, **kwargs) -> IO:
 
 
 def fresh_dir(parent: Path, name: str) -> Path:
-    """A new, empty folder `parent/.NAME.XXXX.tmp`, created here (never an existing entry)."""
+    """A new, empty folder `parent/.NAME.<random>.tmp` (mkdtemp: never an existing entry)."""
     return Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.", suffix=".tmp"))
 
 
