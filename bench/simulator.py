@@ -75,7 +75,12 @@ from rlfusion.measure.calibrate import default_setup
 from rlfusion.measure.calibrate_all import measure_calibration
 from rlfusion.measure.contention import contention_probe, contention_workers, probe_speeds, speeds_line
 from rlfusion.sim.rl_config import RLSimConfig
-from rlfusion.sim.rl_sim import SimResult, simulate
+from rlfusion.runtime.dataflow import to_trajectories
+from rlfusion.runtime.partial_rollout import PAUSED
+from rlfusion.sim.rl_sim import simulate
+from rlfusion.stalesync.book import batch_rows
+from rlfusion.stalesync.rules import handover_group
+from rlfusion.sim.rl_state import SimResult
 from rlfusion.sim.rl_stalesync import ROLLOUT_STATS
 
 GOAL = 0.15  # relative error allowed by the issue
@@ -219,43 +224,61 @@ STALESYNC_CASES = {"stalesync_s1_colocated": "stalesync s=1 colocated",  # thres
 
 
 class _BatchRecorder:
-    """Wraps a StaleSync trainer's `StalenessBook.take_batch`: every trained sample's final
-    response length by (group id, sample index), and the last batch's token counts."""
+    """Wraps a StaleSync trainer's `StalenessBook.take_batch`: reads the batch's rows from the
+    queue (the driver's client, as a reader of its own, before the update retires them) for every
+    trained sample's final response length by (group id, sample index), and the last batch's
+    (response, prompt) token counts."""
+
+    COLUMNS = ["sample", "response_len", "num_tokens"]
 
     def __init__(self, trainer):
-        self.book = trainer.stale
+        self.trainer, self.book = trainer, trainer.stale
         self.lengths: dict[tuple[int, int], int] = {}
         self.prompts: dict[int, int] = {}
-        self.taken: list[list] = []  # batches taken since the caller last reset it
+        self.taken: list[list[tuple[int, int]]] = []  # batches taken since the caller last reset it
         inner = self.book.take_batch
 
         def take_batch(update_version):
-            batch, stats = inner(update_version)
-            for t in batch:
-                self.lengths[(t.group_id, t.sample)] = len(t.response_ids)
-                self.prompts[t.group_id] = len(t.prompt_ids)
-            self.taken.append(batch)
-            return batch, stats
+            groups, stats = inner(update_version)
+            self.taken.append(self._read(batch_rows(groups), "bench"))
+            return groups, stats
         self.book.take_batch = take_batch
+
+    def _read(self, rows: list[int], reader: str) -> list[tuple[int, int]]:
+        if not rows:
+            return []
+        batch = self.trainer.devices.queue.get_rows(reader, rows, self.COLUMNS, timeout=60)
+        c, out = batch.columns, []
+        for i, gid in enumerate(batch.group_ids):
+            n, prompt = c["response_len"][i], c["num_tokens"][i] - c["response_len"][i]
+            self.lengths[(gid, c["sample"][i])] = n
+            self.prompts[gid] = prompt
+            out.append((n, prompt))
+        return out
 
     def group_lengths(self, group_size: int, seed: int = 0) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
         """Every admitted group's sample lengths in group-id order, for the replay. Samples of
-        groups still in flight when the measurement ended: finished ones keep their length; a
-        partial one (aborted at p tokens) gets a length drawn from this run's measured lengths
-        above p (its real final length was never produced). Returns (lengths, how many were
-        drawn, every sample's prompt tokens in the same order)."""
+        groups still in flight when the measurement ended: finished ones (in the queue, or held
+        on a rollout device) keep their length; a partial one (aborted at p tokens) gets a length
+        drawn from this run's measured lengths above p (its real final length was never
+        produced). Returns (lengths, how many were drawn, every sample's prompt tokens in the
+        same order)."""
         import random
 
         rng = random.Random(seed)
+        self._read(batch_rows([g for g in self.book.groups.values() if g.finished]), "bench/in flight")
         known = dict(self.lengths)
         partial: dict[tuple[int, int], int] = {}
-        for g in self.book.groups.values():
-            for t in g.done:
-                known[(g.group_id, t.sample)] = len(t.response_ids)
-            for t in g.open:
-                partial[(g.group_id, t.sample)] = len(t.response_ids)
-            if g.done or g.open:
-                self.prompts[g.group_id] = len((g.done + g.open)[0].prompt_ids)
+        held = [t for state in self.trainer.devices.paused() for s in state["samples"].values() for t in s]
+        handed = [r for g in self.book.groups.values() if not g.finished and g.held_by < 0 for r in g.rows]
+        if handed:
+            batch = self.trainer.devices.queue.get_rows("bench/in flight", handed,
+                                                        ["response_ids", "finish_reason", "sample", "prompt_ids"])
+            held += to_trajectories(batch)
+        for t in held:
+            gid = t.group_id if t.group_id >= 0 else handover_group(t.group_id)
+            (partial if t.finish_reason == PAUSED else known)[(gid, t.sample)] = len(t.response_ids)
+            self.prompts[gid] = len(t.prompt_ids)
         pool = sorted(known.values())
         out, drawn = [], 0
         for gid in range(self.book.next_group_id):
@@ -274,7 +297,7 @@ class _BatchRecorder:
 def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
     start = len(trainer.timeline.spans)
     # the batch this update trains: separated overlap took it in the step before
-    before = list(trainer.pending[0]) if trainer.overlap and trainer.pending else None
+    before = rec.taken[-1] if trainer.overlap and trainer.pending else None
     rec.taken = []
     m = trainer.train_step()
     batch = before if before is not None else rec.taken[0]
@@ -285,10 +308,10 @@ def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
     for key in ("staleness_mean", "groups_in_update", "groups_in_flight", *ROLLOUT_STATS):
         phases[f"metric/{key}"] = m.get(key, 0.0)
     return MeasuredStep(int(m["generated_tokens"]), m["time_step_s"],
-                        tuple(len(t.response_ids) for t in batch),
-                        sum(len(t.prompt_ids) for t in batch),
+                        tuple(n for n, _ in batch),
+                        sum(p for _, p in batch),
                         round(m["update_tokens_per_s"] * m["time_update_s"]), phases,
-                        tuple(len(t.prompt_ids) for t in batch))
+                        tuple(p for _, p in batch))
 
 
 # The replay workload (configs/replay.toml: long-tailed forced lengths, median 150, cap 1,000, no

@@ -338,6 +338,17 @@ def print_ceilings(per_seed: list[dict], conditions: list[list[tuple[dict, float
           f"best speed, {max(sp for _, sp in every):.2f})")
 
 
+# the StaleSync variant of each placement whose controller traffic `stalesync_driver_bytes_share` sums
+DRIVER_BYTES_VARIANTS = ("stalesync s=2 colocated", "stalesync s=1 separated", "stalesync s=2 hybrid")
+
+
+def _driver_share(updates: list[dict]) -> float:
+    """Bytes across the controller over those plus the bytes through the queue, summed."""
+    driver = sum(m.get("driver_bytes", 0.0) for m in updates)
+    moved = driver + sum(m.get("queue_bytes", 0.0) for m in updates)
+    return driver / moved if moved else 0.0
+
+
 def is_stalesync(name: str) -> bool:
     """Whether the variant runs StaleSync (`stalesync.enabled=true`), else it is synchronous."""
     return "stalesync.enabled=true" in VARIANTS[name][1]
@@ -345,7 +356,7 @@ def is_stalesync(name: str) -> bool:
 
 def bound(name: str) -> int:
     """The variant's `stalesync.max_staleness` (its override, else the default)."""
-    from rlfusion.runtime.stalesync import StaleSyncConfig
+    from rlfusion.stalesync.rules import StaleSyncConfig
 
     given = [o.split("=", 1)[1] for o in VARIANTS[name][1] if o.startswith("stalesync.max_staleness=")]
     return int(given[-1]) if given else StaleSyncConfig().max_staleness
@@ -536,6 +547,14 @@ def main() -> None:
         if accuracy:
             acc = {n: statistics.mean(a) for n, a in accs.items()}
             print(f"target accuracy_gap_points: {100 * (acc[BASELINE] - acc[best]):.1f} (goal <= 3.0)")
+        # what crossed the controller (commands, answers, reports) against what moved between the
+        # devices through the queue, over the timed updates of the StaleSync variants of each mode
+        shares = {n: _driver_share(timed[n]) for n in names}
+        print("bytes across the controller / (those + queue bytes), timed updates: " +
+              ", ".join(f"{n} {v:.4f}" for n, v in shares.items()))
+        measured = [n for n in DRIVER_BYTES_VARIANTS if n in names] or stale
+        print(f"target stalesync_driver_bytes_share: {_driver_share([m for n in measured for m in timed[n]]):.4f} "
+              f"(goal <= 0.01; {', '.join(measured)})")
         print(f"target max_staleness_violations: "
               f"{sum(m.get('staleness_max', 0) > bound(n) for n in stale for m in every[n])} (goal <= 0)")
 

@@ -16,7 +16,8 @@ from rlfusion.sim.cluster_calibration import (EngineAssumptions, decode_context_
 from rlfusion.sim.costs import model_layers
 from rlfusion.sim.hardware import get_cluster
 from rlfusion.sim.rl_config import RLSimConfig, expected_longest
-from rlfusion.sim.rl_sim import _Sim, simulate
+from rlfusion.sim.rl_sim import simulate
+from rlfusion.sim.rl_state import SimState
 
 # Round numbers so a step can be computed by hand: decode 1 ms per step at any batch, no
 # prefill, train 1000 tokens/s per device + 0.1 s, reference 2000 tokens/s, switch 0.01 s.
@@ -47,20 +48,20 @@ def test_a_synchronous_barrier_waits_for_the_slowest_device(monkeypatch):
     # as the step by hand, with engine1 at half speed (its decode and reference take twice as
     # long: 0.040 + 0.060 = 0.100 s) and the update's slowest train device at 1.5x
     cfg = TWO.replace(straggler_sigma=0.1)
-    monkeypatch.setattr(_Sim, "slow", lambda self, eng: 2.0 if eng.name == "engine1" else 1.0)
-    monkeypatch.setattr(_Sim, "slowest", lambda self, devices: 1.5)
+    monkeypatch.setattr(SimState, "slow", lambda self, eng: 2.0 if eng.name == "engine1" else 1.0)
+    monkeypatch.setattr(SimState, "slowest", lambda self, devices: 1.5)
     expected = 0.01 + 0.100 + 0.01 + (120 / 2000 + 0.1) * 1.5
     assert _step_s(cfg, FLAT) == pytest.approx(expected)
 
 
 def test_straggler_factors_are_per_engine_and_version():
-    sim = _Sim(TWO.replace(straggler_sigma=0.2, num_supernodes=1), FLAT)
+    sim = SimState(TWO.replace(straggler_sigma=0.2, num_supernodes=1), FLAT)
     a, b = sim.engines
     first = sim.slow(a)
     assert sim.slow(a) == first != sim.slow(b)  # drawn once per engine and version
     a.version += 1
     assert sim.slow(a) != first
-    assert _Sim(TWO, FLAT).slow(a) == 1.0 and _Sim(TWO, FLAT).slowest(64) == 1.0
+    assert SimState(TWO, FLAT).slow(a) == 1.0 and SimState(TWO, FLAT).slowest(64) == 1.0
     assert sim.slowest(1) > 0 and sum(sim.slowest(64) for _ in range(20)) > sum(sim.slowest(1) for _ in range(20))
     with pytest.raises(ValueError, match="straggler_sigma"):
         TWO.replace(straggler_sigma=0.1, stalesync_model="runtime", max_staleness=1, partial_rollout=True)

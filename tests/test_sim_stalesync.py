@@ -13,7 +13,7 @@ import pytest
 from rlfusion.sim.calibration import cpu_default
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import simulate
-import rlfusion.runtime.stalesync as rules
+import rlfusion.stalesync.book as rules
 from rlfusion.engine import scheduler as engine_scheduler
 from rlfusion.sim import rl_stalesync
 

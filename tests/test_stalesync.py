@@ -21,9 +21,13 @@ from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.engine.types import Completion, SamplingParams
 from rlfusion.runtime.stages import RolloutStage
-from rlfusion.runtime.stalesync import (Group, RolloutPlan, StaleSyncConfig, StalenessBook, admissible,
-                                        assign_groups, assign_hybrid, contiguous_parts, due_groups, finish_quota,
-                                        join_share, rollout_quota, rollout_stops, select_batch, staleness)
+from rlfusion.queue import DistQueue
+from rlfusion.runtime.dataflow import ROLLOUT, queue_config, to_trajectories, trajectory_columns
+from rlfusion.runtime.partial_rollout import PartialRollout
+from rlfusion.stalesync.book import Group, GroupReport, StalenessBook, batch_rows
+from rlfusion.stalesync.rules import (GroupItem, RolloutPlan, StaleSyncConfig, admissible, assign_groups,
+                                      assign_hybrid, contiguous_parts, due_groups, finish_quota, join_share,
+                                      rollout_quota, rollout_stops, select_batch, staleness)
 from rlfusion.runtime.train_config import RolloutConfig, TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, resume
 
@@ -107,6 +111,43 @@ class _Lengths(dict):
         return self[key]
 
 
+class _Device:
+    """One rollout device's side of StaleSync as the workers run it (`PartialRollout` over a fake
+    engine), with the in-process queue its finished groups go into."""
+
+    def __init__(self, group: int, lengths, slots: int, queue=None, index: int = 0):
+        self.stage = fake_stage(group, lengths, slots)
+        self.queue = queue if queue is not None else DistQueue(queue_config(group))
+        self.problems: set[int] = set()  # every problem id a rollout started
+        self.partial = PartialRollout(index, self.queue, self._problem, timeout_s=5)
+
+    def _problem(self, pid: int) -> _Problem:
+        self.problems.add(pid)
+        return _Problem(str(pid))
+
+    def put(self, trajs):
+        return self.queue.put(trajectory_columns(trajs, ROLLOUT.writes), group_ids=[t.group_id for t in trajs],
+                              versions=[min(t.versions, default=0) for t in trajs])
+
+    def rollout(self, book, plan, hand_over=False):
+        out = self.partial.run(list(plan.items), lambda groups: self.stage.run_groups(
+            groups, plan.version, plan.quota, plan.due, plan.drop), self.put, hand_over)
+        book.collect(out["reports"], out["dropped"])
+        return out
+
+    def rows(self, groups, reader="actor"):
+        """The samples of an update's groups, read from the queue by id."""
+        return to_trajectories(self.queue.get_rows(reader, batch_rows(groups), ROLLOUT.writes, timeout=5))
+
+    def checkpoint(self):
+        """A checkpoint between rollouts: the held samples and the queue, through pickle."""
+        held, rows = pickle.loads(pickle.dumps((self.partial.state(), self.queue.state_dict())))
+        self.queue = DistQueue(self.queue.cfg)
+        self.queue.load_state_dict(rows)
+        self.partial = PartialRollout(self.partial.index, self.queue, self._problem, timeout_s=5)
+        self.partial.load_state(held)
+
+
 @settings(max_examples=60, deadline=None)
 @given(s=st.integers(0, 3), batch=st.integers(1, 5), group=st.integers(2, 4),
        threshold=st.sampled_from([0.25, 0.5, 0.75, 1.0, 2.0]), overdue=st.sampled_from(["wait", "drop"]),
@@ -118,8 +159,7 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
     cfg = StaleSyncConfig(enabled=True, max_staleness=s, rollout_finish_threshold=threshold, overdue=overdue)
     book = StalenessBook(cfg, batch, group)
     rng = random.Random(seed)
-    stage = fake_stage(group, _Lengths(rng), slots)
-    prompts = iter(range(10**9))
+    dev = _Device(group, _Lengths(rng), slots)
     trained_groups, trained_problems, dropped_problems = [], [], []
 
     def rollout(version, update_version, reserved=0):
@@ -127,29 +167,36 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
         book_state = pickle.loads(pickle.dumps(book.state_dict()))  # a checkpoint between rollouts
         book = StalenessBook(cfg, batch, group)
         book.load_state_dict(book_state)
-        plan = book.plan(version, update_version, lambda: _Problem(str(next(prompts))), reserved)
+        dev.checkpoint()
+        plan = book.plan(version, update_version, reserved)
         assert len(book.groups) + reserved <= book.capacity  # admission control
-        prefix = {(gid, t.sample): list(t.versions) for gid, _, open_ in plan.items for t in open_}
-        out = stage.run_groups(plan.items, version, plan.quota, plan.due, plan.drop)
-        for t in out["finished"] + out["unfinished"]:  # a resumed sample keeps what it had
+        prefix = {(gid, t.sample): list(t.versions) for gid, held in dev.partial.held.items() for t in held}
+        problems = {it.group_id: it.problem_id for it in plan.items}
+        out = dev.rollout(book, plan)
+        ran = [t for held in dev.partial.held.values() for t in held if t.group_id in problems]
+        for t in ran:  # a resumed sample keeps what it had (and the held ones are this rollout's)
             old = prefix.get((t.group_id, t.sample), [])
             assert t.versions[:len(old)] == old and all(v == version for v in t.versions[len(old):])
-        before = {gid: p for gid, p, _ in plan.items}
-        book.collect(plan, out)
-        dropped_problems.extend(before[g].prompt for g in out["dropped"])
+        dropped_problems.extend(str(problems[g]) for g in out["dropped"])
+        # the book holds ids and versions only; a finished group's rows are in the queue
+        assert all(not g.finished or len(g.rows) == group for g in book.groups.values())
         return out
 
-    def train(batch_, update_version):
+    def train(groups, update_version):
+        batch_ = dev.rows(groups)
         staleness = [update_version - min(t.versions) for t in batch_]
         assert max(staleness, default=0) <= s  # the bound (take_batch also raises on it)
+        assert sorted(staleness) == sorted(update_version - v for g in groups for v in g.versions)
         by_group = {}
         for t in batch_:
             by_group.setdefault(t.group_id, []).append(t)
-            assert t.finish_reason == "stop" and len(t.response_ids) == stage.engine.lengths[f"{t.group_id}/{t.sample}"]
+            assert t.finish_reason == "stop" and len(t.response_ids) == dev.stage.engine.lengths[f"{t.group_id}/{t.sample}"]
         for gid, samples in by_group.items():
             assert sorted(t.sample for t in samples) == list(range(group))  # whole group, once each
             trained_problems.append(samples[0].problem.prompt)
+        assert sorted(by_group) == [g.group_id for g in groups]
         trained_groups.extend(by_group)
+        dev.queue.retire(batch_rows(groups))
 
     pending = None
     for version in range(updates):
@@ -158,7 +205,7 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
                 rollout(version, version)
                 pending = book.take_batch(version)[0]
             train(pending, version)  # update `version` alongside the rollout for the next one
-            rollout(version, version + 1, reserved=len({t.group_id for t in pending}))
+            rollout(version, version + 1, reserved=len(pending))
             pending = book.take_batch(version + 1)[0]
         else:
             rollout(version, version)
@@ -167,13 +214,18 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
     assert len(trained_problems) == len(set(trained_problems))  # a requeued prompt trains once
     # nothing lost: every admitted prompt was trained, is in flight, waits in the batch taken
     # for the next update, or was dropped and waits to be admitted again
-    in_flight = {g.problem.prompt for g in book.groups.values()} | {t.problem.prompt for t in pending or []}
-    requeued = {p.prompt for p in book.requeued}
-    admitted = {str(i) for i in range(next(prompts))}
+    in_flight = {str(g.problem_id) for g in book.groups.values()} | {str(g.problem_id) for g in pending or []}
+    requeued = {str(p) for p in book.requeued}
+    admitted = {str(p) for p in dev.problems}
     assert set(trained_problems) | in_flight | requeued == admitted
     assert set(dropped_problems) <= set(trained_problems) | in_flight | requeued
     if overdue == "wait":
         assert not dropped_problems
+    # the queue holds exactly the rows of the finished groups not trained yet; the device holds
+    # the samples of the unfinished ones, and nothing else
+    waiting = [g for g in list(book.groups.values()) + list(pending or []) if g.finished]
+    assert sorted(dev.queue.controller.rows) == sorted(batch_rows(waiting))
+    assert set(dev.partial.held) == {g.group_id for g in book.groups.values() if not g.finished}
 
 
 class ThreadSum:
@@ -260,17 +312,14 @@ def test_drop_policy_gives_a_due_group_its_last_rollout_first():
     book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=1, rollout_finish_threshold=0.5,
                                          overdue="drop"), 2, 2)
     lengths = _Default(3, **{"0/0": 1, "0/1": 1, "1/0": 5, "1/1": 5, "2/0": 1, "2/1": 1, "3/0": 1, "3/1": 1})
-    stage = fake_stage(2, lengths, slots=8)
-    problems = iter(_Problem(c) for c in "abcdefgh")
-    plan = book.plan(0, 0, problems.__next__)
-    book.collect(plan, stage.run_groups(plan.items, 0, plan.quota, plan.due, plan.drop))
+    dev = _Device(2, lengths, slots=8)
+    dev.rollout(book, book.plan(0, 0))
     book.take_batch(0)  # groups 0 and 2 train; 3 waits finished; 1 (1 of 5 tokens) is due at update 1
-    plan = book.plan(1, 1, problems.__next__)
+    plan = book.plan(1, 1)
     assert plan.due == {1} and plan.quota == 1  # not 0, though group 3 covers the threshold
-    out = stage.run_groups(plan.items, 1, plan.quota, plan.due, plan.drop)
-    book.collect(plan, out)
+    out = dev.rollout(book, plan)
     assert out["dropped"] == [1] and book.stats["dropped_tokens"] == 2 * 4  # it ran 3 more steps first
-    assert [p.prompt for p in book.requeued] == ["b"]
+    assert list(book.requeued) == [1] and 1 not in dev.partial.held  # the device discarded its samples
 
 
 def test_wait_policy_waits_for_a_due_group_and_drop_policy_requeues_it():
@@ -278,15 +327,39 @@ def test_wait_policy_waits_for_a_due_group_and_drop_policy_requeues_it():
     for overdue, want_dropped in (("wait", []), ("drop", [0])):
         book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=0, rollout_finish_threshold=0.5,
                                              overdue=overdue), 2, 2)
-        stage = fake_stage(2, lengths, slots=4)
-        plan = book.plan(0, 0, iter([_Problem("a"), _Problem("b")]).__next__)
-        out = stage.run_groups(plan.items, 0, plan.quota, plan.due, plan.drop)
-        book.collect(plan, out)
+        dev = _Device(2, lengths, slots=4)
+        out = dev.rollout(book, book.plan(0, 0))
         assert out["dropped"] == want_dropped
         batch, stats = book.take_batch(0)
-        assert {t.group_id for t in batch} == ({0, 1} if overdue == "wait" else {1})
+        assert [g.group_id for g in batch] == ([0, 1] if overdue == "wait" else [1])
+        assert {t.group_id for t in dev.rows(batch)} == {g.group_id for g in batch}
         if overdue == "drop":
-            assert [p.prompt for p in book.requeued] == ["a"] and book.stats["dropped_tokens"] > 0
+            assert list(book.requeued) == [0] and book.stats["dropped_tokens"] > 0
+
+
+def test_a_late_device_hands_its_paused_samples_over_through_the_queue():
+    """Hybrid placement: a train device joins the next rollout late, so its paused samples go
+    into the queue (rows of a group no update reads) and an early device resumes them there:
+    the finished sample continues the paused one, tokens and versions."""
+    book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=2, rollout_finish_threshold=0.5), 2, 2)
+    lengths = _Default(2, **{"1/0": 6, "1/1": 6})
+    late = _Device(2, lengths, slots=8, index=1)
+    early = _Device(2, lengths, slots=8, queue=late.queue, index=0)
+    plan = book.plan(0, 0)
+    late.rollout(book, dataclasses.replace(plan, items=plan.items[:2]), hand_over=True)
+    assert not late.partial.held and book.groups[1].held_by == -1 and len(book.groups[1].rows) == 2
+    paused = to_trajectories(late.queue.get_rows("look", list(book.groups[1].rows), ROLLOUT.writes))
+    assert [t.finish_reason for t in paused] == ["aborted"] * 2 and {t.group_id for t in paused} == {-2}
+    book.take_batch(0)
+    plan = book.plan(1, 1)
+    assert GroupItem(1, 1, True, -1, book.groups[1].rows) in plan.items
+    early.rollout(book, dataclasses.replace(plan, items=tuple(it for it in plan.items if it.group_id == 1)))
+    (g1,) = [g for g in book.take_batch(1)[0] if g.group_id == 1]
+    for t, before in zip(early.rows([g1]), paused):
+        n = len(before.response_ids)
+        assert len(t.response_ids) == 6 and t.response_ids[:n] == before.response_ids
+        assert t.versions[:n] == before.versions and set(t.versions[n:]) == {1}
+    assert not {t.row_id for t in paused} & set(early.queue.controller.rows)  # the handed-over rows retired
 
 
 # ---- the rules, as pure functions ----
@@ -298,7 +371,7 @@ def test_admission_keeps_at_most_s_plus_one_batches_in_flight():
 
 
 def test_deadline_quota_and_threshold():
-    groups = [Group(0, None, 0), Group(1, None, 1), Group(2, None, 2)]
+    groups = [Group(0, 0, 0), Group(1, 1, 1), Group(2, 2, 2)]
     assert due_groups(groups, 1, 2) == frozenset({0, 1}) and due_groups(groups, 0, 0) == frozenset({0})
     assert [finish_quota(t, 8) for t in (0.25, 0.75, 1.0, 3, 20)] == [2, 6, 8, 3, 8]
     assert finish_quota(0.3, 10) == 3  # 0.3 * 10 is 3.0000000000000004 in floating point
@@ -319,67 +392,60 @@ def test_stop_rule(finished, due_unfinished, busy, failed, drop, stop):
     assert rollout_stops(finished, due_unfinished, busy, failed, quota=3, drop_overdue=drop) is stop
 
 
-def test_assign_groups_splits_new_groups_contiguously_and_spreads_resumed_ones():
+def _new(gid):
+    return GroupItem(gid, gid)
+
+
+def _held(gid, device):
+    return GroupItem(gid, gid, resume=True, held_by=device)
+
+
+def _ids(parts):
+    return [[it.group_id for it in p] for p in parts]
+
+
+def test_assign_groups_sends_resumed_groups_home_and_splits_new_ones_contiguously():
+    """A paused group's samples (and cache rows) are on its device, so it goes back there; one
+    handed over through the queue goes to the part with the fewest; the new groups (contiguous,
+    in order) fill up the parts with the fewest groups first."""
     assert contiguous_parts(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
-    items = [(0, "a", ["x"]), (1, "b", ["x"]), (2, "c", []), (3, "d", []), (4, "e", []), (5, "f", [])]
-    parts = assign_groups(items, 2)
-    assert [[gid for gid, _, _ in p] for p in parts] == [[0, 2, 3], [1, 4, 5]]
+    assert _ids(assign_groups([_new(g) for g in range(7)], 3)) == [[0, 1, 2], [3, 4], [5, 6]]
+    items = [_held(0, 1), _held(1, 1), _new(2), _new(3), _new(4), _new(5)]
+    assert _ids(assign_groups(items, 2)) == [[2, 3, 4], [0, 1, 5]]
     assert assign_groups([], 3) == [[], [], []]
-    rng = random.Random(0)
-    for _ in range(100):  # every group once, each part oldest first
-        n, k = rng.randint(0, 20), rng.randint(1, 4)
-        items = [(i, None, ["x"] if rng.random() < 0.4 else []) for i in range(n)]
-        parts = assign_groups(items, k)
-        assert len(parts) == k and sorted(it[0] for p in parts for it in p) == list(range(n))
-        assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
-
-
-class _Paused:
-    def __init__(self, device):
-        self.paused_on = device
-
-
-def test_sticky_assignment_sends_a_resumed_group_back_to_the_device_that_paused_it():
-    """resume_kv=keep: a paused group's cache rows are on its device, so it goes back there; the
-    new groups (contiguous, in order) fill up the parts with the fewest groups first."""
-    items = [(0, "a", [_Paused(1)]), (1, "b", [_Paused(1)]), (2, "c", []), (3, "d", []), (4, "e", []), (5, "f", [])]
-    parts = assign_groups(items, 2, sticky=True)
-    assert [[gid for gid, _, _ in p] for p in parts] == [[2, 3, 4], [0, 1, 5]]
-    assert [[g for g, _, _ in p] for p in assign_groups(items[2:], 2, sticky=True)] == [[2, 3], [4, 5]]
-    no_home = [(0, "a", [_Paused(-1)]), (1, "b", [_Paused(7)]), (2, "c", [])]  # unknown: spread as before
-    assert [[g for g, _, _ in p] for p in assign_groups(no_home, 2, sticky=True)] == [[0, 2], [1]]
+    handed = [GroupItem(0, 0, True, -1, (5, 6)), _held(1, 7), _new(2)]  # in the queue / no such device
+    assert _ids(assign_groups(handed, 2)) == [[0, 2], [1]]
     rng = random.Random(1)
     for _ in range(100):
         n, k = rng.randint(0, 20), rng.randint(1, 4)
-        items = [(i, None, [_Paused(rng.randrange(k))] if rng.random() < 0.4 else []) for i in range(n)]
-        parts = assign_groups(items, k, sticky=True)
-        assert sorted(it[0] for p in parts for it in p) == list(range(n))
-        assert all(it[2][0].paused_on == d for d, p in enumerate(parts) for it in p if it[2])
-        assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
-        new = [it[0] for p in parts for it in p if not it[2]]
+        items = [_held(i, rng.randrange(k)) if rng.random() < 0.4 else _new(i) for i in range(n)]
+        parts = assign_groups(items, k)
+        assert len(parts) == k and sorted(it.group_id for p in parts for it in p) == list(range(n))
+        assert all(it.held_by == d for d, p in enumerate(parts) for it in p if it.resume)
+        assert all([it.group_id for it in p] == sorted(it.group_id for it in p) for p in parts)
+        new = [it.group_id for p in parts for it in p if not it.resume]
         assert new == sorted(new)  # handed out in order, part after part
-    # hybrid: back to its early device; one paused on a late (train) device goes to an early one
-    items = [(0, "a", [_Paused(2)]), (1, "b", [_Paused(1)]), (2, "c", []), (3, "d", [])]
-    parts = assign_hybrid(items, [False, True, False], 0.5, sticky=True)
-    assert [[g for g, _, _ in p] for p in parts] == [[1, 2], [3], [0]]
 
 
 def test_assign_hybrid_gives_the_late_devices_a_share_of_the_newest_groups_only():
-    items = [(0, "a", ["x"]), (1, "b", ["x"]), (2, "c", []), (3, "d", []), (4, "e", []), (5, "f", [])]
-    parts = assign_hybrid(items, [False, True], 0.5)  # device 1 joins late
-    assert [[gid for gid, _, _ in p] for p in parts] == [[0, 1, 2, 3], [4, 5]]
-    assert [[g for g, _, _ in p] for p in assign_hybrid(items, [False, True], 0.0)] == [[0, 1, 2, 3, 4, 5], []]
-    assert [[g for g, _, _ in p] for p in assign_hybrid(items, [True, False], 1.0)] == [[2, 3, 4, 5], [0, 1]]
+    items = [_held(0, 0), _held(1, 0), _new(2), _new(3), _new(4), _new(5)]
+    assert _ids(assign_hybrid(items, [False, True], 0.5)) == [[0, 1, 2, 3], [4, 5]]  # device 1 joins late
+    assert _ids(assign_hybrid(items, [False, True], 0.0)) == [[0, 1, 2, 3, 4, 5], []]
+    # handed over by the late device 0 (held_by -1): to the early one
+    items = [GroupItem(0, 0, True, -1, (1,)), GroupItem(1, 1, True, -1, (2,)), _new(2), _new(3), _new(4), _new(5)]
+    assert _ids(assign_hybrid(items, [True, False], 1.0)) == [[2, 3, 4, 5], [0, 1]]
+    items = [_held(0, 2), GroupItem(1, 1, True, -1, (4,)), _new(2), _new(3)]  # back to its early device
+    assert _ids(assign_hybrid(items, [False, True, False], 0.5)) == [[1, 2], [3], [0]]
     rng = random.Random(0)
     for _ in range(100):  # every group once, resumed ones never on a late device, each part oldest first
         n, k = rng.randint(0, 20), rng.randint(2, 4)
         late = [rng.random() < 0.5 for _ in range(k)]
-        items = [(i, None, ["x"] if rng.random() < 0.4 else []) for i in range(n)]
+        items = [GroupItem(i, i, True, -1, (i,)) if rng.random() < 0.4 else _new(i) for i in range(n)]
         parts = assign_hybrid(items, late, rng.random())
-        assert len(parts) == k and sorted(it[0] for p in parts for it in p) == list(range(n))
-        assert all([it[0] for it in p] == sorted(it[0] for it in p) for p in parts)
+        assert len(parts) == k and sorted(it.group_id for p in parts for it in p) == list(range(n))
+        assert all([it.group_id for it in p] == sorted(it.group_id for it in p) for p in parts)
         if any(late) and not all(late):
-            assert not any(it[2] for p, flag in zip(parts, late) if flag for it in p)
+            assert not any(it.resume for p, flag in zip(parts, late) if flag for it in p)
 
 
 def test_join_share_follows_the_time_the_train_devices_have_left():
@@ -390,7 +456,7 @@ def test_join_share_follows_the_time_the_train_devices_have_left():
 
 
 def test_select_batch_takes_every_due_group_then_the_oldest():
-    finished = [Group(g, None, a) for g, a in ((0, 0), (3, 1), (4, 1), (5, 2), (6, 2))]
+    finished = [Group(g, g, a) for g, a in ((0, 0), (3, 1), (4, 1), (5, 2), (6, 2))]
     pick = lambda u, b: [g.group_id for g in select_batch(finished, 1, u, b)]
     assert pick(1, 2) == [0, 3]  # due at 1: group 0 (admitted at 0); then the oldest other
     assert pick(1, 4) == [0, 3, 4, 5]
@@ -400,14 +466,22 @@ def test_select_batch_takes_every_due_group_then_the_oldest():
 
 def test_plan_is_typed_and_the_book_applies_the_rules():
     book = StalenessBook(StaleSyncConfig(enabled=True, max_staleness=1, rollout_finish_threshold=0.5), 4, 2)
-    plan = book.plan(0, 0, iter(range(100)).__next__)
+    plan = book.plan(0, 0)
     assert isinstance(plan, RolloutPlan) and (plan.version, plan.update_version) == (0, 0)
     assert plan.group_ids == list(range(8)) and plan.due == frozenset() and plan.quota == 2 and not plan.drop
     assert len(book.groups) == book.capacity == 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.quota = 3
-    plan = book.plan(1, 1, iter(range(100)).__next__, reserved=2)  # nothing admitted: full
+    plan = book.plan(1, 1, reserved=2)  # nothing admitted: full
     assert len(book.groups) == 8 and plan.due == frozenset(range(8))
+    assert plan.items == tuple(GroupItem(g, g) for g in range(8))  # new groups: problem id = group id
+    book.collect([GroupReport(0, True, 6, rows=(10, 11), versions=(0, 0)), GroupReport(1, False, 3, held_by=1),
+                  GroupReport(2, False, 2, rows=(12,))], dropped=[3])
+    assert book.groups[1].item() == GroupItem(1, 1, True, 1) and book.groups[2].item() == GroupItem(2, 2, True, -1, (12,))
+    assert list(book.requeued) == [3] and book.stats["dropped_tokens"] == 0
+    batch, stats = book.take_batch(0)
+    assert batch_rows(batch) == [10, 11] and stats["staleness_max"] == 0 and stats["groups_in_update"] == 1
+    assert book.plan(1, 2).items[-2:] == (GroupItem(8, 3), GroupItem(9, 9))  # the dropped problem first
 
 
 @pytest.mark.parametrize("over, match", [
@@ -457,17 +531,20 @@ def test_partial_rollout_carries_mixed_versions_within_the_bound(tmp_path):
     trainer = RLTrainer(_cfg(tmp_path, "stalesync.enabled=true", "stalesync.max_staleness=2",
                              "stalesync.rollout_finish_threshold=0.5"), tmp_path / "r", find_base())
     seen, mixed = set(), False
-    real_put = trainer._put_batch
+    real_take = trainer.stale.take_batch
 
-    def put_batch(batch):  # the book's batch, on its way into the queue
+    def take_batch(version):  # the book's batch: its rows are in the queue, put by the device
         nonlocal mixed
+        groups, stats = real_take(version)
+        batch = to_trajectories(trainer.devices.queue.get_rows("test", batch_rows(groups), ["versions"]))
         mixed |= any(len(set(t.versions)) > 1 for t in batch)
+        assert sorted(min(t.versions) for t in batch) == sorted(v for g in groups for v in g.versions)
         gids = {t.group_id for t in batch}
-        assert not gids & seen
+        assert gids == {g.group_id for g in groups} and not gids & seen
         seen.update(gids)
-        return real_put(batch)
+        return groups, stats
 
-    trainer._put_batch = put_batch
+    trainer.stale.take_batch = take_batch
     for _ in range(6):
         m = trainer.train_step()
         assert m["staleness_max"] <= 2 and m["groups_in_update"] >= 2
@@ -501,7 +578,9 @@ def test_resume_keeps_partial_rollouts_in_flight(tmp_path):
         part.run(progress=False)
     resumed = resume(tmp_path / "part")
     assert resumed.step == 2 and resumed.stale.groups, "the checkpoint should hold groups in flight"
-    assert any(t.response_ids for g in resumed.stale.groups.values() for t in g.open + g.done)
+    held = [t for state in resumed.devices.paused() for s in state["samples"].values() for t in s]
+    assert any(t.response_ids for t in held) and {t.group_id for t in held} == {
+        g.group_id for g in resumed.stale.groups.values() if not g.finished}
     resumed.run(progress=False)
     a, b = _step_rows(tmp_path / "full"), _step_rows(tmp_path / "part")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]

@@ -18,7 +18,9 @@ from rlfusion.config import load_config  # noqa: E402
 from rlfusion.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rlfusion.model.checkpoint import find_base  # noqa: E402
 from rlfusion.runtime.train_config import TrainConfig  # noqa: E402
+from rlfusion.runtime.dataflow import ROLLOUT, to_trajectories  # noqa: E402
 from rlfusion.runtime.trainer import RLTrainer  # noqa: E402
+from rlfusion.stalesync.book import batch_rows  # noqa: E402
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "eval_problems=4",
          "data.num_heldout=4", "algo.kl_coef=0.0"]
@@ -70,16 +72,23 @@ def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial
                "rollout.lengths=replay", "rollout.replay_median=4", "reward=reward_fns:length_reward")
     trainer = RLTrainer(cfg, hf_run / "sep", hf_run / "base")
     partial, resumed = {}, []  # (group, sample) -> the aborted sample; (aborted, finished) pairs
-    record = trainer.stale.record
+    take = trainer.stale.take_batch
 
-    def watch(finished, unfinished, started):  # what each rollout brought back to the book
-        resumed.extend((partial[t.group_id, t.sample], t) for t in finished if (t.group_id, t.sample) in partial)
-        partial.update({(t.group_id, t.sample): t for t in unfinished if t.response_ids})
-        record(finished, unfinished, started)
+    def watch(version):  # the rows of each batch, read from the queue before the update retires them
+        groups, stats = take(version)
+        rows = trainer.devices.queue.get_rows("test", batch_rows(groups), ROLLOUT.writes)
+        resumed.extend((partial[t.group_id, t.sample], t) for t in to_trajectories(rows)
+                       if (t.group_id, t.sample) in partial)
+        return groups, stats
 
-    trainer.stale.record = watch
+    trainer.stale.take_batch = watch
     try:
-        ms = [trainer.train_step() for _ in range(4)]
+        ms = []
+        for _ in range(4):
+            ms.append(trainer.train_step())
+            for state in trainer.devices.paused():  # the samples the rollout device holds paused
+                partial.update({(t.group_id, t.sample): t for s in state["samples"].values() for t in s
+                                if t.finish_reason == "aborted" and t.response_ids})
     finally:
         trainer.close()
     assert all(m["staleness_max"] <= 1 for m in ms) and [m["staleness_mean"] for m in ms][:2] == [0, 1]

@@ -42,9 +42,6 @@ class Trajectory:
     kl: float = 0.0  # summed per-token KL estimate against the reference policy
     train: bool = True  # kept for the update (dynamic sampling may drop its group)
     row_id: int = -1  # its DistQueue row, once it has one
-    # a partial (aborted) sample: which rollout device (index among them) paused it and may hold
-    # its cache row for its resumption; -1: none
-    paused_on: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,7 @@ from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
 from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.stalesync import contiguous_parts as split
+from rlfusion.stalesync.rules import contiguous_parts as split
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.device_binding import local_device
 from rlfusion.runtime.workers import DeviceWorker
@@ -71,7 +71,7 @@ class Devices(ABC):
 
     def take_driver_bytes(self) -> int:
         """Bytes the controller sent and received since the last call: commands and answers,
-        plus its own queue traffic (none in a synchronous step; StaleSync puts the book's batch)."""
+        plus its own queue traffic (none: the devices read and write every row)."""
         out = self.driver_bytes + self.queue.wire_bytes + getattr(self.queue, "meta_bytes", 0)
         self.driver_bytes = 0
         self.queue.wire_bytes = 0
@@ -98,20 +98,25 @@ class Devices(ABC):
     def _rollout(self, calls: list[tuple[int, str, tuple]], share: bool) -> list[dict[str, int]]:
         return self._run(calls)
 
-    def score(self, count: int) -> None:
-        """Reward and reference for `count` rows that are (or are about to be) in the queue, on
-        the scoring devices: the first reward device scores all, the reference devices split
+    def score(self, rows: int | list[int]) -> None:
+        """Reward and reference for rows that are (or are about to be) in the queue, on the
+        scoring devices — `rows`: a count (a synchronous step's, the first that many) or the row
+        ids (StaleSync's batch): the first reward device scores all, the reference devices split
         the rows. Each waits for its rows to be ready."""
         plan = self.plan
         reference = list(plan.reference) if self.cfg.algo.kl_coef else []
-        shares = (dict(zip(reference, (len(p) for p in split(list(range(count)), len(reference)))))
-                  if reference else {})  # no KL term: no reference pass, the reward device alone
+        ids = list(range(rows)) if isinstance(rows, int) else rows
+        # no KL term: no reference pass, the reward device alone
+        parts = dict(zip(reference, split(ids, len(reference)))) if reference else {}
+        if isinstance(rows, int):
+            parts = {d: len(p) for d, p in parts.items()}
         devices = sorted({plan.reward[0], *reference})
-        self._run([(d, "score", (count if d == plan.reward[0] else 0, shares.get(d, 0))) for d in devices])
+        self._run([(d, "score", (rows if d == plan.reward[0] else 0, parts.get(d, 0))) for d in devices])
 
     def start_groups(self, parts: list[list], version: int, quota: int, due: set[int], drop_overdue: bool,
                      defer: tuple[int, ...] = ()) -> "GroupRollout":
-        """StaleSync's partial rollout of `parts[i]` on rollout device i (non-blocking), stopping
+        """StaleSync's partial rollout of `parts[i]` (`stalesync.GroupItem`s) on rollout device i
+        (non-blocking), stopping
         once `quota` groups finished over all devices and the `due` ones are done. The devices in
         `defer` (hybrid placement's train devices, busy with the update) are not started: the
         returned `GroupRollout` starts them with `launch`, and its `wait` merges the results."""
@@ -119,15 +124,15 @@ class Devices(ABC):
         coordinated = len(self.plan.rollout) > 1  # every rollout device joins the stop-rule sums
         for dev, part in zip(self.plan.rollout, parts):
             if part or coordinated:
-                mine = due & {gid for gid, _, _ in part}
+                mine = due & {it.group_id for it in part}
                 rollout.calls[dev] = (part, mine)
         rollout.launch([d for d in rollout.calls if d not in defer], version)
         return rollout
 
-    def start_update(self, count: int) -> Any:
+    def start_update(self, rows: int | list[int]) -> Any:
         """`update` without the wait or the weight sync: starts the update on the train devices and
         returns the function that waits for it, moves the version on and returns its metrics."""
-        handles = [self._start(dev, "update", *self._counted((count, self.version), "step")) for dev in self.plan.train]
+        handles = [self._start(dev, "update", *self._counted((rows, self.version), "step")) for dev in self.plan.train]
 
         def wait() -> dict[str, float]:
             metrics = self._unpack(self.plan.train[0], "update", self._counted(self._wait(handles), "step")[0])
@@ -135,13 +140,13 @@ class Devices(ABC):
             return metrics
         return wait
 
-    def update(self, count: int) -> dict[str, float]:
-        """One synchronous update on the train devices from the `count` scored rows waiting in
-        the queue (`DeviceWorker.update`: the advantage stage and the data-parallel split run on
+    def update(self, rows: int | list[int]) -> dict[str, float]:
+        """One synchronous update on the train devices from scored rows in the queue — a count
+        (the first that many) or the row ids (StaleSync's batch) — (`DeviceWorker.update`: the advantage stage and the data-parallel split run on
         the first train device); the policy version moves on whether or not a row was kept. In
         separated mode new weights then go to the rollout devices. Returns the first train
         device's answer: the batch's aggregates and the update's metrics."""
-        metrics = self.start_update(count)()
+        metrics = self.start_update(rows)()
         if metrics["trained"]:
             self.sync_rollout_weights()
         return metrics
@@ -215,14 +220,15 @@ class Devices(ABC):
     def rng_state(self) -> list[torch.Tensor]:
         return self._run([(d, "rng_state", ()) for d in self.plan.rollout], kind="state")
 
-    def saved_rows(self) -> list[dict]:
-        """Each rollout device's cache rows of paused requests (StaleSync, `resume_kv=keep`)."""
-        return self._run([(d, "saved_rows", ()) for d in self.plan.rollout], kind="state")
+    def paused(self) -> list[dict]:
+        """Each rollout device's paused StaleSync requests: the samples it holds and their cache
+        rows (`resume_kv=keep`)."""
+        return self._run([(d, "paused", ()) for d in self.plan.rollout], kind="state")
 
-    def load_saved_rows(self, rows: list[dict]) -> None:
-        if len(rows) != len(self.plan.rollout):
-            raise ValueError(f"saved cache rows for {len(rows)} rollout devices, the run has {len(self.plan.rollout)}")
-        self._run([(d, "load_saved_rows", (r,)) for d, r in zip(self.plan.rollout, rows)], kind="state")
+    def load_paused(self, states: list[dict]) -> None:
+        if len(states) != len(self.plan.rollout):
+            raise ValueError(f"paused requests of {len(states)} rollout devices, the run has {len(self.plan.rollout)}")
+        self._run([(d, "load_paused", (st,)) for d, st in zip(self.plan.rollout, states)], kind="state")
 
     def set_rng_state(self, states: list[torch.Tensor]) -> None:
         if len(states) != len(self.plan.rollout):
@@ -254,14 +260,10 @@ class GroupRollout:
             self.launched.append(dev)
 
     def wait(self) -> dict[str, Any]:
-        """The devices' results merged; each partial sample marked with the index of the rollout
-        device that paused it (`Trajectory.paused_on`: `assign_groups` sends it back there)."""
+        """The devices' answers merged: the groups' reports (`stalesync.GroupReport`), the groups
+        given up and the tokens generated."""
         outs = self.devices._counted(self.devices._wait(self.handles), "step")
-        for dev, out in zip(self.launched, outs):
-            for t in out["unfinished"]:
-                t.paused_on = self.devices.plan.rollout.index(dev)
-        return {"finished": [t for o in outs for t in o["finished"]],
-                "unfinished": [t for o in outs for t in o["unfinished"]],
+        return {"reports": [r for o in outs for r in o["reports"]],
                 "dropped": [g for o in outs for g in o["dropped"]],
                 "generated_tokens": sum(o["generated_tokens"] for o in outs)}
 

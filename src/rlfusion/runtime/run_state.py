@@ -37,12 +37,13 @@ from rlfusion.model.files import load_weights_into
 from rlfusion.obs.files import fresh_dir, refuse_links, replace_dir
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
-from rlfusion.runtime.stalesync import Group
+from rlfusion.stalesync.book import Group
 
 STATE = "trainer_state.pt"
 LOCK = ".lock"
-# What a trainer state may hold besides tensors, containers and scalars: StaleSync's groups in
-# flight and the batch waiting for the next update (plain data, no behaviour on load)
+# What a trainer state may hold besides tensors, containers and scalars: StaleSync's batch
+# waiting for the next update, the paused samples the rollout devices hold and the queue's rows
+# (plain data, no behaviour on load)
 _STATE_CLASSES = [Group, Trajectory, Problem]
 
 
@@ -85,13 +86,14 @@ def _save(trainer, tmp: Path) -> Path:
         "engine_rng": devices.rng_state(),
         "torch_rng": torch.get_rng_state(),
         "bad_steps": trainer.bad_steps,
-        # StaleSync: groups in flight (partial samples with their token versions) and the batch
-        # already taken for the next update, so a resumed run keeps the staleness bound (the
-        # queue itself is empty between steps: every step retires its rows)
+        # StaleSync: the book (groups in flight: ids, versions, where their samples are), the
+        # batch already taken for the next update, the samples the rollout devices hold paused
+        # (with their cache rows, resume_kv=keep) and the queue's rows (finished groups waiting
+        # for an update, samples handed over), so a resumed run goes on exactly
         "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
                                                          "pending": trainer.pending,
-                                                         # paused samples' cache rows (resume_kv=keep)
-                                                         "saved_rows": devices.saved_rows(),
+                                                         "paused": devices.paused(),
+                                                         "queue": devices.queue.state_dict(),
                                                          "join_share": trainer.join_share,
                                                          "shape": _stalesync_shape(trainer)},
         "critic": devices.critic_state() if trainer.cfg.algo.advantage == "gae" else None,
@@ -156,9 +158,8 @@ def _restore(trainer, state: dict, path: Path) -> None:
         trainer.stale.load_state_dict(state["stalesync"]["book"])
         trainer.pending = state["stalesync"]["pending"]
         trainer.join_share = state["stalesync"].get("join_share", trainer.join_share)
-        rows = state["stalesync"].get("saved_rows")
-        if rows and trainer.cfg.stalesync.resume_kv == "keep":  # else the paused samples recompute theirs
-            trainer.devices.load_saved_rows(rows)
+        trainer.devices.queue.load_state_dict(state["stalesync"]["queue"])
+        trainer.devices.load_paused(state["stalesync"]["paused"])
     elif trainer.stale is not None and trainer.step:
         raise ValueError(f"{path} was written without StaleSync; resume it with stalesync.enabled=false")
     elif trainer.stale is None and state.get("stalesync"):

@@ -36,7 +36,7 @@ from rlfusion.rl.trajectory import (Trajectory, device_of, pack, response_values
 from rlfusion.runtime import dataflow
 from rlfusion.parallel.data_parallel import group_sum, shard_rows, sum_over_replicas
 from rlfusion.parallel.seq_balance import SeqCost
-from rlfusion.runtime.stalesync import rollout_stops
+from rlfusion.stalesync.rules import rollout_stops
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, RolloutConfig
 
 
@@ -468,16 +468,24 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 
 
-def advantage_stage(queue: Any, cfg: Any, count: int, num_ranks: int, cost: SeqCost | None = None
+def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int, cost: SeqCost | None = None
                     ) -> tuple[list[dataflow.RowNumbers], list[list[int]], dict[str, float]]:
-    """The advantage stage of one update, on the first train device: the `count` scored rows'
-    numbers from the queue (reward, score, lengths, KL; never their tokens), KL reward shaping
-    if any, advantages, which rows the update keeps, written back by row id (`advantage`,
-    `shaped_reward`, `train`), and the kept rows split over `num_ranks` data-parallel ranks by
-    tokens, or with `cost` by its a·tokens + b·tokens² (`optim.dp_balance=cost`). Returns the rows (in (group, sample) order), each rank's row ids, and the batch's
-    aggregates (what the controller records)."""
+    """The advantage stage of one update, on the first train device: the scored rows' numbers
+    from the queue — `rows`: a count (the first that many complete groups, a synchronous step's)
+    or the row ids (StaleSync's batch) — (reward, score, lengths, KL; never their tokens), KL
+    reward shaping if any, advantages, which rows the update keeps, written back by row id
+    (`advantage`, `shaped_reward`, `train`), and the kept rows split over `num_ranks`
+    data-parallel ranks by tokens, or with `cost` by its a·tokens + b·tokens²
+    (`optim.dp_balance=cost`). Returns the rows (in (group, sample) order), each rank's row ids,
+    and the batch's aggregates (what the controller records)."""
     timeout = cfg.deploy.queue_timeout_s
-    batch = queue.get("advantage", dataflow.advantage_reads(cfg), count, policy="group", block=True, timeout=timeout)
+    reads = dataflow.advantage_reads(cfg)
+    count = rows if isinstance(rows, int) else len(rows)
+    try:
+        batch = (queue.get("advantage", reads, rows, policy="group", block=True, timeout=timeout)
+                 if isinstance(rows, int) else queue.get_rows("advantage", rows, reads, timeout))
+    except TimeoutError:
+        batch = ()
     if len(batch) != count:
         raise RunError(f"the advantage stage waited {timeout:g} s for {count} scored rows and the queue had "
                        f"{len(batch)} (deploy.queue_timeout_s)")

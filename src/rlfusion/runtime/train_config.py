@@ -14,7 +14,7 @@ from rlfusion.config import check_fields
 from rlfusion.rl.datasets import DataConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 from rlfusion.runtime.deployment import DeployConfig
-from rlfusion.runtime.stalesync import StaleSyncConfig
+from rlfusion.stalesync.rules import StaleSyncConfig
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")

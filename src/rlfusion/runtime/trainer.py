@@ -9,8 +9,9 @@ samples, which move between them through the DistQueue.
              metrics / periodic evaluation (on the devices) / checkpoint
 
 With StaleSync (`stalesync.enabled`) the rollout is partial and runs under the staleness bound
-(`stalesync.py` holds the rules); the batch the book hands out goes into the queue and takes
-the same stages.
+(`rlfusion.stalesync` holds the rules and the book); the rollout devices put each finished
+group into the queue themselves and keep the paused samples, the book holds ids and versions,
+and the update reads the rows of the groups the book hands out by id.
 """
 
 from __future__ import annotations
@@ -34,16 +35,15 @@ from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.obs.timeline import Timeline
 from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
-from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import base_fit, run_state
-from rlfusion.runtime.dataflow import REFERENCE, REWARD, ROLLOUT, group_problem, trajectory_columns
 from rlfusion.runtime.devices import Devices, GroupRollout, LocalDevices
 from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.sim.costs import forward_flops
-from rlfusion.runtime.stalesync import JOIN_SHARE, StalenessBook, assign_groups, assign_hybrid, join_share
+from rlfusion.stalesync.book import StalenessBook, batch_rows
+from rlfusion.stalesync.rules import JOIN_SHARE, assign_groups, assign_hybrid, join_share
 from rlfusion.runtime.stop import RunInterrupted, StopRequest
 from rlfusion.runtime.ray_devices import RayDevices
 
@@ -125,17 +125,18 @@ class RLTrainer:
         self.step += 1
         return metrics
 
-    def _learn(self, n: int, join: GroupRollout | None = None) -> tuple[dict[str, float], float]:
-        """The update from the `n` scored rows in the queue: advantages, the data-parallel split,
+    def _learn(self, rows: int | list[int], join: GroupRollout | None = None) -> tuple[dict[str, float], float]:
+        """The update from scored rows in the queue (a count, or StaleSync's row ids): advantages,
+        the data-parallel split,
         the step and the rows' retirement all run on the train devices (`Devices.update`); the
         controller gets the batch's aggregates back. Returns the metrics and when the update
         began (perf_counter). `join`: a running rollout the train devices join once the update
         is done (hybrid placement; the weight sync then waits for that rollout's end)."""
         t1 = time.perf_counter()
         if join is None:
-            metrics = self.devices.update(n)
+            metrics = self.devices.update(rows)
         else:
-            finish = self.devices.start_update(n)
+            finish = self.devices.start_update(rows)
             join.launch([d for d in self.devices.plan.train if d in join.calls], self.version + 1)
             metrics = finish()
         t_update = time.perf_counter() - t1
@@ -152,12 +153,13 @@ class RLTrainer:
             "time_step_s": time.perf_counter() - t0,
             "generated_tokens": generated,
         }
-    # ---- StaleSync (runtime/stalesync.py) ----
+    # ---- StaleSync (rlfusion.stalesync) ----
 
     def _stalesync_step(self) -> dict[str, float]:
         """One update under the staleness bound: partial rollout until the threshold (co-located),
         or the next update's rollout alongside this update (separated, s >= 1). The batch the
-        book hands out goes into the queue, then the same stages as a synchronous step."""
+        book hands out is rows the rollout devices put in the queue; the same stages as a
+        synchronous step read them by id."""
         wall0, t0 = time.time(), time.perf_counter()
         book, k = self.stale, self.version
         rolled: dict[str, float] = {"generated_tokens": 0, "dropped_groups": 0}
@@ -176,11 +178,13 @@ class RLTrainer:
             self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
             batch, stats = book.take_batch(k)
             t_rollout = time.perf_counter() - t0
-        self._put_batch(batch)
+        rows = batch_rows(batch)
+        if not self.devices.score_here:  # scored now by the scoring devices
+            self.devices.score(rows)
         if self.hybrid:  # the train devices join the rollout after their update, with its weights
-            metrics, t1 = self._learn(len(batch), join=wait[1])
+            metrics, t1 = self._learn(rows, join=wait[1])
         else:
-            metrics, t1 = self._learn(len(batch))
+            metrics, t1 = self._learn(rows)
         if self.overlap:
             self._finish_rollout(wait, rolled)
             t_rollout = t_fill + (rolled["rollout_end"] - launched)  # the rollout's own wall time
@@ -194,7 +198,7 @@ class RLTrainer:
                 late = sum(d in plan.train for d in plan.rollout)
                 self.join_share = join_share(rolled["rollout_end"] - launched,
                                              t1 + metrics["time_update_s"] - launched, len(plan.rollout) - late, late)
-        in_flight = len(book.groups) + (len({t.group_id for t in self.pending[0]}) if self.overlap else 0)
+        in_flight = len(book.groups) + (len(self.pending[0]) if self.overlap else 0)
         metrics.update(stats)
         metrics.update({"dropped_groups": rolled["dropped_groups"], "groups_in_flight": float(in_flight),
                         "dropped_tokens_total": float(book.stats["dropped_tokens"])})
@@ -203,37 +207,24 @@ class RLTrainer:
         self.step += 1
         return metrics
 
-    def _put_batch(self, batch: list[Trajectory]) -> None:
-        """The book's batch as queue rows: scored already where reward and reference live on the
-        rollout devices, else scored now by the scoring devices."""
-        names = ROLLOUT.writes
-        if self.devices.score_here:
-            names += REWARD.writes + (REFERENCE.writes if self.cfg.algo.kl_coef else ())
-        self.devices.queue.put(trajectory_columns(batch, names), group_ids=[t.group_id for t in batch],
-                               versions=[min(t.versions, default=0) for t in batch])
-        if not self.devices.score_here:
-            self.devices.score(len(batch))
-
     def _start_rollout(self, version: int, update_version: int, reserved: float = 0, hybrid: bool = False):
         """Launch the partial rollout the book plans (weights `version`, for the update of
         `update_version`). `hybrid`: the train devices are left to join after the update, with
         a share of the new groups (`assign_hybrid`). Returns (plan, `GroupRollout`)."""
         book, dplan = self.stale, self.devices.plan
-        sticky = self.cfg.stalesync.resume_kv == "keep"  # a paused sample's cache row is on its device
-        plan = book.plan(version, update_version, lambda: group_problem(self.task, self.cfg.seed, book.next_group_id),
-                         int(reserved))
+        plan = book.plan(version, update_version, int(reserved))
         if hybrid:
             late = tuple(d for d in dplan.rollout if d in dplan.train)
-            parts = assign_hybrid(plan.items, [d in late for d in dplan.rollout], self.join_share, sticky)
+            parts = assign_hybrid(plan.items, [d in late for d in dplan.rollout], self.join_share)
             return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop, defer=late)
-        parts = assign_groups(plan.items, len(dplan.rollout), sticky)
+        parts = assign_groups(plan.items, len(dplan.rollout))
         return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop)
 
     def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
         plan, rollout = started
         out = rollout.wait()
         rolled["rollout_end"] = time.perf_counter()
-        self.stale.collect(plan, out)
+        self.stale.collect(out["reports"], out["dropped"])
         rolled["generated_tokens"] += out["generated_tokens"]
         rolled["dropped_groups"] += len(out["dropped"])
 

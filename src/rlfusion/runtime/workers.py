@@ -55,6 +55,7 @@ from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.device_binding import bind_device, listening_store, on_host
 from rlfusion.runtime.finished_pool import FinishedPool
 from rlfusion.runtime.heap import freeze_long_lived
+from rlfusion.runtime.partial_rollout import PartialRollout
 from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
                                      gae_advantages)
@@ -127,6 +128,7 @@ class DeviceWorker:
         self.sync_group = self.rollout_group = None
         # finished samples a peer may score (`generate(share=True)`, `take_finished`)
         self.pool = FinishedPool()
+        self.partial: PartialRollout | None = None  # StaleSync: the held samples of unfinished groups
         self._stop_sync = no_stop_sync()
         self._store = None  # device 0: the rendezvous store of the device world
         self._queue_bytes = 0  # bytes this device's queue client had moved at the last report
@@ -164,6 +166,9 @@ class DeviceWorker:
             self.rollout_group = dist.new_group(list(self.plan.rollout), backend="gloo")  # CPU counts
             if self.plan.train_layout and self.device not in self.plan.train:
                 self._layout_groups()  # the layout's groups are created by every device
+        if self.rollout is not None:
+            self.partial = PartialRollout(self.plan.rollout.index(self.device), self.queue, self._problem,
+                                          self.cfg.deploy.queue_timeout_s)
         if self.device in self.plan.train:
             self.train_group = self.dp_group = train_group if len(self.plan.train) > 1 else None
             if self.layout is not None:
@@ -247,7 +252,7 @@ class DeviceWorker:
         if share and not score_here:
             raise ValueError("generate(share=True) needs score_here=True: the samples a peer takes are "
                              "scored there, the rest here")
-        problems = [dataflow.group_problem(self.task, self.cfg.seed, g) for g in group_ids]
+        problems = [self._problem(g) for g in group_ids]
         if not share:
             with self.switch.rollout():
                 trajs = self.rollout.generate(problems, group_ids, version)
@@ -271,13 +276,15 @@ class DeviceWorker:
             self.pool.close()
         return {"rows": mine, "generated_tokens": generated}
 
-    def _put(self, trajs: list[Trajectory], scored: bool) -> None:
+    def _put(self, trajs: list[Trajectory], scored: bool) -> list[int]:
+        """The samples as new queue rows (with their reward and reference columns when `scored`);
+        their row ids."""
         if not trajs:
-            return
+            return []
         names = dataflow.ROLLOUT.writes + (self._score_columns() if scored else ())
         with self._span("queue"):
-            self.queue.put(dataflow.trajectory_columns(trajs, names), group_ids=[t.group_id for t in trajs],
-                           versions=[min(t.versions, default=0) for t in trajs])
+            return self.queue.put(dataflow.trajectory_columns(trajs, names), group_ids=[t.group_id for t in trajs],
+                                  versions=[min(t.versions, default=0) for t in trajs])
 
     def _score_columns(self) -> tuple[str, ...]:
         return dataflow.REWARD.writes + (dataflow.REFERENCE.writes if self.reference is not None else ())
@@ -317,32 +324,47 @@ class DeviceWorker:
                 self._reference(trajs)
         return trajs
 
-    def rollout_groups(self, groups: list, version: int, quota: int, must_finish: set[int],
+    def rollout_groups(self, items: list, version: int, quota: int, must_finish: set[int],
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:
-        """StaleSync's partial rollout (`RolloutStage.run_groups`) inside the same switch as
-        `rollout`; finished samples are scored here when reward and reference live here. The
-        samples go back to the controller's book (partial ones resume in a later rollout)."""
+        """StaleSync's partial rollout of the groups `items` (`stalesync.GroupItem`) inside the
+        same switch as `generate` (`partial_rollout.PartialRollout`): the samples of unfinished
+        groups stay here (hybrid placement's train devices hand them over through the queue, as
+        they join the next rollout late), finished groups go into the queue, scored here when
+        reward and reference live here. Answers the groups' reports (ids and versions)."""
         sync = (StopSums(self.rollout_group, self._stop_sync, polled=self.plan.mode == "hybrid")
                 if len(self.plan.rollout) > 1 else None)
-        with self.switch.rollout():
-            out = self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync,
-                                          keep_cache=self.cfg.stalesync.resume_kv == "keep")
-        if score_here:
-            self.score_and_reference(out["finished"])
-        return out
+        keep = self.cfg.stalesync.resume_kv == "keep"
+
+        def run(groups: list) -> dict[str, Any]:
+            with self.switch.rollout():
+                return self.rollout.run_groups(groups, version, quota, must_finish, drop_overdue, sync, keep_cache=keep)
+
+        def put(trajs: list[Trajectory]) -> list[int]:
+            return self._put(self.score_and_reference(trajs) if score_here else trajs, scored=score_here)
+
+        return self.partial.run(items, run, put, hand_over=self.plan.mode == "hybrid" and self.device in self.plan.train)
+
+    def _problem(self, problem_id: int) -> Any:
+        return dataflow.group_problem(self.task, self.cfg.seed, problem_id)
 
     # ---- scoring (reward and reference on devices other than the rollout's) ----
 
-    def score(self, reward_rows: int, reference_rows: int) -> None:
+    def score(self, reward_rows: int | list[int], reference_rows: int | list[int]) -> None:
         """Read rows as they become ready — `reward_rows` for the reward, `reference_rows` for
-        the reference — and write those columns back. Each role reads as its own consumer, so
-        a row is scored by exactly one device per role."""
-        for stage, count in ((dataflow.REWARD, reward_rows), (dataflow.REFERENCE, reference_rows)):
-            if not count:
+        the reference: a count (the first that many, a synchronous step's) or the row ids
+        (StaleSync's batch) — and write those columns back. Each role reads as its own
+        consumer, so a row is scored by exactly one device per role."""
+        for stage, rows in ((dataflow.REWARD, reward_rows), (dataflow.REFERENCE, reference_rows)):
+            if not rows:
                 continue
             timeout = self.cfg.deploy.queue_timeout_s
+            count = rows if isinstance(rows, int) else len(rows)
             with self._span("queue"):
-                batch = self.queue.get(stage.name, stage.reads, count, block=True, timeout=timeout)
+                try:
+                    batch = (self.queue.get(stage.name, stage.reads, rows, block=True, timeout=timeout)
+                             if isinstance(rows, int) else self.queue.get_rows(stage.name, rows, stage.reads, timeout))
+                except TimeoutError:
+                    batch = ()
             if len(batch) != count:
                 raise RunError(f"stage {stage.name!r} on device {self.device} waited {timeout:g} s for "
                                f"{count} rows and got {len(batch)} (deploy.queue_timeout_s)")
@@ -365,8 +387,9 @@ class DeviceWorker:
 
     # ---- training ----
 
-    def update(self, count: int, version: int) -> Any:
-        """One synchronous update from the `count` scored rows waiting in the queue, from policy
+    def update(self, rows: int | list[int], version: int) -> Any:
+        """One synchronous update from scored rows in the queue — a count (the first that many)
+        or the row ids (StaleSync's batch) — from policy
         `version` (the controller's count of updates, which the actor follows: its learning-rate
         schedule reads it). The first train device runs the advantage stage (`stages.
         advantage_stage`) and splits the kept rows over the data-parallel ranks (by tokens, or
@@ -384,8 +407,8 @@ class DeviceWorker:
             if lead:
                 with self._span("advantage"):
                     start = time.perf_counter()
-                    rows, shards, summary = advantage_stage(self.queue, self.cfg, count, self.plan.train_dp,
-                                                            self._split_cost)
+                    numbers, shards, summary = advantage_stage(self.queue, self.cfg, rows, self.plan.train_dp,
+                                                               self._split_cost)
                     summary["time_advantage_s"] = time.perf_counter() - start
         finally:  # the split goes to the other train devices; None tells them the stage failed
             if self.train_group is not None:
@@ -401,7 +424,7 @@ class DeviceWorker:
         if not lead:
             return None  # the first train device answers for all
         with self._span("queue"):
-            self.queue.retire([r.row_id for r in rows])
+            self.queue.retire([r.row_id for r in numbers])
         return self._packers["update"].pack({**summary, **metrics, "trained": float(trained)})
 
     def _train_on(self, row_ids: list[int]) -> dict[str, float]:
@@ -545,11 +568,16 @@ class DeviceWorker:
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.rollout.set_rng_state(state)
 
-    def saved_rows(self) -> dict:
-        return self.rollout.saved_rows()
+    def paused(self) -> dict[str, Any]:
+        """StaleSync's paused requests on this rollout device: the samples it holds and, with
+        `resume_kv=keep`, their cache rows."""
+        return {"samples": self.partial.state(),
+                "cache_rows": self.rollout.saved_rows()}
 
-    def load_saved_rows(self, rows: dict) -> None:
-        self.rollout.load_saved_rows(rows)
+    def load_paused(self, state: dict[str, Any]) -> None:
+        self.partial.load_state(state["samples"])
+        if self.cfg.stalesync.resume_kv == "keep":  # else the paused samples recompute theirs
+            self.rollout.load_saved_rows(state["cache_rows"])
 
     # ---- what the controller records per step ----
 

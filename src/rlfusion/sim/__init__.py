@@ -9,7 +9,8 @@ from rlfusion.sim.calibration import Calibration, cpu_default, load_calibration
 from rlfusion.sim.hardware import ClusterSpec, get_cluster, parse_cluster
 from rlfusion.sim.plan import ParallelPlan, TrainJob
 from rlfusion.sim.rl_config import RLSimConfig, load_rl_config
-from rlfusion.sim.rl_sim import SimResult, TimelineEvent, simulate
+from rlfusion.sim.rl_sim import simulate
+from rlfusion.sim.rl_state import SimResult, TimelineEvent
 from rlfusion.sim.search import SearchResult, search_plans
 from rlfusion.sim.step import StepEstimate, estimate_step
 

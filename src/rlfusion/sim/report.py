@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlfusion.sim.calibration import Calibration, cpu_default, load_calibration
 from rlfusion.sim.rl_config import RLSimConfig, load_rl_config
-from rlfusion.sim.rl_sim import SimResult, TimelineEvent, device_utilization, simulate
+from rlfusion.sim.rl_sim import device_utilization, simulate
+from rlfusion.sim.rl_state import SimResult, TimelineEvent
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The runtime's StaleSync, simulated as implemented (`RLSimConfig.stalesync_model = "runtime"`).
 
-The schedule is the runtime's own code: `rlfusion.runtime.stalesync.StalenessBook` (admission,
+The schedule is the runtime's own code: `rlfusion.stalesync.book.StalenessBook` (admission,
 deadlines, quota, the choice of each update's groups, the staleness check), its stop rule
 `rollout_stops` and device split `assign_groups`, and each rollout engine is the engine's
 scheduler (`rlfusion.engine.scheduler.Scheduler`, continuous batching); what this module adds
@@ -50,14 +50,14 @@ the config, drawn when the group first runs.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from rlfusion.engine.scheduler import Scheduler, SchedulerConfig
 from rlfusion.engine.types import Request, SamplingParams
-from rlfusion.runtime.stalesync import (JOIN_SHARE, RolloutPlan, StaleSyncConfig, StalenessBook, assign_groups,
-                                        assign_hybrid, join_share, rollout_stops, staleness)
-from rlfusion.sim.rl_sim import TimelineEvent, _Sim, squared_lengths
+from rlfusion.stalesync.book import GroupReport, StalenessBook
+from rlfusion.stalesync.rules import (JOIN_SHARE, RolloutPlan, StaleSyncConfig, assign_groups, assign_hybrid,
+                                      join_share, rollout_stops, staleness)
+from rlfusion.sim.rl_state import SimState, TimelineEvent, squared_lengths
 
 # a step's busiest rollout engine, named as RLTrainer's metrics name them (SimResult.rollout_stats)
 ROLLOUT_STATS = ("engine_decode_passes", "engine_decode_rows_mean", "time_decode_s", "time_prefill_s",
@@ -65,7 +65,7 @@ ROLLOUT_STATS = ("engine_decode_passes", "engine_decode_rows_mean", "time_decode
 
 
 @dataclass
-class _SimSample:
+class SimStateSample:
     """One sample: its engine request (the tokens generated so far, each with the policy version
     that produced it) and the response length it ends at. Carries what `StalenessBook` reads of
     a sample (`group_id`, `versions`, `response_ids`) and what the simulator's costs read
@@ -75,7 +75,8 @@ class _SimSample:
     prompt_len: int
     length: int
     request: Request
-    paused_on: int = -1  # the engine (index) that aborted it, as `Trajectory.paused_on`
+    paused_on: int = -1  # the engine (index) that aborted it
+    done: bool = False  # finished
     kept: bool = False  # it was running then: that engine saved its cache row (resume_kv=keep)
 
     @property
@@ -94,12 +95,12 @@ class _Device:
     name: str
     clock: float
     scheduler: Scheduler
-    samples: dict[str, _SimSample] = field(default_factory=dict)  # request id -> sample, request order
+    samples: dict[str, SimStateSample] = field(default_factory=dict)  # request id -> sample, request order
     steps: int = 0
     open_count: dict[int, int] = field(default_factory=dict)
     finished_groups: set[int] = field(default_factory=set)
     due: frozenset[int] = frozenset()
-    finished: dict[str, _SimSample] = field(default_factory=dict)
+    finished: dict[str, SimStateSample] = field(default_factory=dict)
     decode_s: float = 0.0  # this rollout's engine passes, as the runtime's engine stats count them
     prefill_s: float = 0.0
     decode_passes: int = 0
@@ -118,9 +119,9 @@ class _Device:
 
 
 class RuntimeStaleSync:
-    """The runtime's `StalenessBook` and the trainer's step, on top of `_Sim`'s costs and timeline."""
+    """The runtime's `StalenessBook` and the trainer's step, on top of `SimState`'s costs and timeline."""
 
-    def __init__(self, sim: _Sim) -> None:
+    def __init__(self, sim: SimState) -> None:
         self.sim, cfg = sim, sim.cfg
         self.s = cfg.max_staleness
         self.B = cfg.prompts_per_step * cfg.num_supernodes
@@ -133,7 +134,7 @@ class RuntimeStaleSync:
         self.scheduler_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                              max(prompts) + cfg.max_new_tokens + 1, cfg.min_prefill_batch)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
-        self._problems = itertools.count()
+        self.held: dict[int, list[SimStateSample]] = {}  # group id -> its samples, held by its engine
         self._prompt_ids: dict[int, list[int]] = {}  # one token list per prompt length, shared
         self.overlap = cfg.mode in ("separated", "hybrid") and self.s >= 1
         self.hybrid = cfg.mode == "hybrid"
@@ -152,19 +153,19 @@ class RuntimeStaleSync:
         self._last_rollout: dict[str, int] = {}
 
     # ---- the book ----
-    def _problem(self) -> tuple[int, ...]:
-        """The next problem: its samples' prompt lengths."""
-        cfg, p = self.sim.cfg, next(self._problems)
+    def _problem(self, p: int) -> tuple[int, ...]:
+        """Problem `p` (`Group.problem_id`): its samples' prompt lengths."""
+        cfg = self.sim.cfg
         if not cfg.prompt_lengths:
             return (cfg.prompt_len,) * self.G
         return tuple(cfg.prompt_lengths[(p * self.G + i) % len(cfg.prompt_lengths)] for i in range(self.G))
 
     def plan(self, version: int, update_version: int, reserved: int = 0) -> RolloutPlan:
-        plan = self.book.plan(version, update_version, self._problem, reserved)
+        plan = self.book.plan(version, update_version, reserved)
         self.in_flight_max = max(self.in_flight_max, len(self.book.groups) + reserved)
         return plan
 
-    def _new_samples(self, group_id: int, problem: tuple[int, ...]) -> list[_SimSample]:
+    def _new_samples(self, group_id: int, problem: tuple[int, ...]) -> list[SimStateSample]:
         """A new group's G samples, as `run_groups` starts them."""
         sim, cfg = self.sim, self.sim.cfg
         out = []
@@ -176,11 +177,12 @@ class RuntimeStaleSync:
             if prompt_len not in self._prompt_ids:
                 self._prompt_ids[prompt_len] = [0] * prompt_len
             prompt = self._prompt_ids[prompt_len]
-            out.append(_SimSample(group_id, prompt_len, length, Request(f"{group_id}/{i}", prompt, self.params)))
+            out.append(SimStateSample(group_id, prompt_len, length, Request(f"{group_id}/{i}", prompt, self.params)))
         return out
 
-    def take_batch(self, update_version: int) -> list[_SimSample]:
-        batch, _ = self.book.take_batch(update_version)
+    def take_batch(self, update_version: int) -> list[SimStateSample]:
+        groups, _ = self.book.take_batch(update_version)
+        batch = [smp for g in groups for smp in self.held.pop(g.group_id)]
         for smp in batch:
             st = staleness(update_version, smp.versions)
             self.staleness_seen.append(st)
@@ -195,26 +197,29 @@ class RuntimeStaleSync:
         overlapped (`late_start`): the train devices' engines join at `late_start`, with the
         next weights and their share of the new groups."""
         sim, version = self.sim, plan.version
-        sticky = sim.cfg.resume_kv == "keep"
         if late_start is None:
-            parts = assign_groups(plan.items, len(sim.engines), sticky)
+            parts = assign_groups(plan.items, len(sim.engines))
         else:
-            parts = assign_hybrid(plan.items, [e.name in self.late for e in sim.engines], self.share, sticky)
+            parts = assign_hybrid(plan.items, [e.name in self.late for e in sim.engines], self.share)
         devs = []
         resumed = 0
         for index, (eng, part) in enumerate(zip(sim.engines, parts)):
             late = late_start is not None and eng.name in self.late
             dev = _Device(eng.name, max(late_start if late else start, eng.clock), Scheduler(self.scheduler_cfg),
                           version=version + 1 if late else version)
-            for gid, problem, open_ in part:
-                samples = open_ or self._new_samples(gid, problem)
-                resumed += sum(len(smp.response_ids) for smp in open_)
+            for it in part:
+                gid = it.group_id
+                if it.resume:
+                    samples = [smp for smp in self.held[gid] if not smp.done]
+                else:
+                    samples = self.held[gid] = self._new_samples(gid, self._problem(it.problem_id))
+                resumed += sum(len(smp.response_ids) for smp in samples) if it.resume else 0
                 for smp in samples:
                     kept = smp.kept and smp.paused_on == index  # its saved row is on this engine
                     dev.scheduler.add(smp.request, cached=smp.prompt_len + len(smp.response_ids) - 1 if kept else 0)
                     dev.samples[smp.request.request_id] = smp
                 dev.open_count[gid] = len(samples)
-            dev.due = plan.due & {gid for gid, _, _ in part}
+            dev.due = plan.due & {it.group_id for it in part}
             devs.append(dev)
         if len(devs) == 1:
             dev = devs[0]
@@ -240,7 +245,7 @@ class RuntimeStaleSync:
         self._step_stats.extend(devs)
         # separated with scorers "train", and hybrid: the train devices score, in `learn`
         scorers_on_train = sim.cfg.mode == "hybrid" or (sim.cfg.mode == "separated" and sim.cfg.scorers == "train")
-        out = {"finished": [], "unfinished": [], "dropped": [], "generated_tokens": -resumed}
+        dropped, generated, reports = [], -resumed, []
         for index, dev in enumerate(devs):
             running = {s.request_id for s in dev.scheduler.running}
             dev.scheduler.abort(set(dev.samples) - set(dev.finished))
@@ -248,21 +253,34 @@ class RuntimeStaleSync:
                 if rid not in dev.finished:
                     smp.paused_on = index
                     smp.kept = sim.cfg.resume_kv == "keep" and rid in running
-            for rid, smp in dev.samples.items():  # request order, as run_groups returns them
-                out["finished" if rid in dev.finished else "unfinished"].append(smp)
-                out["generated_tokens"] += len(smp.response_ids)
-            if plan.drop:
-                out["dropped"] += sorted(dev.due - dev.finished_groups)
+                generated += len(smp.response_ids)
+            gone = sorted(dev.due - dev.finished_groups) if plan.drop else []
+            dropped += gone
+            # what the device reports (`partial_rollout.PartialRollout`): a finished group's
+            # samples go into the queue, scored there; a hybrid train device hands its paused
+            # samples over (an early one resumes them), the others keep theirs
+            hands_over = late_start is not None and dev.name in self.late
+            for gid in dict.fromkeys(smp.group_id for smp in dev.samples.values()):
+                samples = self.held[gid]
+                tokens = sum(len(smp.response_ids) for smp in samples)
+                if gid in dev.finished_groups:
+                    reports.append(GroupReport(gid, True, tokens, versions=tuple(min(smp.versions) for smp in samples
+                                                                                 if smp.versions)))
+                else:
+                    reports.append(GroupReport(gid, False, tokens, held_by=-1 if hands_over else index))
             dev.clock = end
-            tokens = sum(smp.prompt_len + smp.length for smp in dev.finished.values())
+            finished = [smp for gid in dev.finished_groups for smp in self.held[gid]]
+            tokens = sum(smp.prompt_len + smp.length for smp in finished)
             eng = next(e for e in sim.engines if e.name == dev.name)
             eng.clock = end
-            if tokens and not scorers_on_train:  # the device scores what finished (reward is free; reference forward)
-                for role, seconds in sim.reference_phases(tokens, squared_lengths(dev.finished.values())):
+            if tokens and not scorers_on_train:  # the device scores its finished groups (reward is free; reference forward)
+                for role, seconds in sim.reference_phases(tokens, squared_lengths(finished)):
                     sim.record(eng.name, role, eng.clock, eng.clock + seconds, version)
                     eng.clock += seconds
-        self.book.collect(plan, out)
-        return max(e.clock for e in sim.engines), out["generated_tokens"]
+        for gid in dropped:
+            del self.held[gid]
+        self.book.collect(reports, dropped)
+        return max(e.clock for e in sim.engines), generated
 
     def _polled(self, devs: list[_Device], plan: RolloutPlan) -> float:
         """Hybrid's stop-rule sums (`stop_sums.StopSums`, polled): no device waits for another while it
@@ -316,6 +334,7 @@ class RuntimeStaleSync:
             if len(req.output_ids) >= smp.length:
                 dev.scheduler.finish(seq)
                 dev.finished[req.request_id] = smp
+                smp.done = True
                 dev.open_count[smp.group_id] -= 1
                 if dev.open_count[smp.group_id] == 0:
                     dev.finished_groups.add(smp.group_id)
@@ -334,7 +353,7 @@ class RuntimeStaleSync:
             timeline.append(TimelineEvent(lane, "rollout", start, end, version))
 
     # ---- the trainer's step ----
-    def learn(self, batch: list[_SimSample], start: float, version: int) -> float:
+    def learn(self, batch: list[SimStateSample], start: float, version: int) -> float:
         """Update `version` -> `version + 1` on the train devices from `start`; returns its end."""
         sim, t = self.sim, start
         colocated = sim.cfg.mode not in ("separated", "hybrid")
@@ -429,6 +448,6 @@ class RuntimeStaleSync:
             eng.clock = start + self.sim.cal.switch_s
 
 
-def run_runtime_stalesync(sim: _Sim) -> tuple[float, RuntimeStaleSync]:
+def run_runtime_stalesync(sim: SimState) -> tuple[float, RuntimeStaleSync]:
     model = RuntimeStaleSync(sim)
     return model.run(), model
