@@ -1,10 +1,26 @@
+"""Shared by the three tiers (tests/unit, tests/distributed, tests/e2e): the helpers' folder on
+sys.path, each tier's marker (`pytest -m unit`), and the session's shared objects: a tiny base
+checkpoint and one local Ray cluster."""
+
 import sys
 from pathlib import Path
 
 import pytest
 
-# Lets configs name test helpers as `module:function` (e.g. reward="reward_fns:length_reward").
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+TIERS = ("unit", "distributed", "e2e")
+
+# Lets every tier import the helpers here (hf_helpers, parallel_helpers, ...) and configs name
+# them as `module:function` (e.g. reward="reward_fns:length_reward").
+sys.path.insert(0, str(TESTS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its tier's marker from the folder it lives in."""
+    for item in items:
+        tier = Path(item.path).relative_to(TESTS).parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +37,28 @@ def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
     save_checkpoint(path, MoETransformer(get_preset("tiny")), CharTokenizer.arithmetic())
     return path
+
+
+RAY_CPUS = 4  # the most CPUs a test's devices take (4 devices of 1 thread); logical, not cores
+
+
+@pytest.fixture(scope="session")
+def _ray_shutdown():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_session(_ray_shutdown):
+    """One local Ray cluster for the tests that run Ray devices, started by the first that asks
+    and stopped at the end of the session: a `RayDevices` finds Ray running and leaves it up
+    (it stops only a Ray it started). A test that stops Ray, or starts its own, only makes the
+    next test that asks start it again."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield

@@ -19,13 +19,6 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
 
-@pytest.fixture
-def ray_session():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def _cfg(tmp_path, backend: str, **over) -> TrainConfig:
     items = [f"out_dir=\"{tmp_path}\"", f"base=\"{find_base()}\"", f"deploy.backend={backend}",
              f"deploy.num_devices={2 if backend == 'ray' else 1}", "rollout.prompts_per_step=4",

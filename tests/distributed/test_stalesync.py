@@ -608,7 +608,7 @@ def test_resume_with_a_different_bound_is_refused(tmp_path):
         resume(tmp_path / "r", {"stalesync": {"enabled": True, "max_staleness": 1, "rollout_finish_threshold": 0.5}})
 
 
-def test_ray_modes_run_under_the_bound(tmp_path, monkeypatch):
+def test_ray_modes_run_under_the_bound(ray_session, tmp_path, monkeypatch):
     """Co-located: partial rollout; separated with s = 1: the rollout for update k+1 runs while
     update k trains, so every sample after the first batch is exactly one version stale and
     the devices overlap. Without a KL term (no reference pass) the scoring devices score alone."""
@@ -618,8 +618,8 @@ def test_ray_modes_run_under_the_bound(tmp_path, monkeypatch):
                    *extra, backend="ray")
         trainer = RLTrainer(cfg, tmp_path / f"{mode}{len(extra)}{cfg.algo.kl_coef}", find_base())
         # hybrid: device 1 takes half the new groups, whatever the timings (the spread is timed)
-        monkeypatch.setattr("rlfusion.runtime.trainer.join_share", lambda *_: 0.5)
-        trainer.join_share = 0.5
+        monkeypatch.setattr("rlfusion.stalesync.schedule.join_share", lambda *_: 0.5)
+        trainer.schedule.share = 0.5
         try:
             ms = [trainer.train_step() for _ in range(4 if mode == "hybrid" else 3)]
         finally:

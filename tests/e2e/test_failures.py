@@ -25,7 +25,7 @@ from rlfusion.runtime import run_state
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer, write_run_config
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # the helpers (reward_fns)
 SMALL = ["max_steps=3", "checkpoint_every=25", "eval_every=25", "eval_problems=2", "rollout.prompts_per_step=2",
          "rollout.group_size=2", "rollout.max_new_tokens=8", "collapse_patience=0", "threads=1"]
 

@@ -14,7 +14,7 @@ from rlfusion.rl.problem import Problem
 from rlfusion.rl.tasks import ArithmeticConfig, ArithmeticTask, DatasetTask, make_task
 from rlfusion.rl.verifiers import choice_reward, extract_choice, math_reward
 
-GSM8K = Path(__file__).parent / "data" / "gsm8k_test.jsonl"  # rows of the GSM8K test split
+GSM8K = Path(__file__).parents[1] / "data" / "gsm8k_test.jsonl"  # rows of the GSM8K test split
 GSM8K_CFG = dict(path=str(GSM8K), prompt_field="question", answer_field="answer",
                  answer_rule="after_hashes", verifier="math")
 

@@ -14,7 +14,7 @@ import pytest
 
 from rlfusion.rl.verifiers import MATH_FALLBACKS, math_reward
 
-GSM8K_TEST = Path(__file__).resolve().parent / "data" / "gsm8k_test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k_test.jsonl"
 REASONING = "She sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18 every day."
 
 # marker -> the response's last statement around the value text `v`

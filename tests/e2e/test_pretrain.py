@@ -56,7 +56,7 @@ def test_shipped_bases_resolve_by_name_and_a_bad_name_is_refused(tmp_path):
     # the learn workload's config trains the task its base was pretrained on
     from rlfusion.runtime.train_config import TrainConfig
     from pathlib import Path
-    learn = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs" / "learn.toml", [])
+    learn = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "configs" / "learn.toml", [])
     assert learn.base == "tiny-long"
     assert {k: extra["task"][k] for k in ("min_terms", "max_terms", "p_stop", "max_value")} == {
         "min_terms": learn.task.min_terms, "max_terms": learn.task.max_terms, "p_stop": learn.task.p_stop,

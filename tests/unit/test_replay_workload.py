@@ -94,7 +94,7 @@ def test_bad_replay_settings_are_one_line_errors(over, match):
         RolloutConfig(**over)
 
 
-REPLAY_TOML = Path(__file__).resolve().parents[1] / "configs" / "replay.toml"
+REPLAY_TOML = Path(__file__).resolve().parents[2] / "configs" / "replay.toml"
 
 
 def test_the_shipped_replay_workload_has_the_published_shape():

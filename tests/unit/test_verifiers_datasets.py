@@ -7,7 +7,7 @@ from rlfusion.rl.datasets import load_gsm8k, load_jsonl_problems
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.verifiers import MATH_FALLBACKS, extract_answer, math_reward, normalize_number
 
-GSM8K_TEST = Path(__file__).resolve().parent / "data" / "gsm8k_test.jsonl"  # rows of the GSM8K test split
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k_test.jsonl"  # rows of the GSM8K test split
 
 
 @pytest.mark.parametrize("text,expected", [

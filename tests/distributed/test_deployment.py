@@ -77,13 +77,6 @@ def test_bad_deploy_config(kwargs, match):
         DeployConfig(**kwargs)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def _cfg(tmp_path, mode: str, **over) -> TrainConfig:
     items = [f"out_dir=\"{tmp_path}\"", f"base=\"{find_base()}\"", "deploy.backend=ray", "deploy.num_devices=2", f"deploy.mode={mode}",
              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=60", "max_steps=4",

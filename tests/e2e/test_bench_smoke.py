@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHES = sorted(path.name for path in (ROOT / "bench").glob("*.py"))  # a new bench is covered as it lands
 # `target NAME: VALUE (goal >= GOAL)` or `<=`, a note after the goal allowed ("(goal >= 2.00, published 2.66)")
 TARGET = re.compile(r"target (?P<name>\w+): (?P<value>\S+) \(goal (?:>=|<=) (?P<goal>[^,)\s]+)(?:, [^)]*)?\)")

@@ -119,7 +119,7 @@ def test_hung_reward_does_not_block_process_exit():
             "try:\n    DaemonCaller().call(lambda: reward_fns.hangs('', None), 0.2)\n"
             "except CallTimeout:\n    print('timed out')\n")
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[1])],
                          capture_output=True, text=True, timeout=20)
     assert out.returncode == 0 and out.stdout.strip() == "timed out", out.stderr
     assert time.perf_counter() - start < 10
