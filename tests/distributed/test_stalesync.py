@@ -618,8 +618,8 @@ def test_ray_modes_run_under_the_bound(ray_session, tmp_path, monkeypatch):
                    *extra, backend="ray")
         trainer = RLTrainer(cfg, tmp_path / f"{mode}{len(extra)}{cfg.algo.kl_coef}", find_base())
         # hybrid: device 1 takes half the new groups, whatever the timings (the spread is timed)
-        monkeypatch.setattr("rlfusion.stalesync.schedule.join_share", lambda *_: 0.5)
-        trainer.schedule.share = 0.5
+        monkeypatch.setattr("rlfusion.runtime.trainer.join_share", lambda *_: 0.5)
+        trainer.join_share = 0.5
         try:
             ms = [trainer.train_step() for _ in range(4 if mode == "hybrid" else 3)]
         finally:
