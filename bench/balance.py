@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from rlfusion.memory_plan import plan_memory
 from rlfusion.model.config import get_preset
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, lm_loss, parallelize
@@ -35,7 +36,7 @@ from rlfusion.parallel.balance import (BalanceConfig, ExpertBalancer, LoadPredic
 from rlfusion.parallel.launch import run_world
 from rlfusion.parallel.seq_balance import SeqCost, compare_splits
 from rlfusion.parallel.recompute import (HostPool, SavedTensorMeter, apply_plan, candidate_names,
-                                         measure_copy_bandwidth, plan_memory, profile_modules)
+                                         measure_copy_bandwidth, profile_modules)
 
 NUM_EXPERTS, EP, HOT, TOP_K = 16, 4, 4, 2
 

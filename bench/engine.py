@@ -11,8 +11,9 @@ Kernel efficiency (1 thread, the shipped base): for decode steps at 1, 8, 32 and
 row from a context of 40 positions on: a task prompt and its first generated tokens; the
 table prints the mean context measured), a packed prefill of
 32 prompts and one update (`ActorStage.update` on 64 task-shaped samples), the useful FLOP/s
-(`rlfusion.sim.costs.forward_flops`; an update is 3x its forward) against a 512 x 512 matmul's
-rate on the same thread, and the host-bound share: wall time not inside a compute kernel
+(`rlfusion.model.flops.forward_flops`; an update is 3x its forward) against a 512 x 512 matmul's
+rate on the same thread (`rlfusion.obs.peak.matmul_peak_flops`), and the host-bound share: wall
+time not inside a compute kernel
 (`rlfusion.measure.kernels.host_bound_share`: the profiler's per-operator self time of the
 operators that touch tensor data, less the dispatch floor each call pays, against the
 unprofiled wall time). A decode step is the
@@ -35,11 +36,12 @@ import torch
 
 from rlfusion.engine.engine import EngineConfig, LLMEngine
 from rlfusion.measure.calibrate import synthetic_trajectories, task_prompts
-from rlfusion.measure.kernels import dispatch_floor_s, host_bound_share, matmul_peak_flops
+from rlfusion.measure.kernels import dispatch_floor_s, host_bound_share
 from rlfusion.model.checkpoint import find_base, load_checkpoint
+from rlfusion.model.flops import causal_positions, forward_flops
+from rlfusion.obs.peak import matmul_peak_flops
 from rlfusion.runtime.actor import ActorStage
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
-from rlfusion.sim.costs import causal_positions, forward_flops
 from rlfusion.engine.static import generate_static
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.evaluate import encode_prompt

@@ -1,6 +1,6 @@
-"""Kernel efficiency: the useful FLOPs of a pass (`sim.costs.forward_flops`), the positions the
-engine's decode rows attend (its `decode_context` stat), and the host-bound share
-(`measure.kernels`)."""
+"""Kernel efficiency: the useful FLOPs of a pass (`model.flops.forward_flops`), the positions the
+engine's decode rows attend (its `decode_context` stat), the machine's matmul peak
+(`obs.peak`) and the host-bound share (`measure.kernels`)."""
 
 import time
 
@@ -9,12 +9,13 @@ import torch
 
 from rlfusion.engine.engine import EngineConfig, LLMEngine
 from rlfusion.engine.types import Request, SamplingParams
-from rlfusion.measure.kernels import dispatch_floor_s, host_bound_share, matmul_peak_flops
+from rlfusion.measure.kernels import dispatch_floor_s, host_bound_share
 from rlfusion.model.config import get_preset
+from rlfusion.model.flops import attention_flops_per_position, causal_positions, forward_flops, token_matmul_flops
 from rlfusion.model.moe import GroupedExperts, Router
 from rlfusion.model.transformer import MoETransformer
+from rlfusion.obs.peak import matmul_peak_flops
 from rlfusion.runtime.trainer import _engine_metrics
-from rlfusion.sim.costs import attention_flops_per_position, causal_positions, forward_flops, token_matmul_flops
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])

@@ -16,8 +16,8 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import lm_loss
 from rlfusion.parallel.balance import ExpertLoadTracker
 from rlfusion.fusion.memory import MemoryLedger
-from rlfusion.parallel.recompute import (HostPool, MemoryPlan, ModuleProfile, SavedTensorMeter,
-                                         apply_plan, candidate_names, plan_memory,
+from rlfusion.memory_plan import MemoryPlan, ModuleProfile, plan_memory
+from rlfusion.parallel.recompute import (HostPool, SavedTensorMeter, apply_plan, candidate_names,
                                          profile_modules)
 
 ATOL = 1e-6

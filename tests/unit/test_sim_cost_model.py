@@ -3,8 +3,9 @@
 import pytest
 
 from rlfusion.model.config import get_preset
+from rlfusion.model.flops import attn_core_flops
 from rlfusion.sim import comm
-from rlfusion.sim.costs import attn_core_flops, check_param_total, model_layers
+from rlfusion.sim.costs import check_param_total, model_layers
 from rlfusion.sim.hardware import get_cluster
 from rlfusion.sim.memory import COMM_BUFFER_GB, FRAGMENTATION, RESERVED_GB, stage_memory
 from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition

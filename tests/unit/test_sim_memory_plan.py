@@ -1,5 +1,6 @@
 """The simulator's `planned` recompute/swap option: the same planner as training
-(`rlfusion.sim.memory_plan`, re-exported by `rlfusion.parallel.recompute`) fed the cost model."""
+(`rlfusion.memory_plan`, which `rlfusion.parallel.recompute` feeds measured profiles) fed the
+cost model."""
 
 import argparse
 import subprocess
@@ -8,10 +9,10 @@ import time
 
 import pytest
 
+from rlfusion.memory_plan import MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.model.config import get_preset
 from rlfusion.sim.cli import register_plan_command
 from rlfusion.sim.hardware import get_cluster
-from rlfusion.sim.memory_plan import MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.sim.plan import ParallelPlan, TrainJob
 from rlfusion.sim.step import estimate_step
 
@@ -67,7 +68,7 @@ def test_plan_command_718b_prints_planned_choices(capsys):
 
 
 def test_memory_plan_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None; import rlfusion.sim.memory_plan, "
+    code = ("import sys; sys.modules['torch'] = None; import rlfusion.memory_plan, "
             "rlfusion.sim.step; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -1,11 +1,9 @@
-"""How close a pass comes to this machine's compute peak, and how much of its wall time is
-spent outside compute kernels (the host-bound share).
+"""How much of a pass's wall time is spent outside compute kernels (the host-bound share).
 
-- `matmul_peak_flops`: the rate of a large square matmul at the current thread count (fp32
-  on the CPU) — the machine's compute peak as the model's passes can reach it. Every device
-  worker measures its own once (`matmul_peak_gflop_per_s` in its report).
-- The useful FLOPs of a pass are `rlfusion.sim.costs.forward_flops` (a training step: 3x its
-  forward).
+The machine's compute peak is `rlfusion.obs.peak.matmul_peak_flops` (every device worker
+measures it for its run's metrics) and the useful FLOPs of a pass are
+`rlfusion.model.flops.forward_flops` (a training step: 3x its forward).
+
 - `host_bound_share`: the share of a pass's wall time not spent computing inside a kernel. On
   a CPU the host *is* the device, so "kernel time" is the self time of the ATen operators that
   read or write tensor data (the profiler's per-operator self CPU time; views, metadata and
@@ -38,30 +36,6 @@ NON_KERNEL_OPS = frozenset({
 })
 # `aten::matmul` / `linear` / `to` / `contiguous` are wrappers: their kernels (mm, addmm, copy_)
 # are counted on their own; their self time is dispatch.
-
-
-def matmul_peak_flops(dim: int = 512, repeats: int = 7, device=None, dtype=None) -> float:
-    """FLOP/s of a `dim` x `dim` matmul at the current thread count (median of `repeats`
-    timings of a few back-to-back products), on `device` (default: the CPU) in `dtype` (default:
-    float32). On a CUDA device each timing waits for its kernels."""
-    import torch
-
-    device = torch.device(device or "cpu")
-    a = torch.randn(dim, dim, device=device, dtype=dtype or torch.float32)
-    b = torch.randn(dim, dim, device=device, dtype=dtype or torch.float32)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    inner = 8
-    for _ in range(2):
-        a @ b
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            a @ b
-        sync()
-        times.append((time.perf_counter() - start) / inner)
-    return 2.0 * dim ** 3 / statistics.median(times)
 
 
 def wall_seconds(fn: Callable[[], object], repeats: int) -> float:

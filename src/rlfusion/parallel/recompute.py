@@ -10,7 +10,7 @@
   cost); `plan_memory` picks, per layer, among keep / recompute / swap of attention, MLP (or
   MoE) and the two norms, or the whole layer, the set that fits a per-device activation budget
   with the least added time (swap time = bytes out and back at a measured copy bandwidth).
-  The planner itself is pure Python in `rlfusion.sim.memory_plan`, shared with `rlfusion plan`.
+  The planner itself is pure Python in `rlfusion.memory_plan`, shared with `rlfusion plan`.
 
 Both are applied to module instances from outside the model file (`apply_plan` overrides the
 instance's `forward`; `remove()` restores it), so parameter names do not change.
@@ -37,10 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlfusion.memory_plan import CHILDREN, MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.model.moe import Router
-# the planner is pure Python, shared with the simulator (`rlfusion plan`)
-from rlfusion.sim.memory_plan import (CHILDREN, MemoryPlan, ModuleProfile, _Choice,  # noqa: F401
-                                      _frontier, _layer_choices, plan_memory)
 
 _state = threading.local()
 

@@ -41,7 +41,7 @@ from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.sim.costs import forward_flops
+from rlfusion.model.flops import forward_flops
 from rlfusion.stalesync.book import StalenessBook, batch_rows
 from rlfusion.stalesync.rules import JOIN_SHARE, assign_groups, assign_hybrid, join_share
 from rlfusion.runtime.stop import RunInterrupted, StopRequest
@@ -468,7 +468,7 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
 def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float]:
     """This step's rollout engine passes, from the busiest engine (the one that sets the pace):
     decode and prefill seconds, passes and mean rows per decode pass, and the useful FLOP/s its
-    decode passes achieved (`sim.costs.forward_flops`; 0 where the engine does not report the
+    decode passes achieved (`model.flops.forward_flops`; 0 where the engine does not report the
     positions its rows attended), with their share of its device's matmul peak where the stats
     carry it (`matmul_peak_flops`)."""
     if not stats:

@@ -35,10 +35,11 @@ from rlfusion.engine.runner import autocast
 from rlfusion.evaluate import greedy_completions
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
-from rlfusion.measure.kernels import matmul_peak_flops
 from rlfusion.model.checkpoint import load_base
+from rlfusion.model.flops import causal_positions, forward_flops
 from rlfusion.model.hf import is_hf_checkpoint
 from rlfusion.obs.metrics import NumberPacker
+from rlfusion.obs.peak import matmul_peak_flops
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.parallel.api import ParallelModel, parallelize
 from rlfusion.parallel.mesh import build_mesh
@@ -60,7 +61,6 @@ from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
                                      gae_advantages)
 from rlfusion.runtime.train_config import TrainConfig
-from rlfusion.sim.costs import causal_positions, forward_flops
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # `deploy.precision` → autocast dtype (None: off)
 A2A_WAIT = "a2a wait"  # timeline phase: a train device waiting on its expert all-to-all (inside "train")
@@ -460,7 +460,7 @@ class DeviceWorker:
 
     def _update_rate(self, trajs: list[Trajectory], seconds: float) -> dict[str, float]:
         """The useful FLOP/s of this device's share of the actor update — 3 forwards of its rows
-        per epoch (`sim.costs.forward_flops`), split over the devices that hold one model copy —
+        per epoch (`model.flops.forward_flops`), split over the devices that hold one model copy —
         and its share of the device's matmul peak."""
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
         holders = len(self.plan.model_parallel_group(self.plan.dp_index(self.device)))

@@ -2,13 +2,11 @@
 
 Owns the model side of the cost model; knows nothing about devices or parallel plans (those
 divide these numbers in `step.py`). Parameter totals come from `ModelConfig`'s own counting
-methods, so the simulator and the real model agree by construction.
+methods and forward FLOPs from the model's own formulas (`rlfusion.model.flops`, whose
+conventions hold here: a multiply-add is 2 FLOPs, causal attention counts half the `s x s`
+scores), so the simulator and the real model agree by construction.
 
-Conventions (stated once, used everywhere):
-- A multiply-add is 2 FLOPs. A matmul with a `[k, n]` weight costs `2 k n` FLOPs per token.
-- Causal attention: the score (`QK^T`) and value (`PV`) products cost `2 * (s/2) * heads *
-  (d_qk + d_v)` FLOPs per token in the forward pass: each token attends to `s/2` keys on
-  average, i.e. we count half of the full `s x s` matrix, the work a causal flash kernel does.
+Conventions of the cost model on top of those:
 - Backward costs 2x the forward for matmuls; the attention core costs 2.5x (flash attention
   recomputes the scores). Model FLOPs for MFU use 3x forward (no recompute, no flash extra).
 - Activations are bf16 (2 bytes) except router logits and softmax statistics (fp32).
@@ -19,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfusion.model.config import ModelConfig
+from rlfusion.model.flops import (attention_dims, attn_core_flops, dense_layer_matmul_flops,
+                                  head_matmul_flops, moe_layer_matmul_flops, routed_expert_flops)
 
 BF16 = 2
 FP32 = 4
@@ -55,26 +55,6 @@ class LayerCost:
         return self.matmul_flops + self.attn_core_flops + self.expert_flops
 
 
-def attention_dims(model: ModelConfig) -> tuple[int, int]:
-    """(d_qk, d_v): per-head query/key and value widths."""
-    if model.attention == "mla":
-        return model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim, model.mla.v_head_dim
-    return model.head_dim, model.head_dim
-
-
-def attention_matmul_params(model: ModelConfig) -> int:
-    """Attention parameters that are matmul weights (the MLA latent norms are not)."""
-    norms = 0
-    if model.attention == "mla":
-        norms = model.mla.kv_lora_rank + model.mla.q_lora_rank
-    return model.attention_params() - norms
-
-
-def attn_core_flops(model: ModelConfig, seq_len: int) -> float:
-    d_qk, d_v = attention_dims(model)
-    return 2.0 * (seq_len / 2.0) * model.num_heads * (d_qk + d_v)
-
-
 def _attention_activation(model: ModelConfig) -> ActivationBytes:
     d, h = model.d_model, model.num_heads
     d_qk, d_v = attention_dims(model)
@@ -103,7 +83,7 @@ def dense_layer(model: ModelConfig, seq_len: int) -> LayerCost:
     mlp = ActivationBytes(kept=(d + 2 * f) * BF16, recomputable=(d + f) * BF16, swappable=0.0)
     return LayerCost(
         kind="dense",
-        matmul_flops=2.0 * attention_matmul_params(model) + 2.0 * model.swiglu_params(f),
+        matmul_flops=dense_layer_matmul_flops(model),
         attn_core_flops=attn_core_flops(model, seq_len),
         expert_flops=0.0,
         recompute_flops=_mla_recompute_flops(model),
@@ -125,10 +105,9 @@ def moe_layer(model: ModelConfig, seq_len: int) -> LayerCost:
     expert = model.swiglu_params(fe)
     return LayerCost(
         kind="moe",
-        matmul_flops=(2.0 * attention_matmul_params(model) + 2.0 * shared * expert
-                      + 2.0 * model.router_params()),
+        matmul_flops=moe_layer_matmul_flops(model),
         attn_core_flops=attn_core_flops(model, seq_len),
-        expert_flops=2.0 * k * expert,
+        expert_flops=routed_expert_flops(model),
         recompute_flops=_mla_recompute_flops(model),
         dense_params=(model.attention_params() + shared * expert + model.router_params()
                       + 2 * d),
@@ -140,7 +119,7 @@ def moe_layer(model: ModelConfig, seq_len: int) -> LayerCost:
 def head_layer(model: ModelConfig) -> LayerCost:
     """Final norm + LM head (+ the loss). Its fp32 logits are counted as a transient buffer."""
     d, v = model.d_model, model.vocab_size
-    return LayerCost(kind="head", matmul_flops=2.0 * d * v, attn_core_flops=0.0,
+    return LayerCost(kind="head", matmul_flops=head_matmul_flops(model), attn_core_flops=0.0,
                      expert_flops=0.0, recompute_flops=0.0,
                      dense_params=(0 if model.tie_embeddings else d * v) + d,
                      expert_params=0, activation=ActivationBytes(d * BF16, 0.0, 0.0))
@@ -169,33 +148,6 @@ def model_layers(model: ModelConfig, seq_len: int) -> list[LayerCost]:
 def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token used for MFU: 3x forward, no recompute."""
     return 3.0 * sum(layer.forward_flops for layer in model_layers(model, seq_len))
-
-
-def token_matmul_flops(cfg: ModelConfig) -> float:
-    """Forward matmul FLOPs per token: every layer's projections and MLP (the routed experts a
-    token chose, top_k of them), the router and the LM head."""
-    return sum(layer.matmul_flops + layer.expert_flops for layer in model_layers(cfg, 1))
-
-
-def attention_flops_per_position(cfg: ModelConfig) -> float:
-    """Forward attention-core FLOPs of one query attending to one key, summed over layers
-    (scores and the value product: 2 x heads x (d_qk + d_v))."""
-    d_qk, d_v = attention_dims(cfg)
-    return 2.0 * cfg.num_heads * (d_qk + d_v) * cfg.num_layers
-
-
-def forward_flops(cfg: ModelConfig, tokens: float, attended: float) -> float:
-    """Useful FLOPs of a forward pass over `tokens` tokens that attend to `attended` positions in
-    all (a decode row at context L attends to L; a causal prefill of n tokens to n(n+1)/2): the
-    model's matmuls with the routed experts each token chose, and the attention core. Work a
-    kernel does beyond that (a small-batch MoE path that runs every expert, padded attention)
-    is not useful and not counted, as MFU does not count it."""
-    return tokens * token_matmul_flops(cfg) + attended * attention_flops_per_position(cfg)
-
-
-def causal_positions(lengths: list[int]) -> int:
-    """Positions attended by causal passes over sequences of these lengths."""
-    return sum(n * (n + 1) // 2 for n in lengths)
 
 
 def check_param_total(model: ModelConfig, seq_len: int) -> int:

@@ -31,12 +31,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfusion.memory_plan import MemoryPlan, ModuleProfile, plan_memory
+from rlfusion.model.flops import attention_matmul_params
 from rlfusion.sim import comm
-from rlfusion.sim.costs import (BF16, LayerCost, attention_matmul_params, model_flops_per_token,
-                                model_layers, module_activations)
+from rlfusion.sim.costs import BF16, LayerCost, model_flops_per_token, model_layers, module_activations
 from rlfusion.sim.hardware import ClusterSpec
 from rlfusion.sim.memory import FRAGMENTATION, GRAD_BYTES, MemoryEstimate, stage_memory
-from rlfusion.sim.memory_plan import MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
 
 OPTIMIZER_STEP_BYTES = 32  # bytes touched per locally-updated parameter by fused Adam

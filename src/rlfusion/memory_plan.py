@@ -1,9 +1,9 @@
 """The activation-memory planner: per layer keep / recompute / swap, under a budget.
 
-Pure Python (no torch), shared by the runtime (`rlfusion.parallel.recompute`, which feeds it
-MEASURED profiles) and the simulator (`rlfusion.sim.memory`, which feeds it the cost model's
-per-layer activation bytes and forward FLOPs), so `rlfusion plan` and training pick
-recompute/swap with the same cost terms.
+Pure Python (no torch, nothing else of rlfusion), shared by training (`rlfusion.parallel.recompute`,
+which feeds it MEASURED profiles) and the simulator (`rlfusion.sim.step`, which feeds it the cost
+model's per-layer activation bytes and forward FLOPs), so `rlfusion plan` and training pick
+recompute/swap with the same cost terms. It sits below both, so neither imports the other.
 
 Model: each candidate module (a layer `layers.i` and its children `layers.i.attn_norm`,
 `.attn`, `.mlp_norm`, `.mlp`) has a `ModuleProfile`: bytes it saves for backward (itself and
