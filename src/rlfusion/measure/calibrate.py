@@ -53,13 +53,15 @@ BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
 
 
 @dataclass(frozen=True)
-class _Setup:
+class Setup:
+    """What every measurement runs with: the base checkpoint, torch's thread count, quick mode."""
+
     base: str
     threads: int
     quick: bool
 
 
-def _load(setup: _Setup, max_seq_len: int | None = None):
+def load_base_model(setup: Setup, max_seq_len: int | None = None):
     """The base model and tokenizer (`max_seq_len`: the context to build it with; None: its own)."""
     import torch
 
@@ -373,11 +375,11 @@ def measure_advantage(tokenizer, vocab: int, quick: bool, n: int = 256) -> float
 
 # ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
 
-def _pair_worker(rank: int, setup: _Setup, init: str, out) -> None:
+def _pair_worker(rank: int, setup: Setup, init: str, out) -> None:
     import torch
     import torch.distributed as dist
 
-    model, tokenizer = _load(setup)
+    model, tokenizer = load_base_model(setup)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     params = [p.data for p in model.parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in params)
@@ -445,7 +447,7 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
     return waited / calls
 
 
-def measure_pair(setup: _Setup) -> dict:
+def measure_pair(setup: Setup) -> dict:
     import multiprocessing as mp
     import socket
 
@@ -480,10 +482,10 @@ def measure_pair(setup: _Setup) -> dict:
 
 # ---- the whole calibration -----------------------------------------------------------------
 
-def default_setup(threads: int = 1, quick: bool = False) -> _Setup:
+def default_setup(threads: int = 1, quick: bool = False) -> Setup:
     from rlfusion.model.checkpoint import find_base
 
     base = find_base()
     if base is None:
         raise ValueError("no tiny base model found: run `rlfusion pretrain` first")
-    return _Setup(str(base), threads, quick)
+    return Setup(str(base), threads, quick)

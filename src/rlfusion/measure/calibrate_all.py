@@ -11,7 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
-from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, _load, default_setup, measure_advantage,
+from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, default_setup, load_base_model, measure_advantage,
                                         measure_engine, measure_pair, measure_train_and_reference)
 from rlfusion.measure.contention import measure_contention, speeds_line
 from rlfusion.sim.calibration import Calibration, save_calibration
@@ -22,8 +22,8 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
     """Run every microbenchmark (about 30 s; `quick` about 20 s) and save the calibration."""
     setup = default_setup(threads, quick)
     t0 = time.perf_counter()
-    model, tokenizer = _load(setup)
-    long_model, _ = _load(setup, max_seq_len=max(model.config.max_seq_len, LONG_CONTEXT))
+    model, tokenizer = load_base_model(setup)
+    long_model, _ = load_base_model(setup, max_seq_len=max(model.config.max_seq_len, LONG_CONTEXT))
     engine = measure_engine(model, tokenizer, quick, long_model)
     log(f"  engine: decode ms {dict(zip(engine['decode_batch_sizes'], (round(x, 2) for x in engine['decode_step_ms'])))} "
         f"at context {engine['decode_reference_context']}, + {engine['decode_context_ms'] * 1e6:.0f} ns per row "

@@ -34,8 +34,8 @@ import math
 import statistics
 import time
 
-from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, _load, _Setup, context_steps, engine_step_times,
-                                        synthetic_trajectories, task_prompts)
+from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, Setup, context_steps, engine_step_times,
+                                        load_base_model, synthetic_trajectories, task_prompts)
 
 PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 prompts x 8 samples / 2)
 PARTS = ("decode", "context", "train")  # the kinds of work timed apart (Calibration.speed)
@@ -82,13 +82,13 @@ def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[
 class ContentionWorker:
     """A device-like process (a Ray actor) running a fixed rollout + update workload."""
 
-    def __init__(self, setup: _Setup, seed: int):
+    def __init__(self, setup: Setup, seed: int):
         from rlfusion.runtime.actor import ActorStage
         from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
-        self.model, self.tokenizer = _load(setup)
+        self.model, self.tokenizer = load_base_model(setup)
         # the same weights built for the long context (rotary positions), as the replay runs load them
-        long_model, _ = _load(setup, max_seq_len=max(self.model.config.max_seq_len, LONG_CONTEXT))
+        long_model, _ = load_base_model(setup, max_seq_len=max(self.model.config.max_seq_len, LONG_CONTEXT))
         long_model.eval()
         self.context = context_steps(long_model, CONTEXT_ROWS, (LONG_CONTEXT - 1, CONTEXT_SHORT))
         self.actor = ActorStage(copy.deepcopy(self.model), AlgoConfig(), OptimConfig(), 1.0)
@@ -129,7 +129,7 @@ class ContentionWorker:
         return _mixed_workload(self.model, self.tokenizer, self.actor, self.trajs, self.context)
 
 
-def contention_workers(setup: _Setup) -> list:
+def contention_workers(setup: Setup) -> list:
     """Two warmed-up, connected `ContentionWorker` Ray actors (Ray must be running)."""
     import ray
 
@@ -194,7 +194,7 @@ def speeds_line(speeds: dict[str, float]) -> str:
         f"; whole workload {speeds['concurrent_speed']:.2f} / {speeds['lockstep_speed']:.2f}"
 
 
-def measure_contention(setup: _Setup) -> dict:
+def measure_contention(setup: Setup) -> dict:
     """Two Ray device actors: the workload alone (one at a time), both at once, and both in
     lock-step."""
     import ray
