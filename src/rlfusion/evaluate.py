@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlfusion.engine.engine import EngineConfig, LLMEngine, run_to_completion
+from rlfusion.engine.scheduler import MAX_NUM_SEQS
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
@@ -32,7 +33,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
 
 def evaluate(model: MoETransformer, tokenizer: Tokenizer, problems: list[Problem],
              reward_fn: RewardFn, max_new_tokens: int = 200, k: int = 0,
-             max_num_seqs: int = 128, seed: int = 0) -> EvalResult:
+             max_num_seqs: int = MAX_NUM_SEQS, seed: int = 0) -> EvalResult:
     was_training = model.training
     model.eval()
     max_new = eval_max_new_tokens(tokenizer, problems, max_new_tokens, model.config.max_seq_len)

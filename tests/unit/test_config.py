@@ -72,3 +72,22 @@ def test_train_without_a_base_names_rlfusion_pretrain(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no base model" in err and "`rlfusion pretrain`" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_max_num_seqs_has_one_default():
+    """Every layer with the knob takes the engine scheduler's `MAX_NUM_SEQS`; `rlfusion train`'s
+    (`rollout.max_num_seqs`) is 128."""
+    import inspect
+
+    from rlfusion.engine.engine import EngineConfig
+    from rlfusion.engine.scheduler import MAX_NUM_SEQS, SchedulerConfig
+    from rlfusion.engine.vllm_backend import VLLMEngine
+    from rlfusion.evaluate import evaluate
+    from rlfusion.measure import calibrate
+    from rlfusion.sim.rl_config import RLSimConfig
+
+    signature_default = lambda fn: inspect.signature(fn).parameters["max_num_seqs"].default
+    assert TrainConfig().rollout.max_num_seqs == MAX_NUM_SEQS == 128
+    assert {EngineConfig().max_num_seqs, SchedulerConfig().max_num_seqs, RLSimConfig().max_num_seqs,
+            signature_default(VLLMEngine.__init__), signature_default(evaluate),
+            signature_default(calibrate.engine_step_times)} == {MAX_NUM_SEQS}

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from rlfusion.engine.runner import ModelRunner
-from rlfusion.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from rlfusion.engine.scheduler import MAX_NUM_SEQS, Scheduler, SchedulerConfig, Sequence
 from rlfusion.engine.types import Completion, Request
 from rlfusion.model.transformer import MoETransformer
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = 4096
     max_seq_len: int | None = None  # default: the model's context length
     min_prefill_batch: int = 1  # see SchedulerConfig

@@ -29,11 +29,14 @@ from rlfusion.model.row_segments import read_cost
 
 # permute the running rows longest first once their reads exceed the sorted order's by this
 RESORT_GAIN = 1.25
+# sequences an engine runs at once (`max_num_seqs`): the one default of every layer that has the
+# knob (`rollout.max_num_seqs`, the engines, evaluation, the simulator, the calibration)
+MAX_NUM_SEQS = 128
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = 4096  # prefill + decode tokens in one step
     max_seq_len: int = 256  # KV-cache positions per slot
     # While sequences are decoding, new ones are admitted only once this many slots are free

@@ -27,6 +27,7 @@ import torch
 
 from rlfusion.engine.engine import run_to_completion
 from rlfusion.engine.runner import fresh_stats
+from rlfusion.engine.scheduler import MAX_NUM_SEQS
 from rlfusion.engine.types import Completion, Request
 from rlfusion.fusion.buckets import Bucket, pack, plan_buckets, specs_of, unpack
 
@@ -59,7 +60,7 @@ class VLLMEngine:
 
     def __init__(self, hf_path: str | Path, native_config, family: str, *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, dtype: str = "bfloat16", vllm_module: Any = None) -> None:
+                 max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "bfloat16", vllm_module: Any = None) -> None:
         from rlfusion.model.hf import HFNames
 
         self._vllm = vllm_module or _import_vllm()

@@ -43,12 +43,13 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from rlfusion.engine.scheduler import MAX_NUM_SEQS  # torch-free: the rollout's default slots
+
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128)
 LONG_CONTEXT = 1280  # the longest context priced (the replay workload's: prompt + a 1,000-token cap);
 #                      the base decodes past its own context with the same weights (rotary positions)
 CONTEXT_ROWS = 32  # rows of the long-context decode passes: a replay device's share (64 samples / 2)
-MAX_NUM_SEQS = 128  # the rollout's default max_num_seqs (RolloutConfig)
 BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
 
 

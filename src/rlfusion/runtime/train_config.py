@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlfusion.config import check_fields
+from rlfusion.engine.scheduler import MAX_NUM_SEQS
 from rlfusion.rl.datasets import DataConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 from rlfusion.runtime.deployment import DeployConfig
@@ -31,7 +32,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 160
-    max_num_seqs: int = 128
+    max_num_seqs: int = MAX_NUM_SEQS
     # engine admits waiting requests once this many slots are free (one prefill pass for several):
     # +17% rollout tokens/s on a StaleSync pool of 2x the slots (bench/stalesync.py notes)
     min_prefill_batch: int = 8

@@ -13,6 +13,8 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from rlfusion.engine.scheduler import MAX_NUM_SEQS
+
 MODES = ("separated", "colocated", "fully_shared", "hybrid")  # deploy.mode
 STALESYNC_MODELS = ("samples", "runtime")
 SCORERS = ("rollout", "train")
@@ -43,7 +45,7 @@ class RLSimConfig:
     prompt_lengths: tuple[int, ...] = ()
     train_fraction: float = 1.0  # share of a batch's tokens the update trains on (DAPO dynamic
     #                              sampling drops groups whose rewards are all equal; measured)
-    max_num_seqs: int = 256  # continuous-batching slots per engine instance (rollout.max_num_seqs)
+    max_num_seqs: int = MAX_NUM_SEQS  # continuous-batching slots per engine instance (rollout.max_num_seqs)
     min_prefill_batch: int = 1  # while decoding, admit only once this many slots are free (or
     #                             every waiting sample fits), as the engine's scheduler does
     scorers: str = "rollout"  # "rollout": each engine computes reference logprobs of its samples
