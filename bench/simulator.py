@@ -297,7 +297,7 @@ class _BatchRecorder:
 def _stale_step(trainer, rec: _BatchRecorder) -> MeasuredStep:
     start = len(trainer.timeline.spans)
     # the batch this update trains: separated overlap took it in the step before
-    before = rec.taken[-1] if trainer.overlap and trainer.pending else None
+    before = rec.taken[-1] if trainer.overlap and trainer.schedule.pending else None
     rec.taken = []
     m = trainer.train_step()
     batch = before if before is not None else rec.taken[0]

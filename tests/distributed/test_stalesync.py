@@ -24,8 +24,8 @@ from rlfusion.runtime.stages import RolloutStage
 from rlfusion.queue import DistQueue
 from rlfusion.runtime.dataflow import ROLLOUT, queue_config, to_trajectories, trajectory_columns
 from rlfusion.runtime.partial_rollout import PartialRollout
-from rlfusion.stalesync.book import Group, GroupReport, StalenessBook, batch_rows
-from rlfusion.stalesync.rules import (GroupItem, RolloutPlan, StaleSyncConfig, admissible, assign_groups,
+from rlfusion.stalesync.book import Group, GroupReport, StalenessBook, batch_rows, pack_reports, unpack_reports
+from rlfusion.stalesync.rules import (GroupItem, RolloutPlan, pack_items, unpack_items, StaleSyncConfig, admissible, assign_groups,
                                       assign_hybrid, contiguous_parts, due_groups, finish_quota, join_share,
                                       rollout_quota, rollout_stops, select_batch, staleness)
 from rlfusion.runtime.train_config import RolloutConfig, TrainConfig
@@ -132,6 +132,7 @@ class _Device:
     def rollout(self, book, plan, hand_over=False):
         out = self.partial.run(list(plan.items), lambda groups: self.stage.run_groups(
             groups, plan.version, plan.quota, plan.due, plan.drop), self.put, hand_over)
+        out["reports"] = unpack_reports(out["reports"])  # as the controller receives them
         book.collect(out["reports"], out["dropped"])
         return out
 
@@ -186,7 +187,8 @@ def test_bound_never_violated_nothing_lost_or_trained_twice(s, batch, group, thr
         batch_ = dev.rows(groups)
         staleness = [update_version - min(t.versions) for t in batch_]
         assert max(staleness, default=0) <= s  # the bound (take_batch also raises on it)
-        assert sorted(staleness) == sorted(update_version - v for g in groups for v in g.versions)
+        assert max(staleness, default=0) == max((update_version - g.oldest for g in groups if g.samples), default=0)
+        assert sum(staleness) == sum(g.samples * update_version - g.version_sum for g in groups)
         by_group = {}
         for t in batch_:
             by_group.setdefault(t.group_id, []).append(t)
@@ -475,8 +477,14 @@ def test_plan_is_typed_and_the_book_applies_the_rules():
     plan = book.plan(1, 1, reserved=2)  # nothing admitted: full
     assert len(book.groups) == 8 and plan.due == frozenset(range(8))
     assert plan.items == tuple(GroupItem(g, g) for g in range(8))  # new groups: problem id = group id
-    book.collect([GroupReport(0, True, 6, rows=(10, 11), versions=(0, 0)), GroupReport(1, False, 3, held_by=1),
-                  GroupReport(2, False, 2, rows=(12,))], dropped=[3])
+    reports = [GroupReport.finished_group(0, 6, (10, 11), [0, 0]), GroupReport(1, False, 3, held_by=1),
+               GroupReport(2, False, 2, rows=(12,))]
+    assert unpack_reports(pickle.loads(pickle.dumps(pack_reports(reports)))) == reports  # the wire form
+    items = [GroupItem(5, 5), GroupItem(6, 2, True, -1, (7, 8, 9)), GroupItem(9, 9, True, 1)]
+    assert unpack_items(pack_items(items)) == items
+    with pytest.raises(ValueError, match="not consecutive"):
+        pack_items([GroupItem(6, 2, True, -1, (7, 9))])
+    book.collect(reports, dropped=[3])
     assert book.groups[1].item() == GroupItem(1, 1, True, 1) and book.groups[2].item() == GroupItem(2, 2, True, -1, (12,))
     assert list(book.requeued) == [3] and book.stats["dropped_tokens"] == 0
     batch, stats = book.take_batch(0)
@@ -538,7 +546,7 @@ def test_partial_rollout_carries_mixed_versions_within_the_bound(tmp_path):
         groups, stats = real_take(version)
         batch = to_trajectories(trainer.devices.queue.get_rows("test", batch_rows(groups), ["versions"]))
         mixed |= any(len(set(t.versions)) > 1 for t in batch)
-        assert sorted(min(t.versions) for t in batch) == sorted(v for g in groups for v in g.versions)
+        assert min(min(t.versions) for t in batch) == min(g.oldest for g in groups)
         gids = {t.group_id for t in batch}
         assert gids == {g.group_id for g in groups} and not gids & seen
         seen.update(gids)
@@ -618,8 +626,8 @@ def test_ray_modes_run_under_the_bound(ray_session, tmp_path, monkeypatch):
                    *extra, backend="ray")
         trainer = RLTrainer(cfg, tmp_path / f"{mode}{len(extra)}{cfg.algo.kl_coef}", find_base())
         # hybrid: device 1 takes half the new groups, whatever the timings (the spread is timed)
-        monkeypatch.setattr("rlfusion.runtime.trainer.join_share", lambda *_: 0.5)
-        trainer.join_share = 0.5
+        monkeypatch.setattr("rlfusion.stalesync.schedule.join_share", lambda *_: 0.5)
+        trainer.schedule.share = 0.5
         try:
             ms = [trainer.train_step() for _ in range(4 if mode == "hybrid" else 3)]
         finally:

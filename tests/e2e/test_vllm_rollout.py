@@ -72,7 +72,7 @@ def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial
                "rollout.lengths=replay", "rollout.replay_median=4", "reward=reward_fns:length_reward")
     trainer = RLTrainer(cfg, hf_run / "sep", hf_run / "base")
     partial, resumed = {}, []  # (group, sample) -> the aborted sample; (aborted, finished) pairs
-    take = trainer.stale.take_batch
+    take, collect = trainer.stale.take_batch, trainer.stale.collect
 
     def watch(version):  # the rows of each batch, read from the queue before the update retires them
         groups, stats = take(version)
@@ -81,14 +81,15 @@ def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial
                        if (t.group_id, t.sample) in partial)
         return groups, stats
 
-    trainer.stale.take_batch = watch
+    def held(reports, dropped):  # after each rollout: the samples the rollout device holds paused
+        collect(reports, dropped)
+        for state in trainer.devices.paused():
+            partial.update({(t.group_id, t.sample): t for s in state["samples"].values() for t in s
+                            if t.finish_reason == "aborted" and t.response_ids})
+
+    trainer.stale.take_batch, trainer.stale.collect = watch, held
     try:
-        ms = []
-        for _ in range(4):
-            ms.append(trainer.train_step())
-            for state in trainer.devices.paused():  # the samples the rollout device holds paused
-                partial.update({(t.group_id, t.sample): t for s in state["samples"].values() for t in s
-                                if t.finish_reason == "aborted" and t.response_ids})
+        ms = [trainer.train_step() for _ in range(4)]
     finally:
         trainer.close()
     assert all(m["staleness_max"] <= 1 for m in ms) and [m["staleness_mean"] for m in ms][:2] == [0, 1]

@@ -3,9 +3,11 @@ rlfusion/sim/rl_stalesync.py): it runs the runtime's StalenessBook, stop rule an
 over the engine's scheduler, without torch; the staleness bound, s = 0 = synchronous, separated
 overlap."""
 
+import ast
 import math
 import random
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -13,7 +15,9 @@ import pytest
 from rlfusion.sim.calibration import cpu_default
 from rlfusion.sim.rl_config import RLSimConfig
 from rlfusion.sim.rl_sim import simulate
+import rlfusion.runtime.trainer as trainer
 import rlfusion.stalesync.book as rules
+import rlfusion.stalesync.schedule as schedule
 from rlfusion.engine import scheduler as engine_scheduler
 from rlfusion.sim import rl_stalesync
 
@@ -153,18 +157,25 @@ def test_the_sim_runs_the_runtime_rules_and_the_engine_scheduler(monkeypatch):
 
     for name in ("admissible", "due_groups", "rollout_quota", "select_batch", "staleness"):
         counted(rules, name)
-    for name in ("rollout_stops", "assign_groups", "staleness"):
+    for name in ("rollout_stops", "staleness"):
         counted(rl_stalesync, name)
+    counted(schedule, "assign_groups")
+    counted(schedule.StaleSyncSchedule, "step")
     counted(engine_scheduler.Scheduler, "schedule")
     assert rl_stalesync.StalenessBook is rules.StalenessBook and rl_stalesync.Scheduler is engine_scheduler.Scheduler
+    # one orchestration: the runtime's trainer and the simulator run the same schedule
+    assert trainer.StaleSyncSchedule is rl_stalesync.StaleSyncSchedule is schedule.StaleSyncSchedule
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+              for node in ast.walk(ast.parse(Path(rl_stalesync.__file__).read_text())) if isinstance(node, ast.Call)}
+    assert not called & {"take_batch", "plan", "collect", "assign_groups", "assign_hybrid", "join_share"}
     cfg = BASE.replace(mode="colocated", max_staleness=1, rollout_finish_threshold=0.5)
     r = simulate(cfg, CAL)
     assert r.updates == cfg.num_steps
     for name in ("admissible", "due_groups", "rollout_quota", "select_batch", "rollout_stops", "assign_groups",
-                 "schedule"):
+                 "schedule", "step"):
         assert calls.get(name, 0) >= cfg.num_steps, name
-    # staleness: the book checks each trained sample and the sim reports it
-    assert calls["staleness"] == 2 * len(r.staleness_per_sample)
+    # staleness: the book checks each trained group (its oldest sample) and the sim reports each sample
+    assert calls["staleness"] == len(r.staleness_per_sample) + len(r.staleness_per_sample) // cfg.group_size
 
 
 def test_the_sim_imports_no_torch():

@@ -25,7 +25,8 @@ from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
 from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.stalesync.rules import contiguous_parts as split
+from rlfusion.stalesync.book import unpack_reports
+from rlfusion.stalesync.rules import contiguous_parts as split, pack_items
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.device_binding import local_device
 from rlfusion.runtime.workers import DeviceWorker
@@ -255,7 +256,7 @@ class GroupRollout:
         d = self.devices
         for dev in devices:
             part, mine = self.calls[dev]
-            args = d._counted((part, version, self.quota, mine, self.drop_overdue, d.score_here), "step")
+            args = d._counted((pack_items(part), version, self.quota, mine, self.drop_overdue, d.score_here), "step")
             self.handles.append(d._start(dev, "rollout_groups", *args))
             self.launched.append(dev)
 
@@ -263,7 +264,7 @@ class GroupRollout:
         """The devices' answers merged: the groups' reports (`stalesync.GroupReport`), the groups
         given up and the tokens generated."""
         outs = self.devices._counted(self.devices._wait(self.handles), "step")
-        return {"reports": [r for o in outs for r in o["reports"]],
+        return {"reports": [r for o in outs for r in unpack_reports(o["reports"])],
                 "dropped": [g for o in outs for g in o["dropped"]],
                 "generated_tokens": sum(o["generated_tokens"] for o in outs)}
 

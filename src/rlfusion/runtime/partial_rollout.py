@@ -15,7 +15,7 @@ from typing import Any
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import dataflow
-from rlfusion.stalesync.book import GroupReport
+from rlfusion.stalesync.book import GroupReport, pack_reports
 from rlfusion.stalesync.rules import GroupItem, handover_group
 
 PAUSED = "aborted"  # the finish reason of a paused (aborted) sample
@@ -39,7 +39,7 @@ class PartialRollout:
         device scores, and puts finished samples, returning their row ids): finished groups go into the queue,
         dropped ones are discarded, the others stay held — or, with `hand_over`, go into the
         queue for another device to resume. Returns the groups' reports, the dropped group ids
-        and the tokens generated."""
+        and the tokens generated (the reports packed: `book.pack_reports`)."""
         out = run_groups(self._start(items))
         ran: dict[int, list[Trajectory]] = {it.group_id: [t for t in self.held.pop(it.group_id, [])
                                                           if t.finish_reason != PAUSED] for it in items}
@@ -53,15 +53,16 @@ class PartialRollout:
         rows = iter(put(finished) if finished else [])
         for gid in done:
             samples = ran[gid]
-            reports.append(GroupReport(gid, True, _tokens(samples), tuple(next(rows) for _ in samples),
-                                       tuple(min(t.versions) for t in samples if t.versions)))
+            reports.append(GroupReport.finished_group(gid, _tokens(samples), tuple(next(rows) for _ in samples),
+                                                      [min(t.versions) for t in samples if t.versions]))
         for gid, samples in ran.items():
             if gid not in dropped and gid not in done:
                 self.held[gid] = samples
         if hand_over:
             reports += self.hand_over()
         held = [GroupReport(gid, False, _tokens(s), held_by=self.index) for gid, s in ran.items() if gid in self.held]
-        return {"reports": reports + held, "dropped": sorted(dropped), "generated_tokens": out["generated_tokens"]}
+        return {"reports": pack_reports(reports + held), "dropped": sorted(dropped),
+                "generated_tokens": out["generated_tokens"]}
 
     def _start(self, items: list[GroupItem]) -> list[tuple[int, Problem, list[Trajectory]]]:
         """`items` as `run_groups` takes them: (group id, problem, paused samples). A resumed

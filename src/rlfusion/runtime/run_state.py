@@ -90,11 +90,9 @@ def _save(trainer, tmp: Path) -> Path:
         # batch already taken for the next update, the samples the rollout devices hold paused
         # (with their cache rows, resume_kv=keep) and the queue's rows (finished groups waiting
         # for an update, samples handed over), so a resumed run goes on exactly
-        "stalesync": None if trainer.stale is None else {"book": trainer.stale.state_dict(),
-                                                         "pending": trainer.pending,
+        "stalesync": None if trainer.stale is None else {**trainer.schedule.state_dict(),
                                                          "paused": devices.paused(),
                                                          "queue": devices.queue.state_dict(),
-                                                         "join_share": trainer.join_share,
                                                          "shape": _stalesync_shape(trainer)},
         "critic": devices.critic_state() if trainer.cfg.algo.advantage == "gae" else None,
     }, tmp / STATE)
@@ -155,9 +153,7 @@ def _restore(trainer, state: dict, path: Path) -> None:
             changed = ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k])
             raise ValueError(f"{path} holds StaleSync rollouts in flight that do not fit the new "
                              f"settings ({changed}); resume with the settings it was saved with")
-        trainer.stale.load_state_dict(state["stalesync"]["book"])
-        trainer.pending = state["stalesync"]["pending"]
-        trainer.join_share = state["stalesync"].get("join_share", trainer.join_share)
+        trainer.schedule.load_state_dict(state["stalesync"])
         trainer.devices.queue.load_state_dict(state["stalesync"]["queue"])
         trainer.devices.load_paused(state["stalesync"]["paused"])
     elif trainer.stale is not None and trainer.step:

@@ -36,14 +36,16 @@ from rlfusion.obs.timeline import Timeline
 from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import base_fit, run_state
-from rlfusion.runtime.devices import Devices, GroupRollout, LocalDevices
+from rlfusion.runtime.devices import Devices, LocalDevices
 from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.model.flops import forward_flops
-from rlfusion.stalesync.book import StalenessBook, batch_rows
-from rlfusion.stalesync.rules import JOIN_SHARE, assign_groups, assign_hybrid, join_share
+from rlfusion.runtime.stalesync_devices import RuntimeScheduleDevices, learn
+from rlfusion.stalesync.book import StalenessBook
+from rlfusion.stalesync.rules import overlaps
+from rlfusion.stalesync.schedule import StaleSyncSchedule
 from rlfusion.runtime.stop import RunInterrupted, StopRequest
 from rlfusion.runtime.ray_devices import RayDevices
 
@@ -94,12 +96,11 @@ class RLTrainer:
         self.progress = True
         self.stale = (StalenessBook(cfg.stalesync, cfg.rollout.prompts_per_step, cfg.rollout.group_size)
                       if cfg.stalesync.enabled else None)
-        self.next_group = 0  # StaleSync: group ids count up in admission order
         # separated devices with s >= 1: the next update's rollout runs alongside this update
         self.overlap = stalesync_overlaps(cfg)
         self.hybrid = cfg.deploy.mode == "hybrid"
-        self.join_share = JOIN_SHARE  # hybrid: the train devices' share of a rollout's new groups
-        self.pending = None  # (batch, stats) the next update trains, when overlapping
+        self.schedule = (StaleSyncSchedule(self.stale, RuntimeScheduleDevices(self.devices, self.hybrid), self.overlap,
+                                           self.hybrid) if self.stale is not None else None)
         self._eval_spans: list[tuple[str, float, float]] = []
         if cfg.deploy.backend == "ray":  # the driver of a multi-process run: a long-lived process
             freeze_long_lived()  # full collections no longer walk imports, model and task
@@ -119,32 +120,11 @@ class RLTrainer:
         P = self.cfg.rollout.prompts_per_step
         generated = self.devices.rollout(list(range(self.step * P, (self.step + 1) * P)), self.version)
         t_rollout = time.perf_counter() - t0
-        metrics, t1 = self._learn(P * self.cfg.rollout.group_size)
+        metrics, _ = learn(self.devices, P * self.cfg.rollout.group_size)
         metrics.update(self._step_metrics(generated, t0, t_rollout))
-        metrics.update(self._record_timeline(wall0, wall0 + t_rollout, wall0 + (t1 - t0), time.time()))
+        metrics.update(self._record_timeline(wall0, time.time()))
         self.step += 1
         return metrics
-
-    def _learn(self, rows: int | list[int], join: GroupRollout | None = None) -> tuple[dict[str, float], float]:
-        """The update from scored rows in the queue (a count, or StaleSync's row ids): advantages,
-        the data-parallel split,
-        the step and the rows' retirement all run on the train devices (`Devices.update`); the
-        controller gets the batch's aggregates back. Returns the metrics and when the update
-        began (perf_counter). `join`: a running rollout the train devices join once the update
-        is done (hybrid placement; the weight sync then waits for that rollout's end)."""
-        t1 = time.perf_counter()
-        if join is None:
-            metrics = self.devices.update(rows)
-        else:
-            finish = self.devices.start_update(rows)
-            join.launch([d for d in self.devices.plan.train if d in join.calls], self.version + 1)
-            metrics = finish()
-        t_update = time.perf_counter() - t1
-        metrics["update_tokens_per_s"] = metrics.pop("update_tokens") / max(t_update, 1e-9)
-        metrics["time_update_s"] = t_update
-        if not self.devices.plan.colocated_actor and join is None:
-            metrics["time_weight_sync_s"] = self.devices.last_sync_s
-        return metrics, t1
 
     def _step_metrics(self, generated: int, t0: float, t_rollout: float) -> dict[str, float]:
         return {
@@ -156,79 +136,25 @@ class RLTrainer:
     # ---- StaleSync (rlfusion.stalesync) ----
 
     def _stalesync_step(self) -> dict[str, float]:
-        """One update under the staleness bound: partial rollout until the threshold (co-located),
-        or the next update's rollout alongside this update (separated, s >= 1). The batch the
-        book hands out is rows the rollout devices put in the queue; the same stages as a
-        synchronous step read them by id."""
+        """One update under the staleness bound, as `StaleSyncSchedule.step` orders it: partial
+        rollout until the threshold (co-located), or the next update's rollout alongside this
+        update (separated and hybrid, s >= 1). The batch the book hands out is rows the rollout
+        devices put in the queue; the update reads them by id."""
         wall0, t0 = time.time(), time.perf_counter()
-        book, k = self.stale, self.version
-        rolled: dict[str, float] = {"generated_tokens": 0, "dropped_groups": 0}
-        t_fill = 0.0
-        if self.overlap and self.pending is None:  # pipeline fill: nothing to learn from yet
-            self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
-            self.pending = book.take_batch(k)
-            t_fill = time.perf_counter() - t0
-        if self.overlap:
-            batch, stats = self.pending
-            launched = time.perf_counter()
-            wait = self._start_rollout(k, update_version=k + 1, reserved=stats["groups_in_update"],
-                                       hybrid=self.hybrid)
-            t_rollout = time.perf_counter() - t0  # timeline: the driver moves on at once
-        else:
-            self._finish_rollout(self._start_rollout(k, update_version=k), rolled)
-            batch, stats = book.take_batch(k)
-            t_rollout = time.perf_counter() - t0
-        rows = batch_rows(batch)
-        if not self.devices.score_here:  # scored now by the scoring devices
-            self.devices.score(rows)
-        if self.hybrid:  # the train devices join the rollout after their update, with its weights
-            metrics, t1 = self._learn(rows, join=wait[1])
-        else:
-            metrics, t1 = self._learn(rows)
-        if self.overlap:
-            self._finish_rollout(wait, rolled)
-            t_rollout = t_fill + (rolled["rollout_end"] - launched)  # the rollout's own wall time
-            if self.hybrid and metrics["trained"]:  # every device generated: now the weights move
-                start = time.perf_counter()
-                self.devices.sync_rollout_weights()
-                metrics["time_weight_sync_s"] = time.perf_counter() - start
-            self.pending = book.take_batch(k + 1)
-            if self.hybrid:  # the next rollout's spread, from how long the train devices were busy here
-                plan = self.devices.plan
-                late = sum(d in plan.train for d in plan.rollout)
-                self.join_share = join_share(rolled["rollout_end"] - launched,
-                                             t1 + metrics["time_update_s"] - launched, len(plan.rollout) - late, late)
-        in_flight = len(book.groups) + (len(self.pending[0]) if self.overlap else 0)
-        metrics.update(stats)
-        metrics.update({"dropped_groups": rolled["dropped_groups"], "groups_in_flight": float(in_flight),
-                        "dropped_tokens_total": float(book.stats["dropped_tokens"])})
-        metrics.update(self._step_metrics(int(rolled["generated_tokens"]), t0, t_rollout))
-        metrics.update(self._record_timeline(wall0, wall0 + min(t_rollout, t1 - t0), wall0 + (t1 - t0), time.time()))
+        out = self.schedule.step(self.version)
+        metrics = out.update.metrics
+        if self.hybrid and metrics["trained"]:
+            metrics["time_weight_sync_s"] = self.schedule.devices.last_sync_s
+        metrics.update(out.stats)
+        metrics.update({"dropped_groups": out.dropped_groups, "groups_in_flight": float(self.schedule.in_flight()),
+                        "dropped_tokens_total": float(self.stale.stats["dropped_tokens"])})
+        t_rollout = sum(r.seconds for r in out.rollouts)  # the rollouts' own wall time (the fill's included)
+        metrics.update(self._step_metrics(out.generated_tokens, t0, t_rollout))
+        metrics.update(self._record_timeline(wall0, time.time()))
         self.step += 1
         return metrics
 
-    def _start_rollout(self, version: int, update_version: int, reserved: float = 0, hybrid: bool = False):
-        """Launch the partial rollout the book plans (weights `version`, for the update of
-        `update_version`). `hybrid`: the train devices are left to join after the update, with
-        a share of the new groups (`assign_hybrid`). Returns (plan, `GroupRollout`)."""
-        book, dplan = self.stale, self.devices.plan
-        plan = book.plan(version, update_version, int(reserved))
-        if hybrid:
-            late = tuple(d for d in dplan.rollout if d in dplan.train)
-            parts = assign_hybrid(plan.items, [d in late for d in dplan.rollout], self.join_share)
-            return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop, defer=late)
-        parts = assign_groups(plan.items, len(dplan.rollout))
-        return plan, self.devices.start_groups(parts, version, plan.quota, plan.due, plan.drop)
-
-    def _finish_rollout(self, started, rolled: dict[str, float]) -> None:
-        plan, rollout = started
-        out = rollout.wait()
-        rolled["rollout_end"] = time.perf_counter()
-        self.stale.collect(out["reports"], out["dropped"])
-        rolled["generated_tokens"] += out["generated_tokens"]
-        rolled["dropped_groups"] += len(out["dropped"])
-
-    def _record_timeline(self, start: float, rollout_end: float, update_start: float, end: float) -> dict[str, float]:
+    def _record_timeline(self, start: float, end: float) -> dict[str, float]:
         """Add this step's spans (and those of an evaluation since the last step) to the run
         timeline; returns per-device utilization of the step (busy / step wall time), engine
         pass counts, memory peaks and queue bytes."""
@@ -431,8 +357,8 @@ def check_vllm_rollout(cfg: TrainConfig, model, base_path: Path) -> None:
 
 
 def stalesync_overlaps(cfg: TrainConfig) -> bool:
-    """Whether StaleSync will run the next rollout alongside the update (separated, s >= 1)."""
-    return cfg.deploy.mode in ("separated", "hybrid") and cfg.stalesync.enabled and cfg.stalesync.max_staleness >= 1
+    """Whether StaleSync will run the next rollout alongside the update (`stalesync.rules.overlaps`)."""
+    return overlaps(cfg.deploy.mode, cfg.stalesync)
 
 
 def _progress_line(trainer: RLTrainer, m: dict[str, float], acc: float, start: float) -> str:

@@ -57,6 +57,7 @@ from rlfusion.runtime.device_binding import bind_device, listening_store, on_hos
 from rlfusion.runtime.finished_pool import FinishedPool
 from rlfusion.runtime.heap import freeze_long_lived
 from rlfusion.runtime.partial_rollout import PartialRollout
+from rlfusion.stalesync.rules import unpack_items
 from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.runtime.stages import (CriticStage, ReferenceStage, RewardStage, RolloutStage, advantage_stage,
                                      gae_advantages)
@@ -324,9 +325,9 @@ class DeviceWorker:
                 self._reference(trajs)
         return trajs
 
-    def rollout_groups(self, items: list, version: int, quota: int, must_finish: set[int],
+    def rollout_groups(self, items: tuple[list[int], ...], version: int, quota: int, must_finish: set[int],
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:
-        """StaleSync's partial rollout of the groups `items` (`stalesync.GroupItem`) inside the
+        """StaleSync's partial rollout of the groups `items` (`stalesync.GroupItem`s, packed) inside the
         same switch as `generate` (`partial_rollout.PartialRollout`): the samples of unfinished
         groups stay here (hybrid placement's train devices hand them over through the queue, as
         they join the next rollout late), finished groups go into the queue, scored here when
@@ -342,7 +343,7 @@ class DeviceWorker:
         def put(trajs: list[Trajectory]) -> list[int]:
             return self._put(self.score_and_reference(trajs) if score_here else trajs, scored=score_here)
 
-        return self.partial.run(items, run, put, hand_over=self.plan.mode == "hybrid" and self.device in self.plan.train)
+        return self.partial.run(unpack_items(items), run, put, hand_over=self.plan.mode == "hybrid" and self.device in self.plan.train)
 
     def _problem(self, problem_id: int) -> Any:
         return dataflow.group_problem(self.task, self.cfg.seed, problem_id)

@@ -1,16 +1,19 @@
 """The runtime's StaleSync, simulated as implemented (`RLSimConfig.stalesync_model = "runtime"`).
 
-The schedule is the runtime's own code: `rlfusion.stalesync.book.StalenessBook` (admission,
-deadlines, quota, the choice of each update's groups, the staleness check), its stop rule
-`rollout_stops` and device split `assign_groups`, and each rollout engine is the engine's
-scheduler (`rlfusion.engine.scheduler.Scheduler`, continuous batching); what this module adds
-is time, from the costs of a measured `Calibration` (nothing fitted):
+The schedule is the runtime's own code: the trainer's step `rlfusion.stalesync.schedule.
+StaleSyncSchedule` drives this module as it drives the runtime's devices (it implements the
+schedule's `ScheduleDevices`: start a rollout, wait for it, update, sync weights), with the
+book `rlfusion.stalesync.book.StalenessBook` (admission, deadlines, quota, the choice of each
+update's groups, the staleness check), the stop rule `rollout_stops` and the device split; each
+rollout engine is the engine's scheduler (`rlfusion.engine.scheduler.Scheduler`, continuous
+batching). What this module adds is time, from the costs of a measured `Calibration` (nothing
+fitted):
 
 - **Book.** Prompt groups of G samples are admitted (weights version `a`) while the groups in
   flight plus a batch reserved for the next update (separated overlap) number fewer than
   (s+1)*B, B = prompts per step; a group admitted at `a` is due at update `a + s`. Overdue
   groups are waited for (`overdue = "wait"`; the simulator has no other policy).
-- **Rollout.** Every unfinished group runs, split over the rollout devices by `assign_groups`.
+- **Rollout.** Every unfinished group runs, split over the rollout devices as the schedule splits it.
   Each device's scheduler (`max_num_seqs` slots, admission once `min_prefill_batch`
   slots are free, a packed prefill budget of `max_num_batched_tokens` tokens per step) plans the
   steps (the rows longest first, as the engine keeps them); a step costs the decode pass over
@@ -20,14 +23,14 @@ is time, from the costs of a measured `Calibration` (nothing fitted):
   devices the rule applies to the sums of their counts every `stop_sync_every` engine steps (a
   collective, so they meet there; each sum costs the measured `Calibration.stop_sync_s`), and a
   device out of work waits in it. Unfinished samples are aborted and resume next rollout:
-  with `resume_kv = "keep"` (the runtime's default) a sample that was running goes back to its
-  device (`assign_groups(sticky=True)`) and decodes on from its saved cache row (the scheduler's
+  a paused group goes back to the device that holds its samples; with `resume_kv = "keep"` (the
+  runtime's default) a sample that was running decodes on from its saved cache row (the scheduler's
   restore: no prefill; the row copies are not charged), else it re-prefills prompt + partial
-  output. Each device then scores its finished samples
+  output. Each device then scores the samples of the groups that finished
   (reference forward, measured rate + fixed cost per pass) — unless, separated,
   `scorers = "train"` (the runtime's `deploy.scorers`, "train" by default with the overlap):
   then the train devices run the reference pass of the update's batch before the update.
-- **Update k** trains the groups `StalenessBook.take_batch(k)` hands out.
+- **Update k** trains the groups the book hands out for it.
 - **Co-located**: rollout on every device, reference, switch, data-parallel update, switch back.
   **Separated, s >= 1**: the first step fills the pipeline with one rollout; then the rollout
   for update k+1 (weights v_k, `reserved` = the groups of the batch taken for update k) runs
@@ -36,8 +39,8 @@ is time, from the costs of a measured `Calibration` (nothing fitted):
   (`switch_s`) before their next rollout. Separated with s = 0 runs rollout, then update.
   **Hybrid, s >= 1** (`deploy.mode=hybrid`): as separated, but every device has an engine;
   the train devices' (the second half) score and update k, switch, then join the rollout for
-  k+1 with weights v_{k+1} and the share of its new groups `assign_hybrid` gives them (sized by
-  `join_share` from the step before, as the trainer sizes it). Their stop-rule sums are
+  k+1 with weights v_{k+1} and the schedule's share of its new groups (sized from the step
+  before, as the trainer sizes it); they hand their paused samples over to the early devices. Their stop-rule sums are
   polled, so no device waits for another while it has work (`_polled`); the broadcast follows
   the rollout.
 
@@ -51,12 +54,13 @@ the config, drawn when the group first runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlfusion.engine.scheduler import Scheduler, SchedulerConfig
 from rlfusion.engine.types import Request, SamplingParams
 from rlfusion.stalesync.book import GroupReport, StalenessBook
-from rlfusion.stalesync.rules import (JOIN_SHARE, RolloutPlan, StaleSyncConfig, assign_groups, assign_hybrid,
-                                      join_share, rollout_stops, staleness)
+from rlfusion.stalesync.rules import RolloutPlan, StaleSyncConfig, overlaps, rollout_stops, staleness
+from rlfusion.stalesync.schedule import RolloutOutcome, StaleSyncSchedule, UpdateOutcome
 from rlfusion.sim.rl_state import SimState, TimelineEvent, squared_lengths
 
 # a step's busiest rollout engine, named as RLTrainer's metrics name them (SimResult.rollout_stats)
@@ -65,7 +69,7 @@ ROLLOUT_STATS = ("engine_decode_passes", "engine_decode_rows_mean", "time_decode
 
 
 @dataclass
-class SimStateSample:
+class SimSample:
     """One sample: its engine request (the tokens generated so far, each with the policy version
     that produced it) and the response length it ends at. Carries what `StalenessBook` reads of
     a sample (`group_id`, `versions`, `response_ids`) and what the simulator's costs read
@@ -95,12 +99,12 @@ class _Device:
     name: str
     clock: float
     scheduler: Scheduler
-    samples: dict[str, SimStateSample] = field(default_factory=dict)  # request id -> sample, request order
+    samples: dict[str, SimSample] = field(default_factory=dict)  # request id -> sample, request order
     steps: int = 0
     open_count: dict[int, int] = field(default_factory=dict)
     finished_groups: set[int] = field(default_factory=set)
     due: frozenset[int] = frozenset()
-    finished: dict[str, SimStateSample] = field(default_factory=dict)
+    finished: dict[str, SimSample] = field(default_factory=dict)
     decode_s: float = 0.0  # this rollout's engine passes, as the runtime's engine stats count them
     prefill_s: float = 0.0
     decode_passes: int = 0
@@ -134,17 +138,24 @@ class RuntimeStaleSync:
         self.scheduler_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                              max(prompts) + cfg.max_new_tokens + 1, cfg.min_prefill_batch)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
-        self.held: dict[int, list[SimStateSample]] = {}  # group id -> its samples, held by its engine
+        self.held: dict[int, list[SimSample]] = {}  # group id -> its samples, held by its engine
         self._prompt_ids: dict[int, list[int]] = {}  # one token list per prompt length, shared
-        self.overlap = cfg.mode in ("separated", "hybrid") and self.s >= 1
         self.hybrid = cfg.mode == "hybrid"
         # hybrid: the engines of the train devices (the second half), which join each overlapped
-        # rollout after their update, with `share` of its new groups (`assign_hybrid`)
-        self.late = {e.name for e in sim.engines[(len(sim.engines) + 1) // 2:]} if self.hybrid else set()
-        if self.hybrid and not self.late:
+        # rollout after their update, with their share of its new groups (`assign_hybrid`)
+        first_late = (len(sim.engines) + 1) // 2
+        self.late_names = {e.name for e in sim.engines[first_late:]} if self.hybrid else set()
+        if self.hybrid and not self.late_names:
             raise ValueError(f"simulate.mode='hybrid' needs >= 2 engines (devices / devices_per_engine), got "
                              f"{len(sim.engines)}: some devices only generate, the others also train")
-        self.share = JOIN_SHARE
+        # `ScheduleDevices`: the schedule drives this model as it drives the runtime's devices
+        self.rollout_devices = len(sim.engines)
+        self.late = tuple(range(first_late, len(sim.engines))) if self.hybrid else ()
+        self.schedule = StaleSyncSchedule(self.book, self, overlaps(cfg.mode, self.book.cfg), self.hybrid)
+        self.now = 0.0  # the step's clock: where the next rollout and update start
+        self.version = 0  # the update this step trains
+        self._sync_after: float | None = None  # separated overlap: the broadcast follows the rollout and the update
+        self._updated = False  # this step's update ran (a rollout waited for after it ran beside it)
         self.generated: list[int] = []  # tokens generated in each update's step
         self.rollout_stats: list[dict[str, float]] = []  # per update step: its busiest engine's passes
         self._step_stats: list[_Device] = []  # the current update step's rollout devices
@@ -160,12 +171,7 @@ class RuntimeStaleSync:
             return (cfg.prompt_len,) * self.G
         return tuple(cfg.prompt_lengths[(p * self.G + i) % len(cfg.prompt_lengths)] for i in range(self.G))
 
-    def plan(self, version: int, update_version: int, reserved: int = 0) -> RolloutPlan:
-        plan = self.book.plan(version, update_version, reserved)
-        self.in_flight_max = max(self.in_flight_max, len(self.book.groups) + reserved)
-        return plan
-
-    def _new_samples(self, group_id: int, problem: tuple[int, ...]) -> list[SimStateSample]:
+    def _new_samples(self, group_id: int, problem: tuple[int, ...]) -> list[SimSample]:
         """A new group's G samples, as `run_groups` starts them."""
         sim, cfg = self.sim, self.sim.cfg
         out = []
@@ -177,34 +183,79 @@ class RuntimeStaleSync:
             if prompt_len not in self._prompt_ids:
                 self._prompt_ids[prompt_len] = [0] * prompt_len
             prompt = self._prompt_ids[prompt_len]
-            out.append(SimStateSample(group_id, prompt_len, length, Request(f"{group_id}/{i}", prompt, self.params)))
+            out.append(SimSample(group_id, prompt_len, length, Request(f"{group_id}/{i}", prompt, self.params)))
         return out
 
-    def take_batch(self, update_version: int) -> list[SimStateSample]:
-        groups, _ = self.book.take_batch(update_version)
+    # ---- `ScheduleDevices` ----
+
+    def start_rollout(self, plan: RolloutPlan, parts: list[list], defer_late: bool) -> dict[str, Any]:
+        """The rollout runs (in simulated time) when waited for: by then a deferred one knows
+        when its late devices joined (`update(join=...)`)."""
+        self.in_flight_max = max(self.in_flight_max, self.schedule.in_flight())
+        return {"plan": plan, "parts": parts, "start": self.now, "late_start": None, "defer": defer_late}
+
+    def wait(self, running: dict[str, Any]) -> RolloutOutcome:
+        late_start = running["late_start"] if running["defer"] else None
+        end, reports, dropped, generated = self.rollout(running["plan"], running["parts"], running["start"], late_start)
+        if not self._updated:  # nothing ran beside it: the step goes on from its end
+            self.now = end
+        if self._sync_after is not None:  # separated overlap: the broadcast once both are done
+            self._broadcast(max(self._sync_after, end), "train")
+            self._sync_after = None
+        return RolloutOutcome(reports, dropped, generated, end - running["start"])
+
+    def update(self, groups: list, join: dict[str, Any] | None = None) -> UpdateOutcome:
+        """Update `self.version` -> +1 on the train devices from the step's clock."""
+        sim, cal, k = self.sim, self.sim.cal, self.version
         batch = [smp for g in groups for smp in self.held.pop(g.group_id)]
         for smp in batch:
-            st = staleness(update_version, smp.versions)
+            st = staleness(k, smp.versions)
             self.staleness_seen.append(st)
-            self.sim.staleness_max = max(self.sim.staleness_max, st)
-        self.sim.trained_tokens += sum(smp.length for smp in batch)
-        return batch
+            sim.staleness_max = max(sim.staleness_max, st)
+        sim.trained_tokens += sum(smp.length for smp in batch)
+        train_end = self.learn(batch, self.now, k)
+        busy, self._updated = train_end - self.now, True
+        if join is not None:  # hybrid: the train devices switch, then join the rollout with the new weights
+            for lane in sorted(self.late_names):
+                sim.record(lane, "switch", train_end, train_end + cal.switch_s, k + 1)
+            join["late_start"] = train_end + cal.switch_s
+        elif self.schedule.overlap:
+            self._sync_after = train_end
+        elif sim.cfg.mode == "separated":
+            sim.record("train", "weight_sync", train_end, train_end + sim.weight_sync_s(), k + 1)
+            self.now = train_end + sim.weight_sync_s()
+            self._load_weights(self.now, k + 1)
+        else:  # co-located: back to the rollout layout
+            for eng in sim.engines:
+                sim.record(eng.name, "switch", train_end, train_end + cal.switch_s, k + 1)
+                eng.clock = train_end + cal.switch_s
+            self.now = train_end + cal.switch_s
+        return UpdateOutcome({"trained": 1.0}, busy)
+
+    def sync_weights(self) -> None:
+        """Hybrid: the broadcast once the rollout and the update are done; the train devices
+        generated with the new weights already."""
+        lane = sorted(self.late_names)[0]
+        self._broadcast(max([self.now] + [e.clock for e in self.sim.engines]), lane, skip=self.late_names)
+
+    def _broadcast(self, start: float, lane: str, skip: set[str] = frozenset()) -> None:
+        sim = self.sim
+        sim.record(lane, "weight_sync", start, start + sim.weight_sync_s(), self.version + 1)
+        self.now = start + sim.weight_sync_s()
+        self._load_weights(self.now, self.version + 1, skip=skip)
 
     # ---- one partial rollout (RolloutStage.run_groups on every rollout device) ----
-    def rollout(self, plan: RolloutPlan, start: float, late_start: float | None = None) -> tuple[float, int]:
-        """Run `plan` from `start` on all rollout devices and hand the result to the book;
-        returns when the devices are done (scoring included) and the tokens generated. Hybrid,
-        overlapped (`late_start`): the train devices' engines join at `late_start`, with the
-        next weights and their share of the new groups."""
+    def rollout(self, plan: RolloutPlan, parts: list[list], start: float,
+                late_start: float | None = None) -> tuple[float, list[GroupReport], list[int], int]:
+        """Run `plan` (`parts[i]` on engine i) from `start` on all rollout devices; returns when
+        the devices are done (scoring included), their reports, the groups given up and the
+        tokens generated. Hybrid, overlapped (`late_start`): the train devices' engines join at
+        `late_start`, with the next weights."""
         sim, version = self.sim, plan.version
-        if late_start is None:
-            parts = assign_groups(plan.items, len(sim.engines))
-        else:
-            parts = assign_hybrid(plan.items, [e.name in self.late for e in sim.engines], self.share)
         devs = []
         resumed = 0
         for index, (eng, part) in enumerate(zip(sim.engines, parts)):
-            late = late_start is not None and eng.name in self.late
+            late = late_start is not None and eng.name in self.late_names
             dev = _Device(eng.name, max(late_start if late else start, eng.clock), Scheduler(self.scheduler_cfg),
                           version=version + 1 if late else version)
             for it in part:
@@ -259,13 +310,13 @@ class RuntimeStaleSync:
             # what the device reports (`partial_rollout.PartialRollout`): a finished group's
             # samples go into the queue, scored there; a hybrid train device hands its paused
             # samples over (an early one resumes them), the others keep theirs
-            hands_over = late_start is not None and dev.name in self.late
+            hands_over = late_start is not None and dev.name in self.late_names
             for gid in dict.fromkeys(smp.group_id for smp in dev.samples.values()):
                 samples = self.held[gid]
                 tokens = sum(len(smp.response_ids) for smp in samples)
                 if gid in dev.finished_groups:
-                    reports.append(GroupReport(gid, True, tokens, versions=tuple(min(smp.versions) for smp in samples
-                                                                                 if smp.versions)))
+                    reports.append(GroupReport.finished_group(gid, tokens, (), [min(smp.versions) for smp in samples
+                                                                                  if smp.versions]))
                 else:
                     reports.append(GroupReport(gid, False, tokens, held_by=-1 if hands_over else index))
             dev.clock = end
@@ -279,8 +330,7 @@ class RuntimeStaleSync:
                     eng.clock += seconds
         for gid in dropped:
             del self.held[gid]
-        self.book.collect(reports, dropped)
-        return max(e.clock for e in sim.engines), generated
+        return max(e.clock for e in sim.engines), reports, dropped, generated
 
     def _polled(self, devs: list[_Device], plan: RolloutPlan) -> float:
         """Hybrid's stop-rule sums (`stop_sums.StopSums`, polled): no device waits for another while it
@@ -353,13 +403,13 @@ class RuntimeStaleSync:
             timeline.append(TimelineEvent(lane, "rollout", start, end, version))
 
     # ---- the trainer's step ----
-    def learn(self, batch: list[SimStateSample], start: float, version: int) -> float:
+    def learn(self, batch: list[SimSample], start: float, version: int) -> float:
         """Update `version` -> `version + 1` on the train devices from `start`; returns its end."""
         sim, t = self.sim, start
         colocated = sim.cfg.mode not in ("separated", "hybrid")
-        lanes = (sorted(self.late) if self.hybrid else [e.name for e in sim.engines] if colocated else ["train"])
+        lanes = (sorted(self.late_names) if self.hybrid else [e.name for e in sim.engines] if colocated else ["train"])
         if self.hybrid:  # after its last rollout, training state back in (the co-located switch)
-            t = max([t] + [e.clock for e in sim.engines if e.name in self.late])
+            t = max([t] + [e.clock for e in sim.engines if e.name in self.late_names])
         phases = ([("switch", sim.cal.switch_s)] if colocated or self.hybrid else []) + sim.train_phases(batch)
         for role, seconds in phases:
             for lane in lanes:
@@ -368,54 +418,16 @@ class RuntimeStaleSync:
         return t
 
     def run(self) -> float:
-        sim, cfg, cal = self.sim, self.sim.cfg, self.sim.cal
-        now, pending = 0.0, None
-        for k in range(cfg.num_steps):
-            generated = 0
-            self._step_stats = []
-            if self.overlap:
-                if pending is None:  # pipeline fill
-                    now, gen = self.rollout(self.plan(k, k), now)
-                    generated += gen
-                    pending = self.take_batch(k)
-                batch, reserved = pending, len({smp.group_id for smp in pending})
-                if self.hybrid:  # the train devices update, then join the rollout with the new weights
-                    train_end = self.learn(batch, now, k)
-                    for lane in sorted(self.late):
-                        sim.record(lane, "switch", train_end, train_end + cal.switch_s, k + 1)
-                    rollout_end, gen = self.rollout(self.plan(k, k + 1, reserved), now,
-                                                    late_start=train_end + cal.switch_s)
-                    early = len(sim.engines) - len(self.late)
-                    self.share = join_share(rollout_end - now, train_end - now, early, len(self.late))
-                else:
-                    rollout_end, gen = self.rollout(self.plan(k, k + 1, reserved), now)
-                    train_end = self.learn(batch, now, k)
-                generated += gen
-                lane = sorted(self.late)[0] if self.hybrid else "train"
-                sim.record(lane, "weight_sync", max(train_end, rollout_end),
-                           max(train_end, rollout_end) + sim.weight_sync_s(), k + 1)
-                now = max(train_end, rollout_end) + sim.weight_sync_s()
-                self._load_weights(now, k + 1, skip=self.late)
-                pending = self.take_batch(k + 1)
-            else:
-                now, gen = self.rollout(self.plan(k, k), now)
-                generated += gen
-                batch = self.take_batch(k)
-                now = self.learn(batch, now, k)
-                if cfg.mode == "separated":
-                    sim.record("train", "weight_sync", now, now + sim.weight_sync_s(), k + 1)
-                    now += sim.weight_sync_s()
-                    self._load_weights(now, k + 1)
-            sim.update_end.append(now)
-            self.generated.append(generated)
+        """Every update's step, as `StaleSyncSchedule.step` orders it."""
+        sim = self.sim
+        for k in range(sim.cfg.num_steps):
+            self._step_stats, self.version, self._updated = [], k, False
+            out = self.schedule.step(k)
+            sim.update_end.append(self.now)
+            self.generated.append(out.generated_tokens)
             self.rollout_stats.append(self._busiest(self._step_stats))
-            if cfg.mode not in ("separated", "hybrid"):  # back to the rollout layout
-                for eng in sim.engines:
-                    sim.record(eng.name, "switch", now, now + cal.switch_s, k + 1)
-                    eng.clock = now + cal.switch_s
-                now += cal.switch_s
             sim.version = k + 1
-        return max([now] + [e.clock for e in sim.engines])
+        return max([self.now] + [e.clock for e in sim.engines])
 
     @staticmethod
     def _busiest(devs: list[_Device]) -> dict[str, float]:

@@ -66,6 +66,24 @@ class GroupItem(NamedTuple):
     rows: tuple[int, ...] = ()
 
 
+def pack_items(items: list[GroupItem]) -> tuple[list[int], ...]:
+    """A rollout device's part of a plan as columns of small ints (the command's wire form):
+    group ids, problem id − group id (0 for a new group), resume flags, holders, handed-over
+    rows as (first, count) — a put's rows have consecutive ids."""
+    cols: tuple[list[int], ...] = ([], [], [], [], [], [])
+    for it in items:
+        if it.rows and tuple(it.rows) != tuple(range(it.rows[0], it.rows[0] + len(it.rows))):
+            raise ValueError(f"group {it.group_id}: rows {it.rows} are not consecutive")
+        for col, value in zip(cols, (it.group_id, it.problem_id - it.group_id, int(it.resume), it.held_by,
+                                     it.rows[0] if it.rows else 0, len(it.rows))):
+            col.append(value)
+    return cols
+
+
+def unpack_items(packed: tuple[list[int], ...]) -> list[GroupItem]:
+    return [GroupItem(g, g + p, bool(r), h, tuple(range(a, a + n))) for g, p, r, h, a, n in zip(*packed)]
+
+
 @dataclass(frozen=True)
 class RolloutPlan:
     """One partial rollout, with weights `version`, for the update of `update_version`.
@@ -87,6 +105,12 @@ class RolloutPlan:
 
 
 # ---- the rules (pure functions) ----
+
+def overlaps(mode: str, cfg: StaleSyncConfig) -> bool:
+    """Whether the next update's rollout runs alongside the update: separated and hybrid
+    placements (rollout devices that do not train) with StaleSync and s >= 1."""
+    return mode in ("separated", "hybrid") and cfg.enabled and cfg.max_staleness >= 1
+
 
 def finish_quota(threshold: float, batch_groups: int) -> int:
     """Finished groups an update's rollout aims for: `threshold` × B rounded up for a fraction in
