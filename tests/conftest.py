@@ -53,12 +53,12 @@ def _ray_shutdown():
 
 @pytest.fixture
 def ray_session(_ray_shutdown):
-    """One local Ray cluster for the tests that run Ray devices, started by the first that asks
-    and stopped at the end of the session: a `RayDevices` finds Ray running and leaves it up
-    (it stops only a Ray it started). A test that stops Ray, or starts its own, only makes the
-    next test that asks start it again."""
+    """One local Ray cluster for the tests that run Ray devices or queues (its GCS address),
+    started by the first that asks and stopped at the end of the session: a `RayDevices` finds
+    Ray running and leaves it up (it stops only a Ray it started). A test that stops Ray, or
+    starts its own, only makes the next test that asks start it again."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
+    yield ray.get_runtime_context().gcs_address

@@ -46,9 +46,10 @@ def test_a_cuda_device_without_cuda_is_named_locally():
         local_device("cuda")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def gpu_cluster():
-    """A local Ray cluster that declares 2 GPUs (Ray assigns their ids; nothing uses them)."""
+    """A local Ray cluster that declares 2 GPUs (Ray assigns their ids; nothing uses them), for
+    this module's tests (each leaves it as it found it)."""
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()

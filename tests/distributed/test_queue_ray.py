@@ -23,17 +23,6 @@ from rlfusion.queue.ray_backend import RayDistQueue
 
 COLUMNS = (ColumnSpec("prompt", "int32", variable_length=True), ColumnSpec("logprobs", "float32", variable_length=True),
            ColumnSpec("reward", "float64"), ColumnSpec("meta", "object"))
-NAMESPACE = "rlfusion-tests"
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():  # an earlier module's Ray, started with other settings
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
-             configure_logging=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
 def script(q) -> list:
@@ -55,7 +44,7 @@ def script(q) -> list:
 
 
 @pytest.mark.parametrize("num_shards", [1, 3])
-def test_ray_backend_matches_in_process(ray_cluster, num_shards):
+def test_ray_backend_matches_in_process(ray_session, num_shards):
     cfg = QueueConfig(COLUMNS, group_size=2)
     rq = RayDistQueue(cfg, num_shards=num_shards)
     assert script(rq) == script(DistQueue(cfg))
@@ -63,7 +52,7 @@ def test_ray_backend_matches_in_process(ray_cluster, num_shards):
     rq.shutdown()
 
 
-def test_ray_bad_input_and_back_pressure(ray_cluster):
+def test_ray_bad_input_and_back_pressure(ray_session):
     q = RayDistQueue(QueueConfig(COLUMNS, capacity=3), num_shards=2)
     ids = q.put({"prompt": [[1], [2]]})
     before = q.state_dict()
@@ -86,7 +75,7 @@ def test_ray_bad_input_and_back_pressure(ray_cluster):
     q.shutdown()
 
 
-def test_ray_checkpoint_interchangeable_with_in_process(ray_cluster, tmp_path):
+def test_ray_checkpoint_interchangeable_with_in_process(ray_session, tmp_path):
     cfg = QueueConfig(COLUMNS, group_size=2, capacity=10)
     q = RayDistQueue(cfg, num_shards=2)
     ids = q.put({"prompt": [[1, 2], [3]], "meta": ["p", "p"]}, group_ids=[0, 0], versions=[4, 5])
@@ -134,7 +123,7 @@ class Consumer:
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(num_producers=st.integers(1, 3), num_consumers=st.integers(1, 2), rows=st.integers(1, 25),
        batch=st.integers(1, 6), num_shards=st.integers(1, 3), capacity=st.one_of(st.none(), st.integers(8, 16)))
-def test_ray_actors_hammer_queue_exactly_once(ray_cluster, num_producers, num_consumers, rows, batch,
+def test_ray_actors_hammer_queue_exactly_once(ray_session, num_producers, num_consumers, rows, batch,
                                               num_shards, capacity):
     name = f"hammer-{uuid.uuid4().hex}"
     q = RayDistQueue(QueueConfig(COLUMNS, capacity=capacity, put_timeout_s=30), num_shards=num_shards, name=name)
@@ -161,12 +150,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hier_worker(rank: int, world: int, port: int, gcs: str, name: str, results) -> None:
+def _hier_worker(rank: int, world: int, port: int, gcs: str, namespace: str, name: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from rlfusion.queue.hierarchical import GroupQueue
-    ray.init(address=gcs, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+    # the driver's namespace, which holds its named actors
+    ray.init(address=gcs, namespace=namespace, log_to_driver=False, configure_logging=False)
     q = RayDistQueue.connect(name)
     # rank = pp_stage * tp + tp_rank: rank 0 (stage 0, tp 0) reads, rank 2 (last stage, tp 0) writes
     gq = GroupQueue(q if rank in (0, 2) else None, q.schema, None, reader=0, writer=2)
@@ -181,7 +171,7 @@ def _hier_worker(rank: int, world: int, port: int, gcs: str, name: str, results)
     dist.destroy_process_group()
 
 
-def test_hierarchical_read_gives_every_rank_identical_data(ray_cluster):
+def test_hierarchical_read_gives_every_rank_identical_data(ray_session):
     name = f"hier-{os.getpid()}"
     q = RayDistQueue(QueueConfig(COLUMNS), num_shards=2, name=name)
     lengths = [3, 50, 7, 1, 200, 9]  # long tail
@@ -191,7 +181,8 @@ def test_hierarchical_read_gives_every_rank_identical_data(ray_cluster):
           versions=[0, 1, 2, 3, 4, 5])
     before = q.stats.get_requests
     results = mp.Manager().dict()
-    mp.spawn(_hier_worker, args=(4, _free_port(), ray_cluster, name, results), nprocs=4, join=True)
+    namespace = ray.get_runtime_context().namespace
+    mp.spawn(_hier_worker, args=(4, _free_port(), ray_session, namespace, name, results), nprocs=4, join=True)
     batches = [results[r][0] for r in range(4)]
     assert all(b == batches[0] for b in batches)  # identical on every rank
     assert [len(b[0]) for b in batches[0]] == [3, 3] and batches[0][0][3]["meta"] == ["m0", "m1", "m2"]
@@ -207,7 +198,7 @@ def test_hierarchical_read_gives_every_rank_identical_data(ray_cluster):
     q.shutdown()
 
 
-def test_ray_failed_shard_write_or_read_loses_and_blocks_nothing(ray_cluster, monkeypatch):
+def test_ray_failed_shard_write_or_read_loses_and_blocks_nothing(ray_session, monkeypatch):
     q = RayDistQueue(QueueConfig(COLUMNS, capacity=2), num_shards=1)
     ids = q.put({"prompt": [[1], [2]]})
 

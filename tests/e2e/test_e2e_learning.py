@@ -1,6 +1,6 @@
 """End to end: GRPO from the shipped base model raises held-out accuracy, colocated and separated
 (2 Ray devices; about two minutes each). Fully shared takes the colocated run's steps
-(tests/test_deployment.py), so it learns as colocated does."""
+(tests/distributed/test_deployment.py), so it learns as colocated does."""
 
 import pytest
 
@@ -13,7 +13,7 @@ from rlfusion.runtime.trainer import RLTrainer
 # Measured here (30 steps, 200 held-out problems, base 50.5%): colocated 66.0%, fully shared
 # 66.0%, separated 58.5%. Demand +6 points from the default mode, +4 from separated.
 @pytest.mark.parametrize("mode, gain", [("colocated", 0.06), ("separated", 0.04)])
-def test_grpo_from_the_shipped_base_learns(tmp_path, mode, gain):
+def test_grpo_from_the_shipped_base_learns(ray_session, tmp_path, mode, gain):
     cfg = load_config(TrainConfig, None, [
         f'base="{SHIPPED_BASE}"', f'out_dir="{tmp_path}"', "run_name=e2e", "max_steps=30",
         "eval_every=1000", "eval_problems=200", "checkpoint_every=1000", f"deploy.mode={mode}",
