@@ -27,6 +27,23 @@ Policy = Literal["fifo", "group", "oldest_version"]
 POLICIES: tuple[str, ...] = ("fifo", "group", "oldest_version")
 
 
+def row_runs(row_ids: Sequence[int]) -> tuple[int, ...]:
+    """Row ids as runs of consecutive ids, (first, count, first, count, ...): the wire form of a
+    list of rows (rows written by one put have consecutive ids, so a batch is a few runs)."""
+    out: list[int] = []
+    for r in row_ids:
+        if out and out[-2] + out[-1] == r:
+            out[-1] += 1
+        else:
+            out += [r, 1]
+    return tuple(out)
+
+
+def runs_rows(runs: Sequence[int]) -> list[int]:
+    """`row_runs`' inverse: the row ids, in order."""
+    return [r for first, n in zip(runs[::2], runs[1::2]) for r in range(first, first + n)]
+
+
 @dataclass
 class RowMeta:
     """Metadata of one live row."""

@@ -184,22 +184,20 @@ def batch_rows(groups: list[Group]) -> list[int]:
 
 # ---- the wire: reports as a rollout device answers them (columns of small ints) ----
 
-_REPORT_COLUMNS = ("group_id", "finished", "tokens", "held_by", "oldest", "version_sum", "samples")
-
-
-def pack_reports(reports: list[GroupReport]) -> tuple[list, ...]:
-    """`reports` as columns of ints, each group's rows as (first, count) — a put's rows have
-    consecutive ids — about a third of their pickled size as objects."""
-    first, count = [], []
+def pack_reports(reports: list[GroupReport]) -> list[int]:
+    """`reports` in their wire form, small non-negative ints, nine per group: group id,
+    finished, tokens (0 for a finished group: only an unfinished one can be dropped), holder + 1,
+    oldest version, version sum, samples, first row and row count — a put's rows have
+    consecutive ids. About a quarter of their pickled size as objects."""
+    out: list[int] = []
     for r in reports:
         if r.rows and tuple(r.rows) != tuple(range(r.rows[0], r.rows[0] + len(r.rows))):
             raise ValueError(f"group {r.group_id}: rows {r.rows} are not consecutive")
-        first.append(r.rows[0] if r.rows else 0)
-        count.append(len(r.rows))
-    return tuple([int(getattr(r, c)) for r in reports] for c in _REPORT_COLUMNS) + (first, count)
+        out += [r.group_id, int(r.finished), 0 if r.finished else r.tokens, r.held_by + 1, r.oldest, r.version_sum,
+                r.samples, r.rows[0] if r.rows else 0, len(r.rows)]
+    return out
 
 
-def unpack_reports(packed: tuple[list, ...]) -> list[GroupReport]:
-    *cols, first, count = packed
-    return [GroupReport(g, bool(f), t, tuple(range(a, a + n)), h, o, v, s)
-            for g, f, t, h, o, v, s, a, n in zip(*cols, first, count)]
+def unpack_reports(packed: list[int]) -> list[GroupReport]:
+    return [GroupReport(g, bool(f), t, tuple(range(a, a + n)), h - 1, o, v, s)
+            for g, f, t, h, o, v, s, a, n in zip(*(packed[i::9] for i in range(9)))]

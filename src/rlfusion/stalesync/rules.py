@@ -66,22 +66,34 @@ class GroupItem(NamedTuple):
     rows: tuple[int, ...] = ()
 
 
-def pack_items(items: list[GroupItem]) -> tuple[list[int], ...]:
-    """A rollout device's part of a plan as columns of small ints (the command's wire form):
-    group ids, problem id − group id (0 for a new group), resume flags, holders, handed-over
-    rows as (first, count) — a put's rows have consecutive ids."""
-    cols: tuple[list[int], ...] = ([], [], [], [], [], [])
+def pack_items(items: list[GroupItem]) -> tuple[list[int], list[int]]:
+    """A rollout device's part of a plan in its wire form, small non-negative ints: the new
+    groups (problem id = group id) as runs of consecutive ids (first, count, ...), and the
+    others as (group id, problem id, resume, holder + 1, first row, row count) each — a put's
+    rows have consecutive ids."""
+    runs: list[int] = []
+    others: list[int] = []
     for it in items:
+        if not it.resume and it.problem_id == it.group_id and not it.rows and it.held_by == -1:
+            if runs and runs[-2] + runs[-1] == it.group_id:
+                runs[-1] += 1
+            else:
+                runs += [it.group_id, 1]
+            continue
         if it.rows and tuple(it.rows) != tuple(range(it.rows[0], it.rows[0] + len(it.rows))):
             raise ValueError(f"group {it.group_id}: rows {it.rows} are not consecutive")
-        for col, value in zip(cols, (it.group_id, it.problem_id - it.group_id, int(it.resume), it.held_by,
-                                     it.rows[0] if it.rows else 0, len(it.rows))):
-            col.append(value)
-    return cols
+        others += [it.group_id, it.problem_id, int(it.resume), it.held_by + 1, it.rows[0] if it.rows else 0,
+                   len(it.rows)]
+    return runs, others
 
 
-def unpack_items(packed: tuple[list[int], ...]) -> list[GroupItem]:
-    return [GroupItem(g, g + p, bool(r), h, tuple(range(a, a + n))) for g, p, r, h, a, n in zip(*packed)]
+def unpack_items(packed: tuple[list[int], list[int]]) -> list[GroupItem]:
+    """`pack_items`' inverse, in group order."""
+    runs, others = packed
+    out = [GroupItem(g, g) for first, n in zip(runs[::2], runs[1::2]) for g in range(first, first + n)]
+    out += [GroupItem(g, p, bool(r), h - 1, tuple(range(a, a + n)))
+            for g, p, r, h, a, n in zip(*(others[i::6] for i in range(6)))]
+    return sorted(out, key=lambda it: it.group_id)
 
 
 @dataclass(frozen=True)
