@@ -28,7 +28,7 @@ from rlfusion.measure.calibrate_all import measure_calibration
 from rlfusion.model.checkpoint import find_base, load_base
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import dataflow
-from rlfusion.runtime.stages import RolloutStage
+from rlfusion.runtime.rollout_stage import RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.sim.calibration import KIND_SPEEDS, Calibration
 from rlfusion.sim.rl_config import RLSimConfig

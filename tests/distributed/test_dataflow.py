@@ -14,7 +14,7 @@ from rlfusion.config import load_config
 from rlfusion.model.checkpoint import find_base, load_checkpoint
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import dataflow
-from rlfusion.runtime.stages import RolloutStage
+from rlfusion.runtime.rollout_stage import RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 

@@ -24,7 +24,9 @@ from rlfusion.queue import DistQueue, split_balanced
 from rlfusion.runtime import dataflow
 from rlfusion.runtime.actor import ActorStage
 from rlfusion.rl.trajectory import split_by_token_budget
-from rlfusion.runtime.stages import ReferenceStage, RolloutStage, compute_advantages
+from rlfusion.runtime.advantage_stage import compute_advantages
+from rlfusion.runtime.reference_stage import ReferenceStage
+from rlfusion.runtime.rollout_stage import RolloutStage
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 from rlfusion.runtime.ray_devices import WorkerDiedError
@@ -560,27 +562,27 @@ def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_pat
     plain = DeviceWorker(0, plan, cfg, str(find_base()), queue=DistQueue(dataflow.queue_config(G)))
     plain.connect(None)
     assert plain.generate(groups, 0, score_here=True)["rows"] == 16
-    want = _rows(plain.queue, 16)
+    want = _rows(plain.ctx.queue, 16)
     assert [r[:2] for r in want] == [(g, i) for g in groups for i in range(G)]
 
     worker = DeviceWorker(0, plan, cfg, str(find_base()), queue=DistQueue(dataflow.queue_config(G)))
     worker.connect(None)
     assert worker.take_finished() == ([], False)  # no rollout running
-    taken, offer = [], worker.pool.offer
+    taken, offer = [], worker.scorer.pool.offer
 
     def offer_then_steal(t):
         offer(t)
         got, open_ = worker.take_finished(min_count=3, max_tokens=1)
         assert open_ and len(got) in (0, 1)  # at least one sample, however long
         taken.extend(got)
-    worker.pool.offer = offer_then_steal
+    worker.scorer.pool.offer = offer_then_steal
     out = worker.generate(groups, 0, score_here=True, share=True)
     mine = out["rows"]
     assert taken and mine and worker.take_finished() == ([], False)  # the pool closes with the rollout
-    assert mine + len(taken) == 16 and len(worker.queue) == mine  # the rollout put only its own
+    assert mine + len(taken) == 16 and len(worker.ctx.queue) == mine  # the rollout put only its own
     assert all(t.ref_logprobs is None for t in taken)  # taken unscored: the peer's to score
-    worker._put(worker.score_and_reference(taken), scored=True)  # what a peer's `score_from` does
-    _same_rows(_rows(worker.queue, 16), want)
+    worker.scorer.put_scored(worker.scorer.score_and_reference(taken))  # what a peer's `score_from` does
+    _same_rows(_rows(worker.ctx.queue, 16), want)
 
 
 def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_path):
@@ -594,19 +596,19 @@ def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_
 
     cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
     worker = DeviceWorker(0, DeploymentPlan.build(cfg.deploy), cfg, str(find_base()))
-    worker.pool.open()
+    worker.scorer.pool.open()
     assert worker.take_finished(min_count=2, wait_s=0.0) == ([], True)  # too few, no wait
 
     def later(action, delay=0.2):
         threading.Timer(delay, action).start()
 
     samples = [SimpleNamespace(num_tokens=5) for _ in range(2)]
-    later(lambda: [worker.pool.offer(t) for t in samples])
+    later(lambda: [worker.scorer.pool.offer(t) for t in samples])
     start = time.monotonic()
     got, open_ = worker.take_finished(min_count=2, wait_s=30.0)
     assert open_ and got == samples and time.monotonic() - start < 5.0
 
-    later(worker.pool.close)
+    later(worker.scorer.pool.close)
     start = time.monotonic()
     assert worker.take_finished(min_count=2, wait_s=30.0) == ([], False)
     assert time.monotonic() - start < 5.0
@@ -658,7 +660,7 @@ def test_ppo_critic_on_two_devices_equals_one_process_and_resumes(ray_session, t
     """PPO's value model on the Ray train devices: its data-parallel update (values, GAE
     whitened over both devices' samples, the value loss) equals the one-process update on the
     whole batch, a run trains it, and a checkpoint carries it."""
-    from rlfusion.runtime.stages import CriticStage, gae_advantages
+    from rlfusion.runtime.critic import CriticStage, gae_advantages
     from rlfusion.runtime.trainer import resume
 
     base = find_base()
@@ -720,12 +722,13 @@ def _greedy_ids(worker, indices: list[int], max_new_tokens: int) -> list[list[in
     """(Run inside a device worker.) Greedy token ids of held-out problems from this device's
     rollout engine, inside the switch (collective in a training layout: every rollout device
     calls it at once)."""
-    heldout = worker.task.heldout()
-    model = worker.rollout.engine.runner.model
+    generator = worker.generator
+    heldout = generator.task.heldout()
+    model = generator.stage.engine.runner.model
     model.eval()
     try:
-        with worker.switch.rollout("eval"):
-            completions = greedy_completions(worker.rollout.engine, worker.tokenizer,
+        with worker.ctx.switch.rollout("eval"):
+            completions = greedy_completions(generator.stage.engine, generator.tokenizer,
                                              [heldout[i] for i in indices], max_new_tokens)
     finally:
         model.train()
@@ -734,14 +737,14 @@ def _greedy_ids(worker, indices: list[int], max_new_tokens: int) -> list[list[in
 
 def _record_reads(worker) -> None:
     """(Run inside a device worker.) Keep each batch its update reads, as that device got it."""
-    read = worker.reads.get_rows
+    read = worker.learner.reads.get_rows
     worker.batches_read = []
 
     def get_rows(consumer, row_ids, columns, timeout=None):
         batch = read(consumer, row_ids, columns, timeout=timeout)
         worker.batches_read.append((list(batch.row_ids), list(batch.group_ids), batch.columns))
         return batch
-    worker.reads.get_rows = get_rows
+    worker.learner.reads.get_rows = get_rows
 
 
 def _batches_read(worker) -> list:

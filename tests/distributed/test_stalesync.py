@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from rlfusion.model.checkpoint import find_base
 from rlfusion.config import load_config
 from rlfusion.engine.types import Completion, SamplingParams
-from rlfusion.runtime.stages import RolloutStage
+from rlfusion.runtime.rollout_stage import RolloutStage
 from rlfusion.queue import DistQueue
 from rlfusion.runtime.dataflow import ROLLOUT, queue_config, to_trajectories, trajectory_columns
 from rlfusion.runtime.partial_rollout import PartialRollout

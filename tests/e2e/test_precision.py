@@ -36,8 +36,8 @@ def _run(tmp_path, precision):
     try:
         ms = [trainer.train_step() for _ in range(2)]
         worker = trainer.devices.workers[0]
-        state = worker.actor.optimizer.state
-        dtypes = {p.dtype for p in worker.train_model.parameters()} | {
+        state = worker.learner.actor.optimizer.state
+        dtypes = {p.dtype for p in worker.learner.train_model.parameters()} | {
             t.dtype for st in state.values() for t in st.values() if torch.is_tensor(t) and t.dim()}
     finally:
         trainer.close()

@@ -11,7 +11,9 @@ from rlfusion.obs.metrics import read_metrics
 from rlfusion.runtime.actor import ActorStage, NonFiniteLossError
 from rlfusion.rl.kl import kl_estimate
 from rlfusion.runtime.dataflow import group_problem
-from rlfusion.runtime.stages import CollapseError, apply_kl_reward_penalty, compute_advantages, gae_advantages
+from rlfusion.runtime.advantage_stage import apply_kl_reward_penalty, compute_advantages
+from rlfusion.runtime.critic import gae_advantages
+from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.run_state import read_state
 from rlfusion.runtime.trainer import RLTrainer, resume
@@ -132,9 +134,9 @@ def test_reward_model_hook_scores_batches(base, tmp_path):
     trainer = RLTrainer(cfg, tmp_path / "rm", base)
     device = trainer.devices.workers[0]  # the local backend's one device
     problems = [group_problem(trainer.task, cfg.seed, g) for g in range(2)]
-    with device.switch.rollout():
-        trajs = device.rollout.generate(problems, [0, 1])
-    device.reward.score(trajs)
+    with device.ctx.switch.rollout():
+        trajs = device.generator.stage.generate(problems, [0, 1])
+    device.scorer.reward.score(trajs)
     texts = [trainer.tokenizer.decode(t.response_ids) for t in trajs]
     assert [t.reward for t in trajs] == [1.0 if len(x) < 6 else 0.0 for x in texts]
 
@@ -148,14 +150,14 @@ def test_ppo_with_critic_trains_the_value_model(base, tmp_path):
     cfg = _cfg(base, tmp_path, "ppo", max_steps=3, **{"algo.advantage": "gae", "algo.kl_coef": 0, "algo.lam": 1})
     trainer = RLTrainer(cfg, tmp_path / "ppo", base)
     device = trainer.devices.workers[0]
-    head_before = device.critic.model.lm_head.weight.clone()
+    head_before = device.learner.critic.model.lm_head.weight.clone()
     metrics = [trainer.train_step() for _ in range(3)]
     assert all("value_error" in m for m in metrics)
-    assert not torch.equal(head_before, device.critic.model.lm_head.weight)
-    with device.switch.rollout():
-        trajs = device.rollout.generate([group_problem(trainer.task, cfg.seed, 99)], [99])
-    device.reward.score(trajs)
-    device.critic.values(trajs)
+    assert not torch.equal(head_before, device.learner.critic.model.lm_head.weight)
+    with device.ctx.switch.rollout():
+        trajs = device.generator.stage.generate([group_problem(trainer.task, cfg.seed, 99)], [99])
+    device.scorer.reward.score(trajs)
+    device.learner.critic.values(trajs)
     gae_advantages(trajs, cfg.algo)
     for t in trajs:
         assert len(t.token_advantages) == len(t.response_ids) == len(t.returns)
@@ -167,31 +169,32 @@ def _direct_step(trainer: RLTrainer) -> dict[str, float]:
     """Reference: the stages called one after another on shared trajectories, no queue and no
     switch (the device's stage objects, called directly)."""
     cfg, device = trainer.cfg, trainer.devices.workers[0]
+    generator, scorer, learner = device.generator, device.scorer, device.learner
     P = cfg.rollout.prompts_per_step
     groups = list(range(trainer.step * P, (trainer.step + 1) * P))
-    with device.switch.rollout():  # (the switch moves state bitwise: nothing it computes changes)
-        trajs = device.rollout.generate([group_problem(trainer.task, cfg.seed, g) for g in groups], groups,
-                                        trainer.devices.version)
-    device.reward.score(trajs)
+    with device.ctx.switch.rollout():  # (the switch moves state bitwise: nothing it computes changes)
+        trajs = generator.stage.generate([group_problem(trainer.task, cfg.seed, g) for g in groups], groups,
+                                         trainer.devices.version)
+    scorer.reward.score(trajs)
     metrics = {}
-    if device.reference is not None:
-        device.reference.logprobs(trajs)
+    if scorer.reference is not None:
+        scorer.reference.logprobs(trajs)
         if cfg.algo.kl_mode == "reward":
             for t in trajs:
                 t.kl = float(kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs),
                                                     cfg.algo.kl_kind).sum())
             metrics.update(apply_kl_reward_penalty(trajs, cfg.algo))
     kept = compute_advantages(trajs, cfg.algo, cfg.rollout.group_size)
-    if device.critic is not None:
-        device.switch.enter_train()
-        device.critic.values(trajs)
+    if learner.critic is not None:
+        device.ctx.switch.enter_train()
+        learner.critic.values(trajs)
         gae_advantages(trajs, cfg.algo)
-        metrics.update(device.critic.update(trajs))
-    device.switch.enter_train()
+        metrics.update(learner.critic.update(trajs))
+    device.ctx.switch.enter_train()
     if kept:
-        metrics.update(device.actor.update(kept))
+        metrics.update(learner.actor.update(kept))
     else:
-        device.actor.skip_update()
+        learner.actor.skip_update()
     trainer.devices.version += 1
     trainer.step += 1
     metrics["reward_mean"] = sum(t.reward for t in trajs) / len(trajs)

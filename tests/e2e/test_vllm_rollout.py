@@ -46,7 +46,7 @@ def test_colocated_vllm_sleeps_for_training_and_wakes_with_the_new_weights(hf_ru
                "reward=reward_fns:length_reward")
     trainer = RLTrainer(cfg, hf_run / "local", hf_run / "base")
     try:
-        engine = trainer.devices.workers[0].rollout.engine
+        engine = trainer.devices.workers[0].generator.stage.engine
         assert isinstance(engine, VLLMEngine) and engine.llm.kwargs["skip_tokenizer_init"]
         ms = [trainer.train_step() for _ in range(3)]
     finally:
@@ -165,11 +165,11 @@ def test_an_error_inside_a_rollout_is_not_hidden_by_the_switch_back(hf_run):
     trainer = RLTrainer(cfg, hf_run / "err", hf_run / "base")
     try:
         worker = trainer.devices.workers[0]
-        engine = worker.rollout.engine
+        engine = worker.generator.stage.engine
         with pytest.raises(ValueError, match="the body's own error"):
-            with worker.switch.rollout():
+            with worker.ctx.switch.rollout():
                 engine.add_request(__import__("rlfusion.engine.types", fromlist=["Request"]).Request(
-                    "x", [0, 5], worker.rollout.params))
+                    "x", [0, 5], worker.generator.stage.params))
                 raise ValueError("the body's own error")  # vLLM cannot sleep with a request open
     finally:
         trainer.close()

@@ -15,7 +15,8 @@ from rlfusion.config import load_config
 from rlfusion.model.checkpoint import find_base, load_base, load_checkpoint
 from rlfusion.rl.replay import replay_length
 from rlfusion.rl.tasks.arithmetic import ArithmeticTask
-from rlfusion.runtime.stages import RewardStage, RolloutStage
+from rlfusion.runtime.reward_stage import RewardStage
+from rlfusion.runtime.rollout_stage import RolloutStage
 from rlfusion.runtime.train_config import RolloutConfig, TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 

@@ -18,7 +18,7 @@ from rlfusion.errors import RewardError, RunError
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.trajectory import Trajectory
-from rlfusion.runtime.stages import RewardStage
+from rlfusion.runtime.reward_stage import RewardStage
 from rlfusion.runtime.train_config import AlgoConfig, TrainConfig
 
 
@@ -212,7 +212,7 @@ def test_a_number_too_large_and_sys_exit_are_reward_faults(timeout_s):
 def test_the_advantage_stage_counts_failed_rewards_and_drops_their_groups_on_request(policy):
     from rlfusion.queue.client import DistQueue
     from rlfusion.runtime import dataflow
-    from rlfusion.runtime.stages import advantage_stage
+    from rlfusion.runtime.advantage_stage import advantage_stage
 
     cfg = TrainConfig(reward_on_failure=policy)
     g = cfg.rollout.group_size

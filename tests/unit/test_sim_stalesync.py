@@ -204,7 +204,7 @@ def test_threshold_stops_the_rollout_early_and_carries_the_tail():
 
 def test_stop_rule_cadence_mirrors_the_runtime():
     """The runtime model meets as often as `RolloutStage.run_groups` does."""
-    from rlfusion.runtime.stages import SYNC_EVERY
+    from rlfusion.runtime.rollout_stage import SYNC_EVERY
 
     assert RLSimConfig().stop_sync_every == SYNC_EVERY
 

@@ -297,7 +297,7 @@ def measure_train_and_reference(model, tokenizer, quick: bool, switch_model=None
     (built for the long samples' context); the switch restores a KV cache sized for
     `switch_model`'s context (default `model`'s)."""
     from rlfusion.runtime.actor import ActorStage
-    from rlfusion.runtime.stages import ReferenceStage
+    from rlfusion.runtime.reference_stage import ReferenceStage
     from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
     reps = 2 if quick else 5
@@ -346,13 +346,13 @@ def _measure_switches(actor, reference, model, reps: int) -> tuple[float, float]
 
 def measure_advantage(tokenizer, vocab: int, quick: bool, n: int = 256) -> float:
     """Seconds per sample of one update's advantage stage, as the first train device runs it
-    between the rollout and the update (`stages.advantage_stage`): each row's numbers read from
-    a DistQueue, advantages written back by row id, the kept rows split over two data-parallel
+    between the rollout and the update (`advantage_stage.advantage_stage`): each row's numbers
+    read from a DistQueue, advantages computed, the kept rows split over two data-parallel
     ranks, and the rows retired after the update — on `n` synthetic samples whose rows the
     rollout devices have put (their puts are rollout work, not timed here)."""
     from rlfusion.queue import DistQueue
     from rlfusion.runtime import dataflow
-    from rlfusion.runtime.stages import advantage_stage
+    from rlfusion.runtime.advantage_stage import advantage_stage
     from rlfusion.runtime.train_config import TrainConfig
 
     cfg, group = TrainConfig(), 8
@@ -427,7 +427,7 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
 
     from rlfusion.engine.engine import EngineConfig, LLMEngine
     from rlfusion.engine.types import Request, SamplingParams
-    from rlfusion.runtime.stages import SYNC_EVERY
+    from rlfusion.runtime.rollout_stage import SYNC_EVERY
 
     model.eval()
     engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=rank))

@@ -1,6 +1,6 @@
 """Finished samples of a running synchronous rollout that an idle peer device may score
 (`deploy.share_scoring`): the generating device offers each sample as it finishes; a peer takes
-them a chunk at a time (`DeviceWorker.take_finished`, served on its own thread), the generating
+them a chunk at a time (`Scorer.take_finished`, served on its own thread), the generating
 device scores the rest once it stops decoding.
 
 Owns the pool's state (open, still decoding) and its waiting rules, thread-safe. It does not

@@ -88,10 +88,10 @@ class RayDevices(Devices):
         self.workers = [actor_cls.options(
             **worker_options(plan, threads), runtime_env=env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
-        ).remote(d, plan, cfg, str(base_path)) for d in range(plan.num_devices)]
+        ).remote(d, plan, cfg, str(base_path), self.queue) for d in range(plan.num_devices)]
         address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
         self.rendezvous = address  # (host, port) of the device world's store, for checks
-        self.call([w.connect.remote(address, self.queue) for w in self.workers])
+        self.call([w.connect.remote(address) for w in self.workers])
         self.call([w.settle.remote() for w in self.workers])
 
     def _start(self, device: int, method: str, *args: Any) -> Any:

@@ -1,0 +1,37 @@
+"""The scorer's reference stage: each response's log-probabilities under the frozen reference
+(base) model, and the summed KL estimate against them that KL reward shaping subtracts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.rl.kl import kl_estimate
+from rlfusion.rl.trajectory import Trajectory, device_of, pack, split_by_token_budget, token_logprobs
+
+
+class ReferenceStage:
+    """Log-probabilities of each response under the frozen reference (base) model."""
+
+    def __init__(self, model: MoETransformer, temperature: float, microbatch_tokens: int):
+        self.model = model.eval().requires_grad_(False)
+        self.temperature, self.microbatch_tokens = temperature, microbatch_tokens
+
+    @torch.no_grad()
+    def logprobs(self, trajs: list[Trajectory]) -> None:
+        for micro in split_by_token_budget(trajs, self.microbatch_tokens):
+            batch = pack(micro, device_of(self.model))
+            logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
+            mask = batch.loss_mask_N.bool()
+            per_seq = logprobs_N[mask].split([len(t.response_ids) for t in micro])
+            for t, lp in zip(micro, per_seq):
+                t.ref_logprobs = lp.tolist()
+
+
+def add_summed_kl(trajs: list[Trajectory], kind: str) -> None:
+    """Each sample's `kl`: its per-token KL estimate (`kind`, `algo.kl_kind`) between behaviour
+    and reference logprobs, summed — one number per sample, what reward shaping subtracts."""
+    for t in trajs:
+        kl = kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs), kind)
+        t.kl = float(kl.sum())
