@@ -204,9 +204,10 @@ def test_threshold_stops_the_rollout_early_and_carries_the_tail():
 
 def test_stop_rule_cadence_mirrors_the_runtime():
     """The runtime model meets as often as `RolloutStage.run_groups` does."""
-    from rlfusion.runtime.rollout_stage import SYNC_EVERY
+    from rlfusion.runtime import rollout_stage
+    from rlfusion.stalesync.rules import STOP_SYNC_EVERY
 
-    assert RLSimConfig().stop_sync_every == SYNC_EVERY
+    assert RLSimConfig().stop_sync_every == STOP_SYNC_EVERY and rollout_stage.STOP_SYNC_EVERY is STOP_SYNC_EVERY
 
 
 def test_separated_overlap_with_scorers_on_the_train_devices():

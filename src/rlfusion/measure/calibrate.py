@@ -419,7 +419,7 @@ def _pair_worker(rank: int, setup: Setup, init: str, out) -> None:
 
 def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float:
     """Seconds per stop-rule sum while both processes decode, as in a partial rollout on two
-    devices (`RolloutStage.run_groups`: a sum every `SYNC_EVERY` engine steps): both run the
+    devices (`RolloutStage.run_groups`: a sum every `STOP_SYNC_EVERY` engine steps): both run the
     same number of steps (fixed-length generation), so the time in the sum is the collective
     plus the wait for the other process's share of step-to-step jitter."""
     import torch
@@ -427,7 +427,7 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
 
     from rlfusion.engine.engine import EngineConfig, LLMEngine
     from rlfusion.engine.types import Request, SamplingParams
-    from rlfusion.runtime.rollout_stage import SYNC_EVERY
+    from rlfusion.stalesync.rules import STOP_SYNC_EVERY
 
     model.eval()
     engine = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, seed=rank))
@@ -438,7 +438,7 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
     counts = torch.zeros(4, dtype=torch.int64)
     waited, calls, steps = 0.0, 0, 0
     while engine.has_unfinished():
-        if steps % SYNC_EVERY == 0:
+        if steps % STOP_SYNC_EVERY == 0:
             start = time.perf_counter()
             dist.all_reduce(counts)
             waited += time.perf_counter() - start

@@ -61,7 +61,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
             "reference weights to host and back",
             "transfer_GBps: gloo broadcast of the weights in 4 MB buckets between 2 processes",
             "stop_sync_s: gloo all-reduce of 4 int64 counts between the same 2 processes while "
-            "both decode 64 rows, one every SYNC_EVERY engine steps (waiting for the other included)",
+            "both decode 64 rows, one every STOP_SYNC_EVERY engine steps (waiting for the other included)",
             "advantage_s_per_sample: the first train device's advantage stage on 256 synthetic "
             "samples (numbers per row read from and written to a DistQueue, the data-parallel "
             "split, the retire), per sample",

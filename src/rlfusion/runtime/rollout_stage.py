@@ -20,9 +20,8 @@ from rlfusion.rl.problem import Problem
 from rlfusion.rl.replay import replay_length
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime.train_config import RolloutConfig
-from rlfusion.stalesync.rules import rollout_stops
+from rlfusion.stalesync.rules import STOP_SYNC_EVERY, rollout_stops
 
-SYNC_EVERY = 8  # engine steps between the rollout devices' stop-rule sums (2: -10% tokens/s from lock-step waits)
 
 
 class RolloutStage:
@@ -108,7 +107,7 @@ class RolloutStage:
         the unfinished `must_finish` groups are given up instead). The rest is aborted.
 
         With several rollout devices, `sync(finished, due unfinished, busy, failed)` sums those counts
-        over the devices (every `SYNC_EVERY` engine steps, and while this device has nothing
+        over the devices (every `STOP_SYNC_EVERY` engine steps, and while this device has nothing
         left to run) and the stop rule applies to the sums: `quota` is then the devices' total,
         and a device that runs out of work waits for the others instead of ending the rollout.
         `sync` is a `stop_sums.StopSums`: called with `wait=not busy`; a polled one may answer None
@@ -134,7 +133,7 @@ class RolloutStage:
             error = e
         while True:
             busy = error is None and self.engine.has_unfinished()
-            if sync is None or not busy or steps % SYNC_EVERY == 0 or sync.pending:
+            if sync is None or not busy or steps % STOP_SYNC_EVERY == 0 or sync.pending:
                 counts = (len(run.finished_groups), len(must_finish - run.finished_groups), int(busy),
                           int(error is not None))
                 # a failing device keeps joining the sums with its error flag, so no peer is left

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from rlfusion.engine.scheduler import MAX_NUM_SEQS
+from rlfusion.stalesync.rules import STOP_SYNC_EVERY
 
 MODES = ("separated", "colocated", "fully_shared", "hybrid")  # deploy.mode
 STALESYNC_MODELS = ("samples", "runtime")
@@ -65,8 +66,8 @@ class RLSimConfig:
     # device, from its saved cache row, no prefill) or "recompute" (prompt + partial output prefilled)
     resume_kv: str = "keep"
     max_num_batched_tokens: int = 4096  # runtime model: the engine's token budget per step (packed prefill)
-    stop_sync_every: int = 8  # runtime model: engine steps between the rollout devices'
-    #                           stop-rule sums (mirrors stages.SYNC_EVERY; a test checks)
+    stop_sync_every: int = STOP_SYNC_EVERY  # runtime model: engine steps between the rollout
+    #                                         devices' stop-rule sums (the runtime's own constant)
     reference: bool = True  # a reference-model pass per sample (False: no KL term, algo.kl_coef=0)
     reward_model: bool = False  # fully_shared mode: a reward-model forward (else a free verifier)
     queue_bytes_per_token: int = 12  # token id, behaviour logprob, policy version

@@ -14,6 +14,9 @@ from rlfusion.config import check_fields
 OVERDUE = ("wait", "drop")
 RESUME_KV = ("keep", "recompute")
 MAX_STALENESS = 8
+# engine steps between the rollout devices' stop-rule sums (2: -10% tokens/s from lock-step waits); the
+# runtime's partial rollout and the simulator's model of it both read it
+STOP_SYNC_EVERY = 8
 JOIN_SHARE = 0.25  # hybrid placement: the train devices' share of the first overlapped rollout's new groups
 
 
