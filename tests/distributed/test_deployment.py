@@ -736,19 +736,26 @@ def _greedy_ids(worker, indices: list[int], max_new_tokens: int) -> list[list[in
 
 
 def _record_reads(worker) -> None:
-    """(Run inside a device worker.) Keep each batch its update reads, as that device got it."""
-    read = worker.learner.reads.get_rows
-    worker.batches_read = []
+    """(Run inside a device worker.) Keep each batch its update reads, as that device got it, and
+    the advantages its actor trains with (they come with the update's split, not the batch)."""
+    learner = worker.learner
+    read, update = learner.reads.get_rows, learner.actor.update
+    worker.batches_read, worker.advantages = [], []
 
     def get_rows(consumer, row_ids, columns, timeout=None):
         batch = read(consumer, row_ids, columns, timeout=timeout)
         worker.batches_read.append((list(batch.row_ids), list(batch.group_ids), batch.columns))
         return batch
-    worker.learner.reads.get_rows = get_rows
+
+    def actor_update(trajs):
+        worker.advantages.append([t.advantage for t in trajs])
+        return update(trajs)
+    learner.reads.get_rows = get_rows
+    learner.actor.update = actor_update
 
 
-def _batches_read(worker) -> list:
-    return worker.batches_read
+def _batches_read(worker) -> tuple[list, list]:
+    return worker.batches_read, worker.advantages
 
 
 @pytest.mark.parametrize("layout", ["deploy.train_tp", "deploy.train_pp"])
@@ -779,14 +786,16 @@ def test_model_parallel_devices_read_the_same_batch_once_with_hierarchical_reads
         devices.update(len(trajs))
         # one request is the advantage stage's (the first train device reads the rows' numbers)
         assert devices.queue.stats.get_requests - before - 1 == requests
-        seen = devices.call([w.__ray_call__.remote(_batches_read) for w in devices.workers])
-        assert len(seen[0]) == len(seen[1]) == 1
-        assert seen[0] == seen[1]  # identical batches on both ranks
-        row_ids, group_ids, columns = seen[0][0]
+        (seen, advantages), (seen_1, advantages_1) = devices.call(
+            [w.__ray_call__.remote(_batches_read) for w in devices.workers])
+        assert len(seen) == len(seen_1) == 1
+        assert seen == seen_1  # identical batches on both ranks
+        row_ids, group_ids, columns = seen[0]
         assert row_ids == ids and group_ids == [t.group_id for t in trajs]
         assert sorted(columns) == sorted(dataflow.actor_reads(cfg))
         assert columns["response_ids"] == [t.response_ids for t in trajs]
-        assert columns["advantage"] == pytest.approx([t.advantage for t in kept])
+        # the advantages came with the split, to both ranks
+        assert advantages == advantages_1 and advantages[0] == pytest.approx([t.advantage for t in kept])
     finally:
         ray.cloudpickle.unregister_pickle_by_value(module)
         trainer.close()

@@ -54,15 +54,16 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
 
 
 def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int, cost: SeqCost | None = None
-                    ) -> tuple[list[dataflow.RowNumbers], list[list[int]], dict[str, float]]:
+                    ) -> tuple[list[dataflow.RowNumbers], list[dataflow.RankRows], dict[str, float]]:
     """The advantage stage of one update, on the first train device: the scored rows' numbers
     from the queue — `rows`: a count (the first that many complete groups, a synchronous step's)
     or the row ids (StaleSync's batch) — (reward, score, lengths, KL; never their tokens), KL
-    reward shaping if any, advantages, which rows the update keeps, written back by row id
-    (`advantage`, `shaped_reward`, `train`), and the kept rows split over `num_ranks`
-    data-parallel ranks by tokens, or with `cost` by its a·tokens + b·tokens²
-    (`optim.dp_balance=cost`). Returns the rows (in (group, sample) order), each rank's row ids,
-    and the batch's aggregates (what the controller records)."""
+    reward shaping if any, advantages, which rows the update keeps, and the kept rows split over
+    `num_ranks` data-parallel ranks by tokens, or with `cost` by its a·tokens + b·tokens²
+    (`optim.dp_balance=cost`). Nothing is written back: each rank's share carries its rows'
+    advantages and shaped rewards (`dataflow.RankRows`), and the split goes to the train devices
+    anyway. Returns the rows (in (group, sample) order), each rank's share, and the batch's
+    aggregates (what the controller records)."""
     timeout = cfg.deploy.queue_timeout_s
     reads = dataflow.advantage_reads(cfg)
     count = rows if isinstance(rows, int) else len(rows)
@@ -84,9 +85,9 @@ def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int,
     kept = {id(r) for r in compute_advantages(scored, cfg.algo, cfg.rollout.group_size)} if scored else set()
     for r in rows:
         r.train = id(r) in kept
-    queue.put(dataflow.trajectory_columns(rows, dataflow.ADVANTAGE.writes), row_ids=[r.row_id for r in rows])
     train = [r for r in rows if r.train]
-    shards = [[train[i].row_id for i in part] for part in shard_rows([r.num_tokens for r in train], num_ranks, cost)]
+    split = [dataflow.RankRows.of([train[i] for i in part])
+             for part in shard_rows([r.num_tokens for r in train], num_ranks, cost)]
     out.update({
         "reward_mean": sum(r.reward for r in rows) / count,
         "correct_mean": sum(r.correct for r in rows) / count,
@@ -99,4 +100,4 @@ def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int,
         "reward_failures": sum(r.reward_failed for r in rows),  # samples whose user reward failed
         "reward_failed_groups": len(failed_groups),
     })
-    return rows, shards, out
+    return rows, split, out

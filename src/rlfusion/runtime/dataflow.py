@@ -1,18 +1,27 @@
 """The RL dataflow as DistQueue traffic: one queue row per sampled response, one column per field
 a stage adds, and which columns each stage reads and writes.
 
-    rollout    (device)  ─put─► problem prompt_ids response_ids behaviour_logprobs versions
-                                finish_reason sample num_tokens response_len truncated
-    reward     (device)  get(problem, response_ids)                 ─put─► reward correct
-    reference  (device)  get(prompt_ids, response_ids, behaviour_logprobs) ─put─► ref_logprobs kl
-    advantage  (first train device)  get(reward correct kl sample num_tokens response_len
-                                         truncated) ─put─► advantage shaped_reward train
-    actor      (device)  get_rows(prompt_ids response_ids behaviour_logprobs advantage|shaped_reward
-                                  [ref_logprobs]) ─► update; the first train device then retires
-                                  the rows
+    rollout    (device)  ─put─► prompt_ids response_ids behaviour_logprobs versions finish_reason
+                                sample num_tokens response_len truncated [problem: rows that go in
+                                unscored, for the reward stage]
+    reward     (device)  get(problem, response_ids)                 ─put─► reward correct reward_failed
+    reference  (device)  get(prompt_ids, response_ids, behaviour_logprobs) ─put─► ref_logprobs
+                                (kl_mode=loss: the actor's KL term) | kl (kl_mode=reward)
+    advantage  (first train device)  get(reward correct reward_failed sample num_tokens
+                                         response_len truncated [kl]) ─► the split (`RankRows`:
+                                         row ids, advantages, shaped rewards), broadcast to the
+                                         train devices
+    actor      (device)  get_rows(prompt_ids response_ids behaviour_logprobs [ref_logprobs]) of its
+                                  rank's rows ─► update; the first train device then retires the rows
+    handover   (device)  hybrid placement: a late device's paused samples, put and read back with
+                                  the rollout's columns
 
 The controller reads and writes no row: every stage runs on the devices. A stage reads only the
-columns it needs and writes only the ones it produces.
+columns it needs, and a column is written only when a stage of this run reads it: what the
+advantage stage computes rides the split it broadcasts anyway, not the queue. The exception is
+a finished row's `versions` and `finish_reason`, which the handover reads of paused rows: they
+stay with every row as the sample's record (which policy version made each token; packed, a
+byte or two per token).
 `Trajectory` is the stages' working form of a row: `to_trajectories` and `trajectory_columns`
 translate.
 """
@@ -45,9 +54,6 @@ TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
     ColumnSpec("reward_failed", "int8"),  # 1 = the user's reward failed for it (reward 0)
     ColumnSpec("ref_logprobs", "float32", variable_length=True),
     ColumnSpec("kl", "float64"),  # the sample's summed KL estimate against the reference
-    ColumnSpec("advantage", "float64"),
-    ColumnSpec("shaped_reward", "float64"),  # the reward after KL shaping (what GAE uses)
-    ColumnSpec("train", "int8"),  # 1 = kept for the update (dynamic sampling may drop a group)
 )
 
 
@@ -64,9 +70,21 @@ ROLLOUT = Stage("rollout", (), ("problem", "prompt_ids", "response_ids", "behavi
                                 "finish_reason", "sample", "num_tokens", "response_len", "truncated"))
 REWARD = Stage("reward", ("problem", "response_ids"), ("reward", "correct", "reward_failed"))
 REFERENCE = Stage("reference", ("prompt_ids", "response_ids", "behaviour_logprobs"), ("ref_logprobs", "kl"))
+# the advantage stage writes no column: its results ride the split (`RankRows`)
 ADVANTAGE = Stage("advantage", ("reward", "correct", "reward_failed", "sample", "num_tokens", "response_len",
-                                "truncated"),
-                  ("advantage", "shaped_reward", "train"))
+                                "truncated"), ())
+
+
+def rollout_writes(scored: bool) -> tuple[str, ...]:
+    """The columns of new rows from a rollout: the problem only when the rows go in unscored
+    (the reward stage reads it then; scored here, nothing does)."""
+    return tuple(c for c in ROLLOUT.writes if c != "problem") if scored else ROLLOUT.writes
+
+
+def reference_writes(cfg: Any) -> tuple[str, ...]:
+    """What the reference stage writes: the per-token logprobs for the actor's KL loss term
+    (`algo.kl_mode=loss`), or the summed KL estimate for reward shaping (`kl_mode=reward`)."""
+    return ("ref_logprobs",) if cfg.algo.kl_mode == "loss" else ("kl",)
 
 
 def advantage_reads(cfg: Any) -> tuple[str, ...]:
@@ -75,9 +93,9 @@ def advantage_reads(cfg: Any) -> tuple[str, ...]:
 
 
 def actor_reads(cfg: Any) -> list[str]:
-    """The columns an update reads: GAE (PPO with a critic) needs the reward, not an advantage."""
+    """The columns an update reads (its rows' advantages and shaped rewards come with the split,
+    `RankRows`)."""
     cols = ["prompt_ids", "response_ids", "behaviour_logprobs"]
-    cols.append("shaped_reward" if cfg.algo.advantage == "gae" else "advantage")
     if cfg.algo.kl_coef and cfg.algo.kl_mode == "loss":
         cols.append("ref_logprobs")
     return cols
@@ -96,7 +114,7 @@ def group_problem(task: Any, seed: int, group_id: int) -> Problem:
 @dataclass
 class RowNumbers:
     """What the advantage stage knows of a sample: its numbers, never its tokens. It sets
-    `reward` (KL-shaped, when shaping is on), `advantage` and `train`."""
+    `reward` (KL-shaped, when shaping is on), `advantage` and `train` (kept for the update)."""
 
     row_id: int
     group_id: int
@@ -112,9 +130,29 @@ class RowNumbers:
     train: bool = True
 
 
+@dataclass
+class RankRows:
+    """One data-parallel rank's share of an update, as the advantage stage's split carries it to
+    the train devices: the rows the rank reads from the queue by id, and for each what the stage
+    computed that no column holds — its advantage (GRPO, RLOO, REINFORCE++; 0 with GAE, whose
+    per-token advantages the critic computes) and its reward after KL shaping (GAE's reward)."""
+
+    row_ids: list[int]
+    advantages: list[float]
+    rewards: list[float]
+
+    @classmethod
+    def of(cls, rows: Sequence[RowNumbers]) -> "RankRows":
+        return cls([r.row_id for r in rows], [r.advantage for r in rows], [r.reward for r in rows])
+
+    def fill(self, trajs: Sequence[Trajectory]) -> None:
+        """Each trajectory's `advantage` and `reward`, by its row id."""
+        at = {r: i for i, r in enumerate(self.row_ids)}
+        for t in trajs:
+            t.advantage, t.reward = self.advantages[at[t.row_id]], self.rewards[at[t.row_id]]
+
+
 _GETTERS: dict[str, Callable[[Any], Any]] = {
-    "train": lambda t: int(t.train),
-    "shaped_reward": lambda t: t.reward,
     "response_len": lambda t: len(t.response_ids),
     "truncated": lambda t: int(t.finish_reason == "length"),
     "reward_failed": lambda t: int(t.reward_failed),
@@ -128,8 +166,7 @@ def trajectory_columns(trajs: Sequence[Any], names: Sequence[str]) -> dict[str, 
 
 def to_trajectories(batch: Batch) -> list[Trajectory]:
     """`Trajectory` objects holding whatever columns `batch` carries (others keep their
-    defaults, empty for the rollout fields), in batch order. A `shaped_reward` column becomes
-    the reward (what the update's loss sees)."""
+    defaults, empty for the rollout fields), in batch order."""
     cols = batch.columns
     fields = {f.name for f in dataclasses.fields(Trajectory)}
     out = []
@@ -138,9 +175,6 @@ def to_trajectories(batch: Batch) -> list[Trajectory]:
         t = Trajectory(group_id=group, problem=kw.pop("problem", None), prompt_ids=kw.pop("prompt_ids", []),
                        response_ids=kw.pop("response_ids", []), behaviour_logprobs=kw.pop("behaviour_logprobs", []),
                        versions=kw.pop("versions", []), finish_reason=kw.pop("finish_reason", ""), **kw)
-        if "shaped_reward" in cols:
-            t.reward = cols["shaped_reward"][i]
-        t.train = bool(t.train)
         t.row_id = batch.row_ids[i]
         out.append(t)
     return out

@@ -78,7 +78,7 @@ class Generator:
         """The samples as new queue rows (scored: with this device's scoring columns); their row ids."""
         if scored:
             return self.scorer.put_scored(trajs)
-        return self.ctx.put_new(trajs, dataflow.ROLLOUT.writes)
+        return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=False))
 
     def rollout_groups(self, items: tuple[list[int], ...], version: int, quota: int, must_finish: set[int],
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:

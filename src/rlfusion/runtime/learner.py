@@ -2,7 +2,8 @@
 
     update(rows)        the first train device runs the advantage stage (`advantage_stage.py`)
                         and splits the kept rows over the data-parallel ranks; the split goes to
-                        the other train devices by broadcast; each device reads its rank's rows
+                        the other train devices by broadcast, carrying each row's advantage and
+                        shaped reward (`dataflow.RankRows`); each device reads its rank's rows
                         from the queue by id (one reader per model-parallel group with
                         hierarchical reads), runs critic + GAE for PPO and one full-batch actor
                         step; the first retires the rows
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlfusion.queue.controller import runs_rows
 from rlfusion.engine.runner import autocast
 from rlfusion.errors import RunError
 from rlfusion.model.flops import causal_positions, forward_flops
@@ -83,9 +83,9 @@ class Learner:
 
     # ---- the update ----
 
-    def update(self, rows: int | tuple[int, ...], version: int) -> Any:
+    def update(self, rows: int | list[int], version: int) -> Any:
         """One synchronous update from scored rows in the queue — a count (the first that many)
-        or the row ids as runs (StaleSync's batch, `queue.controller.row_runs`) — from policy `version` (the controller's count of
+        or the row ids (StaleSync's batch) — from policy `version` (the controller's count of
         updates, which the actor follows: its learning-rate schedule reads it). The first train
         device runs the advantage stage and splits the kept rows over the data-parallel ranks
         (by tokens, or by cost with `optim.dp_balance=cost`); the split goes to the other train
@@ -95,10 +95,9 @@ class Learner:
         weights changed), packed (`NumberPacker`); the others answer None."""
         ctx, plan = self.ctx, self.ctx.plan
         self.actor.version = version
-        rows = rows if isinstance(rows, int) else runs_rows(rows)
         lead = ctx.device == plan.train[0]
         summary: dict[str, float] = {}
-        split: list[list[int]] | None = None
+        split: list[dataflow.RankRows] | None = None
         try:
             if lead:
                 with ctx.spans.span("advantage"):
@@ -113,7 +112,7 @@ class Learner:
                 split = box[0]
         if split is None:  # (not the first: it raised) the first train device's error says why
             return None
-        trained = any(split)
+        trained = any(part.row_ids for part in split)
         metrics = self._train_on(split[plan.dp_index(ctx.device)]) if trained else {}
         if not trained:
             self.actor.skip_update()
@@ -123,7 +122,7 @@ class Learner:
             ctx.queue.retire([r.row_id for r in numbers])
         return self._packer.pack({**summary, **metrics, "trained": float(trained)})
 
-    def _train_on(self, row_ids: list[int]) -> dict[str, float]:
+    def _train_on(self, part: dataflow.RankRows) -> dict[str, float]:
         """One full-batch step of the actor (and the critic, with GAE advantages) on this data-
         parallel rank's rows, read from the queue by id."""
         ctx, plan = self.ctx, self.ctx.plan
@@ -133,11 +132,12 @@ class Learner:
             consumer = f"actor/mp{position}"  # each device of a model-parallel group reads its rows: a reader of its own
         with ctx.spans.span("queue"):
             try:
-                batch = self.reads.get_rows(consumer, row_ids, dataflow.actor_reads(ctx.cfg),
+                batch = self.reads.get_rows(consumer, part.row_ids, dataflow.actor_reads(ctx.cfg),
                                             timeout=ctx.cfg.deploy.queue_timeout_s)
             except TimeoutError as e:
                 raise RunError(f"the update on device {ctx.device}: {e} (deploy.queue_timeout_s)") from None
         trajs = dataflow.to_trajectories(batch)
+        part.fill(trajs)
         metrics: dict[str, float] = {}
         experts = self.pm is not None and self.pm.experts
         if experts:

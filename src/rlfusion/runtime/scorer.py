@@ -9,7 +9,8 @@ logprobs and KL (`ReferenceStage`) of samples.
                               (`finished_pool.FinishedPool`, served on its own thread); an idle
                               peer takes them a chunk at a time, scores and puts them
 
-The scorer does not generate or train.
+The scorer does not generate or train; it writes only the columns a later stage of this run
+reads (`dataflow.REWARD.writes`, `dataflow.reference_writes`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from rlfusion.queue.controller import runs_rows
 from rlfusion.engine.runner import autocast
 from rlfusion.errors import RunError
 from rlfusion.model.tokenizer import Tokenizer
@@ -64,22 +64,22 @@ class Scorer:
     @property
     def writes(self) -> tuple[str, ...]:
         """The columns this device's scoring adds to a row."""
-        return dataflow.REWARD.writes + (dataflow.REFERENCE.writes if self.reference is not None else ())
+        return dataflow.REWARD.writes + (dataflow.reference_writes(self.ctx.cfg) if self.reference is not None else ())
 
     # ---- rows in the queue ----
 
-    def score(self, reward_rows: int | tuple[int, ...], reference_rows: int | tuple[int, ...]) -> None:
+    def score(self, reward_rows: int | list[int], reference_rows: int | list[int]) -> None:
         """Read rows as they become ready — `reward_rows` for the reward, `reference_rows` for
-        the reference: a count (the first that many, a synchronous step's) or the row ids as runs
-        (StaleSync's batch, `queue.controller.row_runs`) — and write those columns back. Each role reads as its own
+        the reference: a count (the first that many, a synchronous step's) or the row ids
+        (StaleSync's batch) — and write those columns back. Each role reads as its own
         consumer, so a row is scored by exactly one device per role."""
         ctx = self.ctx
-        for stage, rows, run in ((dataflow.REWARD, reward_rows, self._reward),
-                                 (dataflow.REFERENCE, reference_rows, self._reference)):
+        reference = (dataflow.REFERENCE, reference_rows, dataflow.reference_writes(ctx.cfg), self._reference)
+        for stage, rows, writes, run in ((dataflow.REWARD, reward_rows, dataflow.REWARD.writes, self._reward),
+                                         reference):
             if not rows:
                 continue
             timeout = ctx.cfg.deploy.queue_timeout_s
-            rows = rows if isinstance(rows, int) else runs_rows(rows)
             count = rows if isinstance(rows, int) else len(rows)
             with ctx.spans.span("queue"):
                 try:
@@ -93,7 +93,7 @@ class Scorer:
             trajs = dataflow.to_trajectories(batch)
             run(trajs)
             with ctx.spans.span("queue"):
-                ctx.queue.put(dataflow.trajectory_columns(trajs, stage.writes), row_ids=batch.row_ids)
+                ctx.queue.put(dataflow.trajectory_columns(trajs, writes), row_ids=batch.row_ids)
 
     # ---- samples that are not in the queue yet ----
 
@@ -108,7 +108,7 @@ class Scorer:
     def put_scored(self, trajs: list[Trajectory]) -> list[int]:
         """Samples scored here as new queue rows (the rollout's columns and this device's
         scoring columns); their row ids."""
-        return self.ctx.put_new(trajs, dataflow.ROLLOUT.writes + self.writes)
+        return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=True) + self.writes)
 
     def shared(self, generate: Callable[[Callable[[Trajectory], None]], list[Trajectory]]
                ) -> tuple[list[Trajectory], int]:
@@ -166,4 +166,5 @@ class Scorer:
         ctx = self.ctx
         with ctx.switch.reference_pass(), autocast(ctx.where, ctx.compute_dtype):
             self.reference.logprobs(trajs)
-        add_summed_kl(trajs, ctx.cfg.algo.kl_kind)  # the summed estimate reward shaping subtracts (metadata-sized)
+        if ctx.cfg.algo.kl_mode == "reward":  # the summed estimate reward shaping subtracts (metadata-sized)
+            add_summed_kl(trajs, ctx.cfg.algo.kl_kind)
