@@ -23,6 +23,7 @@ import torch
 from rlfusion.obs.metrics import NumberUnpacker
 from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
+from rlfusion.queue.controller import row_runs
 from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.stalesync.book import unpack_reports
@@ -111,6 +112,8 @@ class Devices(ABC):
         parts = dict(zip(reference, split(ids, len(reference)))) if reference else {}
         if isinstance(rows, int):
             parts = {d: len(p) for d, p in parts.items()}
+        else:  # row ids cross as runs of consecutive ids
+            rows, parts = row_runs(rows), {d: row_runs(p) for d, p in parts.items()}
         devices = sorted({plan.reward[0], *reference})
         self._run([(d, "score", (rows if d == plan.reward[0] else 0, parts.get(d, 0))) for d in devices])
 
@@ -133,7 +136,8 @@ class Devices(ABC):
     def start_update(self, rows: int | list[int]) -> Any:
         """`update` without the wait or the weight sync: starts the update on the train devices and
         returns the function that waits for it, moves the version on and returns its metrics."""
-        handles = [self._start(dev, "update", *self._counted((rows, self.version), "step")) for dev in self.plan.train]
+        wire = rows if isinstance(rows, int) else row_runs(rows)  # row ids cross as runs of consecutive ids
+        handles = [self._start(dev, "update", *self._counted((wire, self.version), "step")) for dev in self.plan.train]
 
         def wait() -> dict[str, float]:
             metrics = self._unpack(self.plan.train[0], "update", self._counted(self._wait(handles), "step")[0])

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlfusion.queue.controller import runs_rows
 from rlfusion.engine.runner import autocast
 from rlfusion.errors import RunError
 from rlfusion.model.flops import causal_positions, forward_flops
@@ -83,9 +84,9 @@ class Learner:
 
     # ---- the update ----
 
-    def update(self, rows: int | list[int], version: int) -> Any:
+    def update(self, rows: int | tuple[int, ...], version: int) -> Any:
         """One synchronous update from scored rows in the queue — a count (the first that many)
-        or the row ids (StaleSync's batch) — from policy `version` (the controller's count of
+        or the row ids as runs (StaleSync's batch) — from policy `version` (the controller's count of
         updates, which the actor follows: its learning-rate schedule reads it). The first train
         device runs the advantage stage and splits the kept rows over the data-parallel ranks
         (by tokens, or by cost with `optim.dp_balance=cost`); the split goes to the other train
@@ -95,6 +96,7 @@ class Learner:
         weights changed), packed (`NumberPacker`); the others answer None."""
         ctx, plan = self.ctx, self.ctx.plan
         self.actor.version = version
+        rows = rows if isinstance(rows, int) else runs_rows(rows)  # ids cross as runs (`row_runs`)
         lead = ctx.device == plan.train[0]
         summary: dict[str, float] = {}
         split: list[dataflow.RankRows] | None = None

@@ -19,6 +19,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from rlfusion.queue.controller import runs_rows
 from rlfusion.engine.runner import autocast
 from rlfusion.errors import RunError
 from rlfusion.model.tokenizer import Tokenizer
@@ -68,9 +69,9 @@ class Scorer:
 
     # ---- rows in the queue ----
 
-    def score(self, reward_rows: int | list[int], reference_rows: int | list[int]) -> None:
+    def score(self, reward_rows: int | tuple[int, ...], reference_rows: int | tuple[int, ...]) -> None:
         """Read rows as they become ready — `reward_rows` for the reward, `reference_rows` for
-        the reference: a count (the first that many, a synchronous step's) or the row ids
+        the reference: a count (the first that many, a synchronous step's) or the row ids as runs
         (StaleSync's batch) — and write those columns back. Each role reads as its own
         consumer, so a row is scored by exactly one device per role."""
         ctx = self.ctx
@@ -80,6 +81,7 @@ class Scorer:
             if not rows:
                 continue
             timeout = ctx.cfg.deploy.queue_timeout_s
+            rows = rows if isinstance(rows, int) else runs_rows(rows)  # ids cross as runs (`row_runs`)
             count = rows if isinstance(rows, int) else len(rows)
             with ctx.spans.span("queue"):
                 try:
