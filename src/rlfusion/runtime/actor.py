@@ -2,9 +2,9 @@
 as one replica of a data-parallel group and, with a training layout, as a shard of the model
 (`deploy.train_tp` / `train_ep` / `train_fsdp`) or as the stages of a pipeline
 (`deploy.train_pp` / `train_vpp`: padded micro-batches through 1F1B or interleaved 1F1B, the
-loss's per-token inputs carried to the last stage beside the rows).
+loss's per-token inputs carried to the last stage beside the rows: `actor_pipeline.py`).
 
-Legend: N tokens (packed), B rows, T padded tokens per row, V vocab, K per-token loss inputs.
+Legend: N tokens (packed), V vocab.
 """
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ from rlfusion.errors import RunError
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel.balance import BalanceConfig, ExpertBalancer
 from rlfusion.parallel.data_parallel import (clip_grad_norm, filler_pass, group_sum, lockstep_count,
-                                             lockstep_shape, sum_over_replicas)
+                                             sum_over_replicas)
 from rlfusion.parallel.recompute import HostPool, SavedTensorMeter, apply_plan, fixed_plan, measured_plan
 from rlfusion.rl.kl import kl_loss
 from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
 from rlfusion.rl.trajectory import Trajectory, pack, split_by_token_budget, token_logprobs
+from rlfusion.runtime.actor_pipeline import pipeline_pass
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
-
-# columns of the pipeline's per-token loss inputs (`_padded`)
-TARGET, MASK, ADVANTAGE, BEHAVIOUR, PROXIMAL, REFERENCE = range(6)
-
 
 class NonFiniteLossError(RunError):
     """The loss or gradient became NaN/inf; the run stops and keeps its last good checkpoint."""
@@ -315,80 +312,12 @@ class ActorStage:
             loss, metrics = loss + ent, {**metrics, **m}
         return loss, metrics
 
-    # ---- the pipeline: padded micro-batches, the loss on the last stage ----
+    # ---- the pipeline: padded micro-batches, the loss on the last stage (`actor_pipeline.py`) ----
 
     def _pipeline_pass(self, trajs, on_policy, num_tokens, num_seqs, backward: bool):
-        """One schedule pass over this data-parallel rank's rows (every stage reads the same
-        rows): backward, the loss's gradients (returns its metrics, token-weighted, and a
-        non-finite loss's value, on the last stage); forward only (`backward=False`), the
-        proximal logprobs of multi-step updates, kept on the last stage, the one that reads
-        them. Every data-parallel rank pads to the same shape and micro-batch count, so their
-        passes' collectives (expert all-to-all, FSDP) pair up."""
-        tokens_BT, side_BTK, valid_BT, n = self._padded(trajs)
-        b, T = tokens_BT.shape[0] // n, tokens_BT.shape[1]
-        rows_N = torch.arange(b, device=self.device).repeat_interleave(T)
-        metrics: dict[str, float] = {}
-        bad: list[float] = []
-        micro = iter(range(n))
-
-        def loss_fn(logits_bTV: torch.Tensor, side_bTK: torch.Tensor) -> torch.Tensor:
-            first = next(micro) * b
-            logits_NV = logits_bTV.flatten(0, 1).float()
-            if self.temperature != 1.0:
-                logits_NV = logits_NV / self.temperature
-            side_NK = side_bTK.flatten(0, 1)
-            logprobs_N = logits_NV.log_softmax(-1).gather(-1, side_NK[:, TARGET].long().unsqueeze(-1)).squeeze(-1)
-            mask_N = side_NK[:, MASK]
-            if not backward:  # the proximal policy's logprobs of each row's response
-                for i, t in enumerate(trajs[first:first + b]):
-                    t.proximal_logprobs = logprobs_N.view(b, T)[i][mask_N.view(b, T)[i].bool()].tolist()
-                return logprobs_N.sum() * 0.0
-            proximal_N = logprobs_N.detach() if on_policy else side_NK[:, PROXIMAL]
-            ref_N = side_NK[:, REFERENCE] if side_NK.shape[1] > REFERENCE else None
-            loss, m = self._loss(logprobs_N, logits_NV, proximal_N, side_NK[:, BEHAVIOUR], side_NK[:, ADVANTAGE],
-                                 mask_N, rows_N, ref_N, num_tokens, num_seqs)
-            if not math.isfinite(loss.item()):
-                bad.append(loss.item())
-                return loss.nan_to_num() * 0.0  # its backward still runs: the stages wait for it
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v * float(mask_N.sum()) / num_tokens
-            return loss
-
-        device = self.device
-        self.pm.pipeline_pass(tokens_BT.to(device), side_BTK.to(device), loss_fn, n, valid_BT.to(device),
-                              backward=backward)
-        return metrics, (bad[0] if bad else None)
-
-    def _padded(self, trajs: list[Trajectory]):
-        """This rank's rows right-padded to `[B, T]` tokens and `[B, T, K]` loss inputs (row i's
-        position t predicts its token t + 1; the mask is 1 on response targets), and the number
-        of micro-batches: `optim.microbatch_tokens` tokens each, a multiple of the pipeline
-        depth, the same on every data-parallel rank (the largest shape of any)."""
-        rows, longest = lockstep_shape(len(trajs), max((t.num_tokens for t in trajs), default=1), self.dp_group)
-        T = min(-(-longest // 16) * 16, self.pm.config.max_seq_len)  # fewer distinct schedule shapes
-        pp = self.pm.layout.pp
-        per_micro = max(1, self.optim_cfg.microbatch_tokens // T)
-        n = -(-max(1, -(-rows // per_micro)) // pp) * pp
-        B = n * -(-rows // n)
-        has_ref = bool(trajs) and all(t.ref_logprobs is not None for t in trajs)
-        K = REFERENCE + 1 if has_ref else REFERENCE
-        tokens_BT = torch.zeros(B, T, dtype=torch.long)
-        side_BTK = torch.zeros(B, T, K)
-        for i, t in enumerate(trajs):
-            ids, P, R = t.prompt_ids + t.response_ids, len(t.prompt_ids), len(t.response_ids)
-            tokens_BT[i, :len(ids)] = torch.tensor(ids)
-            side_BTK[i, :len(ids) - 1, TARGET] = torch.tensor(ids[1:], dtype=torch.float32)
-            span = slice(P - 1, P - 1 + R)
-            side_BTK[i, span, MASK] = 1.0
-            side_BTK[i, span, ADVANTAGE] = torch.tensor(t.token_advantages or [t.advantage] * R)
-            side_BTK[i, span, BEHAVIOUR] = torch.tensor(t.behaviour_logprobs)
-            if t.proximal_logprobs is not None:
-                side_BTK[i, span, PROXIMAL] = torch.tensor(t.proximal_logprobs)
-            if has_ref:
-                side_BTK[i, span, REFERENCE] = torch.tensor(t.ref_logprobs)
-        lengths = torch.tensor([t.num_tokens for t in trajs] + [0] * (B - len(trajs)))
-        valid_BT = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
-        return tokens_BT, side_BTK, valid_BT, n
+        return pipeline_pass(self.pm, trajs, self._loss, temperature=self.temperature,
+                             microbatch_tokens=self.optim_cfg.microbatch_tokens, dp_group=self.dp_group,
+                             on_policy=on_policy, num_tokens=num_tokens, num_seqs=num_seqs, backward=backward)
 
 
 def _chunks(items: list, n: int) -> list[list]:
