@@ -13,7 +13,7 @@ class ShortIsGood:
         return [1.0 if len(r) < 6 else 0.0 for r in responses]
 
 
-# Faulty rewards for tests/test_reward_faults.py: each one breaks a run in a way the reward
+# Faulty rewards for tests/unit/test_reward_faults.py: each one breaks a run in a way the reward
 # stage must turn into one RewardError naming the spec and the sample.
 
 def none_on_12_plus_7(response: str, problem) -> float | None:
