@@ -39,6 +39,8 @@ class RayDevices(Devices):
         self.owns_ray = not ray.is_initialized()  # then `shutdown` stops the Ray it started
         if self.owns_ray:
             _start_ray(ray, cfg.deploy.ray_address, plan.num_devices * cfg.deploy.threads_per_device)
+        else:  # this process is attached to a cluster already: the address must name that one
+            check_attached(ray, cfg.deploy.ray_address)
         try:
             plan = plan.on(cluster_device(cfg.deploy.device, ray.cluster_resources(), plan.num_devices))
         except BaseException:
@@ -227,6 +229,18 @@ def _start_ray(ray, address: str, num_cpus: int) -> None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=num_cpus)
+
+
+def check_attached(ray, address: str) -> None:
+    """With Ray already initialized in this process, a `deploy.ray_address` must name the
+    cluster it is attached to (an unreachable one is refused as when starting)."""
+    if not address or address == "auto":
+        return
+    _check_reachable(address)
+    current = ray.get_runtime_context().gcs_address
+    if address.rpartition(":")[2] != current.rpartition(":")[2]:  # (a host may be named several ways: the port tells)
+        raise RunError(f"deploy.ray_address={address!r}: this process is already attached to the Ray cluster "
+                       f"at {current}; leave deploy.ray_address empty to use it, or run from a fresh process")
 
 
 def _check_reachable(address: str) -> None:
