@@ -164,13 +164,6 @@ class RuntimeStaleSync:
         self._last_rollout: dict[str, int] = {}
 
     # ---- the book ----
-    def _problem(self, p: int) -> tuple[int, ...]:
-        """Problem `p` (`Group.problem_id`): its samples' prompt lengths."""
-        cfg = self.sim.cfg
-        if not cfg.prompt_lengths:
-            return (cfg.prompt_len,) * self.G
-        return tuple(cfg.prompt_lengths[(p * self.G + i) % len(cfg.prompt_lengths)] for i in range(self.G))
-
     def _new_samples(self, group_id: int, problem: tuple[int, ...]) -> list[SimSample]:
         """A new group's G samples, as `run_groups` starts them."""
         sim, cfg = self.sim, self.sim.cfg
@@ -263,7 +256,7 @@ class RuntimeStaleSync:
                 if it.resume:
                     samples = [smp for smp in self.held[gid] if not smp.done]
                 else:
-                    samples = self.held[gid] = self._new_samples(gid, self._problem(it.problem_id))
+                    samples = self.held[gid] = self._new_samples(gid, problem_prompts(self.sim.cfg, self.G, it.problem_id))
                 resumed += sum(len(smp.response_ids) for smp in samples) if it.resume else 0
                 for smp in samples:
                     kept = smp.kept and smp.paused_on == index  # its saved row is on this engine
@@ -372,7 +365,7 @@ class RuntimeStaleSync:
         dev.decode_s += decode_s
         dev.prefill_s += prefill_s
         seconds = decode_s + prefill_s
-        self._record_rollout(dev.name, dev.clock, dev.clock + seconds, version)
+        record_rollout(self.sim.timeline, self._last_rollout, dev.name, dev.clock, dev.clock + seconds, version)
         dev.clock += seconds
         dev.steps += 1
         for seq in step.decode + step.prefill:
@@ -388,19 +381,6 @@ class RuntimeStaleSync:
                 dev.open_count[smp.group_id] -= 1
                 if dev.open_count[smp.group_id] == 0:
                     dev.finished_groups.add(smp.group_id)
-
-    def _record_rollout(self, lane: str, start: float, end: float, version: int) -> None:
-        """Engine steps back to back on a lane extend one timeline event."""
-        timeline = self.sim.timeline
-        i = self._last_rollout.get(lane)
-        if i is not None and i < len(timeline):
-            ev = timeline[i]
-            if ev.version == version and abs(ev.end - start) < 1e-12:
-                timeline[i] = TimelineEvent(lane, "rollout", ev.start, end, version)
-                return
-        if end > start:
-            self._last_rollout[lane] = len(timeline)
-            timeline.append(TimelineEvent(lane, "rollout", start, end, version))
 
     # ---- the trainer's step ----
     def learn(self, batch: list[SimSample], start: float, version: int) -> float:
@@ -425,29 +405,9 @@ class RuntimeStaleSync:
             out = self.schedule.step(k)
             sim.update_end.append(self.now)
             self.generated.append(out.generated_tokens)
-            self.rollout_stats.append(self._busiest(self._step_stats))
+            self.rollout_stats.append(busiest_engine(self._step_stats))
             sim.version = k + 1
         return max([self.now] + [e.clock for e in sim.engines])
-
-    @staticmethod
-    def _busiest(devs: list[_Device]) -> dict[str, float]:
-        """The step's rollout passes of the engine that spent the most time in them (the runtime's
-        `_engine_metrics`), summed over the step's rollouts."""
-        per: dict[str, dict[str, float]] = {}
-        rows: dict[str, int] = {}
-        for d in devs:
-            acc = per.setdefault(d.name, dict.fromkeys(ROLLOUT_STATS, 0.0))
-            acc["time_decode_s"] += d.decode_s
-            acc["time_prefill_s"] += d.prefill_s
-            acc["engine_decode_passes"] += d.decode_passes
-            acc["time_stop_sync_s"] += d.stop_sync_s
-            rows[d.name] = rows.get(d.name, 0) + d.decode_rows
-        if not per:
-            return {}
-        name = max(per, key=lambda n: per[n]["time_decode_s"] + per[n]["time_prefill_s"])
-        busiest = per[name]
-        busiest["engine_decode_rows_mean"] = rows[name] / busiest["engine_decode_passes"] if busiest["engine_decode_passes"] else 0.0
-        return busiest
 
     def _load_weights(self, now: float, version: int, skip: set[str] = frozenset()) -> None:
         """The engines take the broadcast weights in (`skip`: hybrid's train devices, which
@@ -458,6 +418,47 @@ class RuntimeStaleSync:
             start = max(eng.clock, now)
             self.sim.record(eng.name, "switch", start, start + self.sim.cal.switch_s, version)
             eng.clock = start + self.sim.cal.switch_s
+
+
+def problem_prompts(cfg: Any, group_size: int, p: int) -> tuple[int, ...]:
+    """Problem `p` (`Group.problem_id`): its samples' prompt lengths."""
+    if not cfg.prompt_lengths:
+        return (cfg.prompt_len,) * group_size
+    return tuple(cfg.prompt_lengths[(p * group_size + i) % len(cfg.prompt_lengths)] for i in range(group_size))
+
+
+def record_rollout(timeline: list, last: dict[str, int], lane: str, start: float, end: float, version: int) -> None:
+    """Engine steps back to back on a lane extend one timeline event (`last`: each lane's last
+    rollout event)."""
+    i = last.get(lane)
+    if i is not None and i < len(timeline):
+        ev = timeline[i]
+        if ev.version == version and abs(ev.end - start) < 1e-12:
+            timeline[i] = TimelineEvent(lane, "rollout", ev.start, end, version)
+            return
+    if end > start:
+        last[lane] = len(timeline)
+        timeline.append(TimelineEvent(lane, "rollout", start, end, version))
+
+
+def busiest_engine(devs: list[_Device]) -> dict[str, float]:
+    """The step's rollout passes of the engine that spent the most time in them (the runtime's
+    `_engine_metrics`), summed over the step's rollouts."""
+    per: dict[str, dict[str, float]] = {}
+    rows: dict[str, int] = {}
+    for d in devs:
+        acc = per.setdefault(d.name, dict.fromkeys(ROLLOUT_STATS, 0.0))
+        acc["time_decode_s"] += d.decode_s
+        acc["time_prefill_s"] += d.prefill_s
+        acc["engine_decode_passes"] += d.decode_passes
+        acc["time_stop_sync_s"] += d.stop_sync_s
+        rows[d.name] = rows.get(d.name, 0) + d.decode_rows
+    if not per:
+        return {}
+    name = max(per, key=lambda n: per[n]["time_decode_s"] + per[n]["time_prefill_s"])
+    busiest = per[name]
+    busiest["engine_decode_rows_mean"] = rows[name] / busiest["engine_decode_passes"] if busiest["engine_decode_passes"] else 0.0
+    return busiest
 
 
 def run_runtime_stalesync(sim: SimState) -> tuple[float, RuntimeStaleSync]:
