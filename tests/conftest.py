@@ -1,6 +1,6 @@
 """Shared by the three tiers (tests/unit, tests/distributed, tests/e2e): the helpers' folder on
-sys.path, each tier's marker (`pytest -m unit`), and the session's shared objects: a tiny base
-checkpoint and one local Ray cluster."""
+sys.path, each tier's marker (`pytest -m unit`), a tiny base checkpoint for the session and a
+local Ray cluster for each module whose tests ask for one."""
 
 import sys
 from pathlib import Path
@@ -42,8 +42,11 @@ def base(tmp_path_factory):
 RAY_CPUS = 4  # the most CPUs a test's devices take (4 devices of 1 thread); logical, not cores
 
 
-@pytest.fixture(scope="session")
-def _ray_shutdown():
+@pytest.fixture(scope="module")
+def _ray_module():
+    """Ray stops after the last test of a module that asked for it: a later test may need Ray
+    not running (an address it must fail to reach, a cluster of its own, workers that inherit
+    environment variables it sets first)."""
     yield
     import ray
 
@@ -52,11 +55,11 @@ def _ray_shutdown():
 
 
 @pytest.fixture
-def ray_session(_ray_shutdown):
-    """One local Ray cluster for the tests that run Ray devices or queues (its GCS address),
-    started by the first that asks and stopped at the end of the session: a `RayDevices` finds
-    Ray running and leaves it up (it stops only a Ray it started). A test that stops Ray, or
-    starts its own, only makes the next test that asks start it again."""
+def ray_session(_ray_module):
+    """One local Ray cluster for a module's tests that run Ray devices or queues (its GCS
+    address), started by the first that asks: a `RayDevices` finds Ray running and leaves it
+    up (it stops only a Ray it started), so those tests skip a cluster start each. A test that
+    stops Ray, or starts its own, only makes the next test that asks start it again."""
     import ray
 
     if not ray.is_initialized():

@@ -4,7 +4,6 @@ the bytes, the machine's memory and a layout that would fit, before anything of 
 takes its weights without a second copy."""
 
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -61,15 +60,25 @@ def _full(config: dict) -> int:
     return base_info.FP32_BYTES * config_from_hf(config).param_counts()["total"]
 
 
+# Starts the command and prints its peak RSS (`os.wait4`: no other process counts). A child's
+# peak RSS includes its parent's high-water mark at the fork (exec carries it over), and this
+# test process may have grown large by now (the tests before it), so a fresh small Python
+# starts the command instead of this process.
+PEAK_RSS = """import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(proc.pid, 0)
+print(usage.ru_maxrss)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _measured(argv: list[str], **kwargs) -> tuple[int, str, float, int]:
-    """`(exit status, stderr, seconds, peak RSS in bytes)` of one child process (`os.wait4`: no
-    other child of this test process counts)."""
+    """`(exit status, stderr, seconds, peak RSS in bytes)` of one child process."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs)
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, err, time.monotonic() - start, usage.ru_maxrss * 1024
+    proc = subprocess.Popen([sys.executable, "-c", PEAK_RSS, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+    out, err = proc.communicate()
+    return proc.returncode, err, time.monotonic() - start, int(out) * 1024
 
 
 def _one_line(err: str, command: str) -> str:
