@@ -86,8 +86,9 @@ def test_the_benches_are_found():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", BENCHES)
-def test_bench_smoke(script, smoke_runs):
+def test_bench_smoke(script, smoke_runs, record_property):
     run = smoke_runs[script]
+    record_property("bench_seconds", round(run.get("seconds", 0.0), 1))  # its share of the one runner process
     if run.get("timed_out"):
         pytest.fail(f"bench/{script} --smoke still running after {TIMEOUT_S} s\n{run['missing']}")
     if "missing" in run:
