@@ -67,11 +67,7 @@ def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int,
     timeout = cfg.deploy.queue_timeout_s
     reads = dataflow.advantage_reads(cfg)
     count = rows if isinstance(rows, int) else len(rows)
-    try:
-        batch = (queue.get("advantage", reads, rows, policy="group", block=True, timeout=timeout)
-                 if isinstance(rows, int) else queue.get_rows("advantage", rows, reads, timeout))
-    except TimeoutError:
-        batch = ()
+    batch = dataflow.read_rows(queue, "advantage", reads, rows, timeout, policy="group")
     if len(batch) != count:
         raise RunError(f"the advantage stage waited {timeout:g} s for {count} scored rows and the queue had "
                        f"{len(batch)} (deploy.queue_timeout_s)")

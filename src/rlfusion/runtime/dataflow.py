@@ -105,6 +105,20 @@ def queue_config(group_size: int, capacity: int | None = None) -> QueueConfig:
     return QueueConfig(TRAJECTORY_COLUMNS, capacity=capacity, group_size=group_size)
 
 
+def read_rows(queue: Any, consumer: str, columns: Sequence[str], rows: int | list[int], timeout: float,
+              policy: str = "fifo") -> Batch | tuple:
+    """A stage's read: `rows` a count (the first that many rows ready for `consumer`, by
+    `policy`, a synchronous step's) or the row ids (StaleSync's batch). What arrived within
+    `timeout` seconds — fewer rows than asked when it ran out; the caller says which stage
+    waited."""
+    try:
+        if isinstance(rows, int):
+            return queue.get(consumer, columns, rows, policy=policy, block=True, timeout=timeout)
+        return queue.get_rows(consumer, rows, columns, timeout)
+    except TimeoutError:
+        return ()
+
+
 def group_problem(task: Any, seed: int, group_id: int) -> Problem:
     """The problem of prompt group `group_id`: a pure function of the run's seed and the id, so
     whichever device (or the controller) samples it gets the same one, and a resumed run too."""

@@ -84,11 +84,7 @@ class Scorer:
             rows = rows if isinstance(rows, int) else runs_rows(rows)  # ids cross as runs (`row_runs`)
             count = rows if isinstance(rows, int) else len(rows)
             with ctx.spans.span("queue"):
-                try:
-                    batch = (ctx.queue.get(stage.name, stage.reads, rows, block=True, timeout=timeout)
-                             if isinstance(rows, int) else ctx.queue.get_rows(stage.name, rows, stage.reads, timeout))
-                except TimeoutError:
-                    batch = ()
+                batch = dataflow.read_rows(ctx.queue, stage.name, stage.reads, rows, timeout)
             if len(batch) != count:
                 raise RunError(f"stage {stage.name!r} on device {ctx.device} waited {timeout:g} s for "
                                f"{count} rows and got {len(batch)} (deploy.queue_timeout_s)")
