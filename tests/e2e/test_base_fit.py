@@ -7,7 +7,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -60,25 +59,26 @@ def _full(config: dict) -> int:
     return base_info.FP32_BYTES * config_from_hf(config).param_counts()["total"]
 
 
-# Starts the command and prints its peak RSS (`os.wait4`: no other process counts). A child's
-# peak RSS includes its parent's high-water mark at the fork (exec carries it over), and this
-# test process may have grown large by now (the tests before it), so a fresh small Python
-# starts the command instead of this process.
-PEAK_RSS = """import os, subprocess, sys
+# Starts the command and prints its seconds and peak RSS (`os.wait4`: no other process
+# counts). A child's peak RSS includes its parent's high-water mark at the fork (exec carries
+# it over), and this test process may have grown large by now (the tests before it), so a
+# fresh small Python starts the command instead of this process.
+MEASURE = """import os, subprocess, sys, time
+start = time.monotonic()
 proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
 _, status, usage = os.wait4(proc.pid, 0)
-print(usage.ru_maxrss)
+print(time.monotonic() - start, usage.ru_maxrss)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
 def _measured(argv: list[str], **kwargs) -> tuple[int, str, float, int]:
     """`(exit status, stderr, seconds, peak RSS in bytes)` of one child process."""
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", PEAK_RSS, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", MEASURE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kwargs)
     out, err = proc.communicate()
-    return proc.returncode, err, time.monotonic() - start, int(out) * 1024
+    seconds, peak_kib = out.split()
+    return proc.returncode, err, float(seconds), int(peak_kib) * 1024
 
 
 def _one_line(err: str, command: str) -> str:
