@@ -38,6 +38,10 @@ def script(q) -> list:
     q.put({"reward": [2.0]}, row_ids=b)
     out.append(q.get("actor", ["prompt", "logprobs", "reward"], 4, policy="group"))
     out.append(q.get("old", ["prompt"], 3, policy="oldest_version"))
+    out.append(q.get("share", ["prompt"], 9, groups=[1]))  # readers sharing a batch's groups
+    out.append(q.count_consumed("share", [0, 1]))
+    out.append(q.get("share", ["prompt"], 9, groups=[0, 1]))
+    out.append(q.count_consumed("share", [0, 1]))
     out.append(q.retire(a))
     out.append(q.get("new", ["prompt", "meta"], 9))
     return out
@@ -48,7 +52,7 @@ def test_ray_backend_matches_in_process(ray_session, num_shards):
     cfg = QueueConfig(COLUMNS, group_size=2)
     rq = RayDistQueue(cfg, num_shards=num_shards)
     assert script(rq) == script(DistQueue(cfg))
-    assert rq.stats.get_requests == 5 and rq.stats.bytes_served > 0
+    assert rq.stats.get_requests == 7 and rq.stats.bytes_served > 0
     rq.shutdown()
 
 

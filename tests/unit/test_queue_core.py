@@ -92,6 +92,19 @@ def test_group_policy_returns_whole_ready_groups_only():
         q.put({"prompt": [[5]]}, group_ids=[8])
 
 
+def test_readers_sharing_a_batch_take_its_groups_only_and_count_what_is_taken():
+    q = make_queue(group_size=2)
+    q.put({"prompt": [[1], [2], [3], [4], [5]]}, group_ids=[0, 0, 1, 1, 2], versions=[0, 0, 1, 0, 0])
+    first = q.get("reward", ["prompt"], 1, groups=[1, 0])
+    assert first.row_ids == [0]  # row order, whatever order the groups are named in
+    assert q.count_consumed("reward", [0, 1]) == 1
+    rest = q.get("reward", ["prompt"], 9, groups=[0, 1])
+    assert rest.row_ids == [1, 2, 3] and q.count_consumed("reward", [0, 1]) == 4
+    assert len(q.get("reward", ["prompt"], 9, groups=[0, 1])) == 0  # group 2 is not theirs
+    assert q.get("old", ["prompt"], 2, policy="oldest_version", groups=[1]).row_ids == [3, 2]
+    assert q.get("whole", ["prompt"], 4, policy="group", groups=[1, 2]).group_ids == [1, 1]  # 2 is half there
+
+
 def test_oldest_version_policy():
     q = make_queue()
     q.put({"reward": [0.0, 1.0, 2.0, 3.0]}, versions=[3, 1, 2, 1])

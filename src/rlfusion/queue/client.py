@@ -182,20 +182,21 @@ class DistQueue:
     # ---- reads ----
 
     def get(self, consumer: str, columns: Sequence[str], count: int, policy: Policy = "fifo",
-            block: bool = False, timeout: float | None = None) -> Batch:
+            block: bool = False, timeout: float | None = None, groups: Sequence[int] | None = None) -> Batch:
         """Up to `count` rows whose `columns` are all ready and that `consumer` has not had,
-        now marked consumed by it. With `block`, wait until `count` rows are available or
-        `timeout` passes (None: forever), then return what there is (possibly fewer)."""
+        now marked consumed by it; with `groups`, rows of those group ids only. With `block`,
+        wait until `count` rows are available or `timeout` passes (None: forever), then return
+        what there is (possibly fewer)."""
         check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            rows = self.controller.select(consumer, columns, count, policy)
+            rows = self.controller.select(consumer, columns, count, policy, groups)
             while block and len(rows) < count:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._cond.wait(left)
-                rows = self.controller.select(consumer, columns, count, policy)
+                rows = self.controller.select(consumer, columns, count, policy, groups)
             self.controller.mark_consumed(consumer, rows)
             self.stats.get_requests += 1
             self.stats.rows_served += len(rows)
@@ -230,6 +231,12 @@ class DistQueue:
             if self.schema.spec(c).variable_length:
                 cells[c] = [list(v) for v in cells[c]]
         return Batch(list(row_ids), [m.group_id for m in meta], [m.version for m in meta], cells)
+
+    def count_consumed(self, consumer: str, groups: Sequence[int]) -> int:
+        """How many live rows of these group ids `consumer` has had (readers that share a
+        consumer's rows know from it when all of a batch is taken)."""
+        with self._cond:
+            return self.controller.count_consumed(consumer, groups)
 
     # ---- retiring ----
 

@@ -166,13 +166,22 @@ class QueueController:
 
     # ---- sampling ----
 
-    def select(self, consumer: str, columns: Sequence[str], count: int, policy: Policy) -> list[int]:
+    def select(self, consumer: str, columns: Sequence[str], count: int, policy: Policy,
+               groups: Sequence[int] | None = None) -> list[int]:
         """Row ids to hand `consumer` (not yet marked consumed): at most `count`, all with
-        `columns` ready and none consumed by `consumer` before."""
+        `columns` ready and none consumed by `consumer` before; with `groups`, rows of those
+        group ids only."""
         def eligible(r: int) -> bool:
             m = self.rows[r]
             return consumer not in m.consumed and m.ready.issuperset(columns)
 
+        if groups is not None:
+            rows = sorted(r for g in set(groups) for r in self.groups.get(g, ()))
+            if policy == "oldest_version":
+                rows.sort(key=lambda r: self.rows[r].version)
+            if policy != "group":
+                return [r for r in rows if eligible(r)][:count]
+            wanted = set(groups)
         if policy == "fifo":
             out = []
             for r in self.rows:
@@ -186,9 +195,11 @@ class QueueController:
             return [r for _, r in rows[:count]]
         assert policy == "group" and self.group_size is not None
         out = []
-        for members in self.groups.values():  # dict order = order each group first appeared
+        for g, members in self.groups.items():  # dict order = order each group first appeared
             if len(out) + self.group_size > count:
                 break
+            if groups is not None and g not in wanted:
+                continue
             if len(members) == self.group_size and all(eligible(r) for r in members):
                 out.extend(members)
         return out
@@ -206,6 +217,10 @@ class QueueController:
 
     def rows_ready(self, row_ids: Sequence[int], columns: Sequence[str]) -> bool:
         return all(r in self.rows and self.rows[r].ready.issuperset(columns) for r in row_ids)
+
+    def count_consumed(self, consumer: str, groups: Sequence[int]) -> int:
+        """How many live rows of these group ids `consumer` has consumed."""
+        return sum(consumer in self.rows[r].consumed for g in set(groups) for r in self.groups.get(g, ()))
 
     def mark_consumed(self, consumer: str, row_ids: Sequence[int]) -> None:
         for r in row_ids:

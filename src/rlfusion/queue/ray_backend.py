@@ -125,13 +125,14 @@ class QueueControllerActor:
         return [m.group_id for m in meta], [m.version for m in meta]
 
     async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,
-                      timeout: float | None) -> tuple[list[int], list[int], list[int]]:
+                      timeout: float | None, groups: list[int] | None = None
+                      ) -> tuple[list[int], list[int], list[int]]:
         """Row ids (with group ids and versions) for `consumer`, marked consumed by it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         found: list[int] = []
 
         def enough() -> bool:
-            found[:] = self.controller.select(consumer, columns, count, policy)
+            found[:] = self.controller.select(consumer, columns, count, policy, groups)
             return not block or len(found) >= count
         async with self._condition():
             await self._wait_until(enough, deadline)
@@ -151,6 +152,9 @@ class QueueControllerActor:
             if not await self._wait_until(ready, deadline):
                 raise TimeoutError(f"rows for {consumer!r} not ready in {timeout:.3g}s")
             return self._serve(consumer, row_ids)
+
+    def count_consumed(self, consumer: str, groups: list[int]) -> int:
+        return self.controller.count_consumed(consumer, groups)
 
     async def retire(self, row_ids: list[int]) -> list[int]:
         done = self.controller.retire(row_ids)
@@ -387,11 +391,11 @@ class RayDistQueue:
     # ---- reads ----
 
     def get(self, consumer: str, columns: Sequence[str], count: int, policy: Policy = "fifo",
-            block: bool = False, timeout: float | None = None) -> Batch:
+            block: bool = False, timeout: float | None = None, groups: Sequence[int] | None = None) -> Batch:
         """Same contract as `DistQueue.get`; the cells come straight from the shards."""
         check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
         rows, groups, versions = _call(self.controller.acquire.remote(
-            consumer, list(columns), count, policy, block, timeout))
+            consumer, list(columns), count, policy, block, timeout, None if groups is None else list(groups)))
         self.meta_bytes += _nbytes((rows, groups, versions))
         return Batch(rows, groups, versions, self._read_shards(consumer, rows, columns))
 
@@ -421,6 +425,10 @@ class RayDistQueue:
             for i, r in enumerate(rs):
                 cell[r] = {c: vals[c][i] for c in columns}
         return {c: [cell[r][c] for r in rows] for c in columns}
+
+    def count_consumed(self, consumer: str, groups: Sequence[int]) -> int:
+        """Same contract as `DistQueue.count_consumed`."""
+        return _call(self.controller.count_consumed.remote(consumer, list(groups)))
 
     # ---- retiring ----
 
