@@ -548,11 +548,15 @@ def _same_rows(got: list[tuple], want: list[tuple]) -> None:
         torch.testing.assert_close(torch.tensor(a[4]), torch.tensor(b[4]), rtol=0, atol=1e-5)
 
 
-def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_path):
-    """A peer takes finished samples from a running rollout (`take_finished`, here from inside
-    the rollout, deterministically), then scores and puts them; the rollout scores and puts only
-    the rest. Every sample lands in the queue exactly once, identical to a rollout without
-    sharing."""
+def test_shared_scoring_takes_each_row_once_and_equals_unshared_scoring(tmp_path):
+    """Shared scoring through the queue: the generating device puts samples unscored as they
+    finish; an idle peer (a second worker on the same queue, on its own thread) takes the first
+    chunk while the rollout still decodes, scores and writes it; the generating device scores
+    the rest once its decoding is done. Every row is scored exactly once, identical to a rollout
+    that scores its own samples before they go in."""
+    import threading
+
+    from rlfusion.queue.controller import row_runs
     from rlfusion.runtime.workers import DeviceWorker
 
     cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
@@ -565,73 +569,55 @@ def test_shared_scoring_hands_each_finished_sample_to_exactly_one_scorer(tmp_pat
     want = _rows(plain.ctx.queue, 16)
     assert [r[:2] for r in want] == [(g, i) for g in groups for i in range(G)]
 
-    worker = DeviceWorker(0, plan, cfg, str(find_base()), queue=DistQueue(dataflow.queue_config(G)))
-    worker.connect(None)
-    assert worker.take_finished() == ([], False)  # no rollout running
-    taken, offer = [], worker.scorer.pool.offer
+    queue = DistQueue(dataflow.queue_config(G))
+    worker = DeviceWorker(0, plan, cfg, str(find_base()), queue=queue)
+    peer = DeviceWorker(0, plan, cfg, str(find_base()), queue=queue)
+    for w in (worker, peer):
+        w.connect(None)
+    put, puts = worker.generator._put, []
 
-    def offer_then_steal(t):
-        offer(t)
-        got, open_ = worker.take_finished(min_count=3, max_tokens=1)
-        assert open_ and len(got) in (0, 1)  # at least one sample, however long
-        taken.extend(got)
-    worker.scorer.pool.offer = offer_then_steal
-    out = worker.generate(groups, 0, score_here=True, share=True)
-    mine = out["rows"]
-    assert taken and mine and worker.take_finished() == ([], False)  # the pool closes with the rollout
-    assert mine + len(taken) == 16 and len(worker.ctx.queue) == mine  # the rollout put only its own
-    assert all(t.ref_logprobs is None for t in taken)  # taken unscored: the peer's to score
-    worker.scorer.put_scored(worker.scorer.score_and_reference(taken))  # what a peer's `score_from` does
-    _same_rows(_rows(worker.ctx.queue, 16), want)
-
-
-def test_take_finished_answers_as_soon_as_samples_arrive_or_the_pool_closes(tmp_path):
-    """A helper's request waits on the pool (up to `wait_s`) instead of polling: it returns the
-    moment enough samples are offered, and the moment the pool closes."""
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    from rlfusion.runtime.workers import DeviceWorker
-
-    cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": 1})
-    worker = DeviceWorker(0, DeploymentPlan.build(cfg.deploy), cfg, str(find_base()))
-    worker.scorer.pool.open()
-    assert worker.take_finished(min_count=2, wait_s=0.0) == ([], True)  # too few, no wait
-
-    def later(action, delay=0.2):
-        threading.Timer(delay, action).start()
-
-    samples = [SimpleNamespace(num_tokens=5) for _ in range(2)]
-    later(lambda: [worker.scorer.pool.offer(t) for t in samples])
-    start = time.monotonic()
-    got, open_ = worker.take_finished(min_count=2, wait_s=30.0)
-    assert open_ and got == samples and time.monotonic() - start < 5.0
-
-    later(worker.scorer.pool.close)
-    start = time.monotonic()
-    assert worker.take_finished(min_count=2, wait_s=30.0) == ([], False)
-    assert time.monotonic() - start < 5.0
+    def put_then_let_the_peer_take(trajs, scored):  # the first chunk is the peer's, deterministically
+        ids = put(trajs, scored)
+        puts.append(len(ids))
+        deadline = time.monotonic() + 60
+        while len(puts) == 1 and queue.count_consumed("reward", groups) < len(ids) < 16:
+            assert time.monotonic() < deadline, "the peer never took the first chunk"
+            time.sleep(0.01)
+        return ids
+    worker.generator._put = put_then_let_the_peer_take
+    helped: list[tuple[int, int]] = []
+    helper = threading.Thread(target=lambda: helped.append(peer.scorer.score_shared(groups, set())))
+    helper.start()
+    out = worker.generate(groups, 0, score_here=True, share=row_runs(groups))
+    helper.join(60)
+    (peer_rows, peer_others), = helped
+    assert sum(puts) == 16 and len(puts) >= 2  # put as they finished, a chunk at a time
+    assert peer_rows >= 1 and peer_others == peer_rows  # the peer scored some of the generator's
+    assert out["rows"] + peer_rows == 16 and out["peer_rows"] == 0
+    assert len(queue) == 16 and queue.count_consumed("reward", groups) == 16
+    _same_rows(_rows(queue, 16), want)
 
 
 def test_colocated_rollout_with_shared_scoring_equals_one_without(ray_session, tmp_path):
     """Two devices, one with far more prompts (it keeps generating while the other is idle and
-    takes its finished samples): the queue holds every sample once, with the same responses,
-    rewards and reference logprobs."""
+    scores its finished samples from the queue): the queue holds every sample once, with the
+    same responses, rewards and reference logprobs."""
+    from rlfusion.queue.controller import row_runs
+
     results = {}
     for share in (True, False):
         cfg = _cfg(tmp_path / str(share), "colocated", **{"deploy.share_scoring": str(share).lower()})
         trainer = RLTrainer(cfg, tmp_path / str(share) / "run", find_base())
         try:
             devices = trainer.devices
-            calls = [(0, "generate", (list(range(8)), 0, True, share)), (1, "generate", ([8], 0, True, share))]
-            outs = devices._rollout(calls, share)
+            step = row_runs(range(9)) if share else ()
+            outs = devices._run([(0, "generate", (list(range(8)), 0, True, step)),
+                                 (1, "generate", ([8], 0, True, step))])
             if share:
-                # device 1 (one prompt) is idle long before device 0 (eight) is done and takes
-                # some of its finished samples (how many depends on the machine's load: a busy
-                # machine has seen 3 to 30)
-                assert devices.peer_scored >= 1
-            assert sum(o["rows"] for o in outs) + (devices.peer_scored if share else 0) == 36
+                # device 1 (one prompt) is idle long before device 0 (eight) is done and scores
+                # some of its finished samples (how many depends on the machine's load)
+                assert outs[1]["peer_rows"] >= 1 and outs[0]["peer_rows"] <= 4
+            assert sum(o["rows"] for o in outs) == 36
             assert len(devices.queue) == 36
             results[share] = _rows(devices.queue, 36)
         finally:

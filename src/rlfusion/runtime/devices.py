@@ -43,7 +43,7 @@ class Devices(ABC):
         self.cfg, self.plan, self.queue = cfg, plan, queue
         self.version = 0
         self.score_here = all(dev in plan.reward and dev in plan.reference for dev in plan.rollout)
-        self.peer_scored = 0  # last shared rollout: samples scored by a device that did not generate them
+        self.peer_scored = 0  # last rollout: samples scored by a device that did not generate them
         self.weight_sync_bytes = 0
         self.last_sync_s = 0.0  # separated: the broadcast, including waiting for a running rollout
         self.count_bytes = False
@@ -87,18 +87,21 @@ class Devices(ABC):
         """Generate `group_size` samples per group on the rollout devices (contiguous parts of
         the groups), scored on the way where reward and reference live there, else by the
         scoring devices (`score`); every row ends up in the queue with its reward (and reference
-        logprobs). Returns the tokens generated."""
-        plan, share = self.plan, self.score_here and self.cfg.deploy.share_scoring and len(self.plan.rollout) > 1
-        calls = [(dev, "generate", (part, version, self.score_here, share))
+        logprobs). With `deploy.share_scoring` and several rollout devices that score, the rows
+        go in as they finish and any of those devices scores them (`Scorer.score_shared`), so one
+        device's long tail overlaps the scoring of its finished samples on another. Returns the
+        tokens generated."""
+        plan = self.plan
+        share = self.score_here and self.cfg.deploy.share_scoring and len(plan.rollout) > 1
+        step = row_runs(group_ids) if share else ()  # the step's groups, as runs of consecutive ids
+        calls = [(dev, "generate", (part, version, self.score_here, step))
                  for dev, part in zip(plan.rollout, split(group_ids, len(plan.rollout)))
-                 if part or plan.train_layout]  # a layout's switch is collective: every device joins
-        outs = self._rollout(calls, share)
+                 if part or plan.train_layout or share]  # a layout's switch is collective: every device joins
+        outs = self._run(calls)
+        self.peer_scored = sum(o["peer_rows"] for o in outs)
         if not self.score_here:
             self.score(len(group_ids) * self.cfg.rollout.group_size)
         return sum(o["generated_tokens"] for o in outs)
-
-    def _rollout(self, calls: list[tuple[int, str, tuple]], share: bool) -> list[dict[str, int]]:
-        return self._run(calls)
 
     def score(self, rows: int | list[int]) -> None:
         """Reward and reference for rows that are (or are about to be) in the queue, on the

@@ -3,8 +3,9 @@ switch, and what the engine keeps between rollouts (RNG state, StaleSync's pause
 
     generate(group ids)       a synchronous rollout: each group's problem, `group_size` samples,
                               put into the queue as rows — scored first where the device's
-                              scorer holds reward and reference (with shared scoring, a peer
-                              scores some of them: `Scorer.shared`)
+                              scorer holds reward and reference (with shared scoring, put as
+                              they finish and scored by whichever device of the step is idle:
+                              `Scorer.score_shared`)
     rollout_groups(items)     StaleSync's partial rollout (`partial_rollout.PartialRollout`): the
                               stop rule summed over the rollout devices (`stop_sums.StopSums`);
                               unfinished groups stay here, finished ones go into the queue
@@ -20,6 +21,7 @@ from typing import Any
 
 from rlfusion.evaluate import greedy_completions
 from rlfusion.model.tokenizer import Tokenizer
+from rlfusion.queue.controller import runs_rows
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import dataflow
@@ -29,6 +31,9 @@ from rlfusion.runtime.rollout_stage import RolloutStage
 from rlfusion.runtime.scorer import Scorer
 from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.stalesync.rules import unpack_items
+
+
+SHARE_PUT_ROWS = 8  # shared scoring: finished samples go into the queue this many at a time
 
 
 class Generator:
@@ -50,15 +55,18 @@ class Generator:
         return dataflow.group_problem(self.task, self.ctx.cfg.seed, problem_id)
 
     def generate(self, group_ids: list[int], version: int, score_here: bool = False,
-                 share: bool = False) -> dict[str, int]:
+                 share: tuple[int, ...] = ()) -> dict[str, int]:
         """Generate `group_size` samples for each group's problem and put them in the queue as
         rows; with `score_here` (reward and reference live on this device too) the rows carry
-        their reward and reference columns when they go in. With `share`, an idle peer may score
-        some of the finished samples (`Scorer.shared`; each side puts its own rows in one write
-        at the end). Returns counts only: the rows this device put and the tokens generated."""
+        their reward and reference columns when they go in. With `share` (the step's group ids
+        on every rollout device, as runs: `queue.controller.row_runs`), the samples go in
+        unscored as they finish, `SHARE_PUT_ROWS` at a time, and every device of the step scores
+        rows of the step waiting in the queue once its own decoding is done (`Scorer.score_shared`),
+        so an idle device scores a busy one's finished samples. Returns counts only: the rows
+        this device scored (or put), those of another device's groups, the tokens generated."""
         if share and not score_here:
-            raise ValueError("generate(share=True) needs score_here=True: the samples a peer takes are "
-                             "scored there, the rest here")
+            raise ValueError("generate(share=...) needs score_here=True: every rollout device scores the "
+                             "step's rows")
         problems = [self.problem(g) for g in group_ids]
 
         def run(on_finish: Any = None) -> list[Trajectory]:
@@ -66,13 +74,22 @@ class Generator:
                 return self.stage.generate(problems, group_ids, version, on_finish=on_finish)
 
         if share:
-            trajs, mine = self.scorer.shared(run)
-            return {"rows": mine, "generated_tokens": _tokens(trajs)}
+            finished: list[Trajectory] = []
+
+            def put_finished(t: Trajectory) -> None:
+                finished.append(t)
+                if len(finished) >= SHARE_PUT_ROWS:
+                    self._put(finished[:], scored=False)
+                    finished.clear()
+            trajs = run(put_finished)
+            self._put(finished, scored=False)
+            scored, peer = self.scorer.score_shared(runs_rows(share), set(group_ids))
+            return {"rows": scored, "peer_rows": peer, "generated_tokens": _tokens(trajs)}
         trajs = run()
         if score_here:
             self.scorer.score_and_reference(trajs)
         self._put(trajs, scored=score_here)
-        return {"rows": len(trajs), "generated_tokens": _tokens(trajs)}
+        return {"rows": len(trajs), "peer_rows": 0, "generated_tokens": _tokens(trajs)}
 
     def _put(self, trajs: list[Trajectory], scored: bool) -> list[int]:
         """The samples as new queue rows (scored: with this device's scoring columns); their row ids."""

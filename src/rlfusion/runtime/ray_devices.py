@@ -146,38 +146,6 @@ class RayDevices(Devices):
                 pass  # alive but not answering in time: not known to be dead
         return dead
 
-    def _rollout(self, calls: list[tuple[int, str, tuple]], share: bool) -> list[dict[str, int]]:
-        """The rollout calls; with `share`, a device whose own work is done helps one still
-        generating or scoring (`score_from`: it takes that device's finished samples a chunk at
-        a time, scores and puts them), so one device's long tail overlaps the scoring of its
-        finished samples on the other, and both finish scoring together."""
-        if not share:
-            return self._run(calls)
-        ray, workers = self.ray, self.workers
-        running = {dev: self._start(dev, m, *self._counted(a, "step")) for dev, m, a in calls}
-        owner = {ref: dev for dev, ref in running.items()}
-        helping: dict[Any, int] = {}  # a helper's call → the device it helps
-        closed: set[int] = set()  # devices whose pool is closed: nothing left to help with
-        self.peer_scored = 0
-        outs: list[dict[str, int]] = []
-        while owner:
-            ready, _ = ray.wait(list(owner), num_returns=1)
-            for ref in ready:
-                dev = owner.pop(ref)
-                got = self._counted(self.call([ref])[0], "step")
-                if ref in helping:
-                    closed.add(helping.pop(ref))
-                    self.peer_scored += got
-                else:
-                    outs.append(got)
-                running.pop(dev, None)
-                open_ = [v for v in running if v not in closed]
-                if open_:  # the device with the fewest helpers so far
-                    victim = min(open_, key=lambda v: sum(h == v for h in helping.values()))
-                    call = workers[dev].score_from.remote(workers[victim], SHARE_WAIT_S, SHARE_MIN_SAMPLES)
-                    owner[call], helping[call] = dev, victim
-        return outs
-
     def shutdown(self) -> None:
         for w in self.workers:
             self.ray.kill(w)
@@ -186,10 +154,6 @@ class RayDevices(Devices):
         self.ray.util.remove_placement_group(self.pg)
         if self.owns_ray:
             self.ray.shutdown()
-
-
-SHARE_WAIT_S = 0.2  # how long a generating device holds an idle one's request for finished samples
-SHARE_MIN_SAMPLES = 8  # fewer are not worth a scoring call of their own
 
 
 DEAD_CHECK_TIMEOUT_S = 10.0

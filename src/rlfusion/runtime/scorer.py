@@ -4,10 +4,10 @@ logprobs and KL (`ReferenceStage`) of samples.
     score(rows)               rows in the queue (separated placement, StaleSync's scorers on the
                               train devices): read them as they become ready, write the columns
     score_and_reference       samples of this device's own rollout, before they go into the queue
-    shared / take_finished /  shared scoring of a synchronous rollout (`deploy.share_scoring`):
-      score_from              the generating device offers each finished sample to a pool
-                              (`finished_pool.FinishedPool`, served on its own thread); an idle
-                              peer takes them a chunk at a time, scores and puts them
+    score_shared(groups)      shared scoring of a synchronous rollout (`deploy.share_scoring`):
+                              the rollout devices put samples unscored as they finish, and each
+                              device, once its own decoding is done, takes rows of the step
+                              waiting in the queue a chunk at a time, scores and writes them
 
 The scorer does not generate or train; it writes only the columns a later stage of this run
 reads (`dataflow.REWARD.writes`, `dataflow.reference_writes`).
@@ -16,7 +16,7 @@ reads (`dataflow.REWARD.writes`, `dataflow.reference_writes`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import time
 from typing import Any
 
 from rlfusion.queue.controller import runs_rows
@@ -27,12 +27,12 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import dataflow
-from rlfusion.runtime.finished_pool import FinishedPool
 from rlfusion.runtime.reference_stage import ReferenceStage, add_summed_kl
 from rlfusion.runtime.reward_stage import RewardStage
 from rlfusion.runtime.role_context import RoleContext
 
-SCORE_CHUNK_TOKENS = 1024  # a device scores its pool this many tokens at a time (a peer may take the rest)
+SHARE_CHUNK_ROWS = 8  # shared scoring: rows taken from the queue at a time
+SHARE_POLL_S = 0.02  # an idle device looks for rows of the step this often
 
 
 class Scorer:
@@ -42,7 +42,6 @@ class Scorer:
 
     def __init__(self, ctx: RoleContext, reward: RewardStage | None, reference: ReferenceStage | None):
         self.ctx, self.reward, self.reference = ctx, reward, reference
-        self.pool = FinishedPool()  # finished samples of a running shared rollout
         if reference is not None:
             ctx.switch.attach(reference=reference.model)
 
@@ -108,53 +107,41 @@ class Scorer:
         scoring columns); their row ids."""
         return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=True) + self.writes)
 
-    def shared(self, generate: Callable[[Callable[[Trajectory], None]], list[Trajectory]]
-               ) -> tuple[list[Trajectory], int]:
-        """A synchronous rollout with shared scoring, on the generating device: `generate(on_finish)`
-        runs it, offering each finished sample to the pool that `take_finished` hands out to an
-        idle peer's `score_from`; this device then scores the rest, `SCORE_CHUNK_TOKENS` at a
-        time, so a peer that runs out of work shares that too and the two finish together. Its
-        rows go in one write at the end (a put costs a few queue round trips, and no stage reads
-        them before the rollout ends). Returns the rollout's samples and how many this device
-        scored and put."""
-        self.pool.open()
-        try:
-            trajs = generate(self.pool.offer)
-            self.pool.decoding_done()
-            scored: list[Trajectory] = []
-            while chunk := self.pool.take(SCORE_CHUNK_TOKENS):
-                scored += self.score_and_reference(chunk)
-            self.put_scored(scored)
-        finally:
-            self.pool.close()
-        return trajs, len(scored)
+    # ---- shared scoring of a synchronous rollout ----
 
-    def take_finished(self, min_count: int = 1, max_tokens: int = SCORE_CHUNK_TOKENS,
-                      wait_s: float = 0.0) -> tuple[list[Trajectory], bool]:
-        """Finished, not yet scored samples of the running `shared` rollout, up to `max_tokens`
-        tokens, which are the caller's to score and put from now on, and whether its pool is
-        still open (more may come). While this device still decodes, none unless `min_count`
-        wait (more will come); once it scores its own, any that wait. With `wait_s`, an open
-        pool with too few samples is waited on for up to that long: the answer comes as soon as
-        enough are offered or the pool closes."""
-        return self.pool.take_waiting(min_count, max_tokens, wait_s)
-
-    def score_from(self, peer: Any, wait_s: float, min_count: int) -> int:
-        """Score `peer`'s finished samples (another device's worker, inside a shared rollout) a
-        chunk at a time until its pool closes, then put them; returns how many. While it has
-        fewer than `min_count` waiting, the peer holds each request up to `wait_s` and answers
-        as soon as that changes, so this call ends the moment the pool closes."""
-        import ray
-
-        scored: list[Trajectory] = []  # put once at the end, as the peer puts its own
+    def score_shared(self, groups: list[int], mine: set[int]) -> tuple[int, int]:
+        """Shared scoring of a synchronous rollout (`deploy.share_scoring`): score rows of the
+        step's `groups` waiting in the queue — any rollout device's, put unscored as they finish
+        — `SHARE_CHUNK_ROWS` at a time as one reader of them all (the reward stage's consumer:
+        each row is taken once), until every row of the step is taken. A device calls it once its
+        own decoding is done, so an idle one scores a busy one's finished samples and the two
+        finish together. Returns the rows scored here and how many of them are not of `mine`
+        (this device's groups)."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        reads = tuple(dict.fromkeys(dataflow.REWARD.reads + (dataflow.REFERENCE.reads if self.reference else ())))
+        total = len(groups) * cfg.rollout.group_size
+        scored = peer = 0
+        taken, since = -1, time.monotonic()  # rows of the step taken by any device, and since when
         while True:
-            taken, open_ = ray.get(peer.take_finished.options(concurrency_group="pool").remote(
-                min_count, SCORE_CHUNK_TOKENS, wait_s))
-            if taken:
-                scored += self.score_and_reference(taken)
-            elif not open_:
-                self.put_scored(scored)
-                return len(scored)
+            with ctx.spans.span("queue"):
+                batch = ctx.queue.get(dataflow.REWARD.name, reads, SHARE_CHUNK_ROWS, groups=groups)
+            if len(batch):
+                trajs = self.score_and_reference(dataflow.to_trajectories(batch))
+                with ctx.spans.span("queue"):
+                    ctx.queue.put(dataflow.trajectory_columns(trajs, self.writes), row_ids=batch.row_ids)
+                scored += len(trajs)
+                peer += sum(g not in mine for g in batch.group_ids)
+                continue
+            with ctx.spans.span("queue"):
+                now_taken = ctx.queue.count_consumed(dataflow.REWARD.name, groups)
+            if now_taken >= total:
+                return scored, peer
+            if now_taken != taken:
+                taken, since = now_taken, time.monotonic()
+            elif time.monotonic() - since > cfg.deploy.queue_timeout_s:
+                raise RunError(f"shared scoring on device {ctx.device} saw no row of the step taken for "
+                               f"{cfg.deploy.queue_timeout_s:g} s ({taken} of {total}; deploy.queue_timeout_s)")
+            time.sleep(SHARE_POLL_S)  # idle: the step's other rows are still being generated
 
     def _reward(self, trajs: list[Trajectory]) -> None:
         with self.ctx.spans.span("reward"):

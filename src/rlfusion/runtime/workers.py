@@ -1,7 +1,7 @@
 """`DeviceWorker`: one device — a Ray actor, or an object in the driver's process (the local
 backend) — hosting the roles its `DeploymentPlan` gives it around one `DeviceSwitch`, one queue
 client and one span log (`role_context.py`): the generator (`generator.py`: rollouts, evaluation),
-the scorer (`scorer.py`: reward, reference, shared scoring) and the learner (`learner.py`:
+the scorer (`scorer.py`: reward, reference, shared scoring from the queue) and the learner (`learner.py`:
 advantages, the update, the weight sync, the trained state). The host loads the base model,
 builds the roles, joins the device world (rendezvous, process groups, the training layout's
 groups), answers `report`, and hands each command of the controller (`devices.Devices`) to the
@@ -122,8 +122,6 @@ class DeviceWorker:
     def paused(self, *args, **kw): return self.generator.paused(*args, **kw)
     def load_paused(self, *args, **kw): self.generator.load_paused(*args, **kw)
     def score(self, *args, **kw): self.scorer.score(*args, **kw)
-    def take_finished(self, *args, **kw): return self.scorer.take_finished(*args, **kw)
-    def score_from(self, *args, **kw): return self.scorer.score_from(*args, **kw)
     def update(self, *args, **kw): return self.learner.update(*args, **kw)
     def state(self, *args, **kw): return self.learner.state(*args, **kw)
     def critic_state(self, *args, **kw): return self.learner.critic_state(*args, **kw)
