@@ -13,7 +13,7 @@ from rlfusion.rl.kl import kl_estimate
 from rlfusion.runtime.dataflow import group_problem
 from rlfusion.runtime.advantage_stage import apply_kl_reward_penalty, compute_advantages
 from rlfusion.runtime.critic import gae_advantages
-from rlfusion.runtime.stages import CollapseError
+from rlfusion.errors import CollapseError
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.run_state import read_state
 from rlfusion.runtime.trainer import RLTrainer, resume

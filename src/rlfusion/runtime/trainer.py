@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from rlfusion.config import from_dict
-from rlfusion.errors import RunError
+from rlfusion.errors import CollapseError, RunError
 from rlfusion.evaluate import EvalResult, eval_max_new_tokens, summarize
 from rlfusion.model.checkpoint import load_base
 from rlfusion.obs.files import atomic_write_text
@@ -37,7 +37,6 @@ from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import base_fit, run_state
 from rlfusion.runtime.devices import Devices, LocalDevices
-from rlfusion.runtime.stages import CollapseError
 from rlfusion.runtime.heap import freeze_long_lived, release_long_lived
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.deployment import DeploymentPlan
