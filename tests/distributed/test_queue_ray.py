@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rlfusion.queue import ColumnSpec, DistQueue, QueueConfig, QueueFullError
 from rlfusion.queue.ray_backend import RayDistQueue
+from rlfusion.queue.shard_host import STORAGE_GROUP, StorageHost
 
 COLUMNS = (ColumnSpec("prompt", "int32", variable_length=True), ColumnSpec("logprobs", "float32", variable_length=True),
            ColumnSpec("reward", "float64"), ColumnSpec("meta", "object"))
@@ -99,6 +101,75 @@ def test_ray_checkpoint_interchangeable_with_in_process(ray_session, tmp_path):
     assert b.row_ids == ids and b.versions == [4, 5] and b.columns["logprobs"] == [[-1.0, -1.0], [-2.0]]
     for x in (q, restored):
         x.shutdown()
+
+
+@ray.remote(num_cpus=0, concurrency_groups={STORAGE_GROUP: 1})  # as the device workers' actors
+class Device(StorageHost):
+    """A device worker's stand-in: it hosts shard `index` of the queue `name`, as `DeviceWorker`
+    does, and its main thread writes, reads and works."""
+
+    def __init__(self, name: str, index: int):
+        self.queue = RayDistQueue.connect(name)
+        StorageHost.__init__(self, self.queue, index)
+        self.busy_since: float | None = None
+
+    def put(self, data: dict) -> list[int]:
+        return self.queue.put(data)
+
+    def get_rows(self, row_ids: list[int], columns: list[str]) -> tuple[list, list, int, int]:
+        b = self.queue.get_rows("self", row_ids, columns)
+        return b.columns[columns[0]], b.shards, self.queue.wire_bytes, self.queue.remote_bytes
+
+    def busy(self, seconds: float) -> tuple[float, float]:
+        self.busy_since = time.time()
+        time.sleep(seconds)  # (a rollout or an update: the main thread is taken)
+        return self.busy_since, time.time()
+
+    def started(self) -> float | None:  # asked on the storage thread
+        return self.busy_since
+
+
+def test_rows_live_with_the_device_that_writes_them(ray_session):
+    """A device's rows go to its own shard by a plain call (no byte crosses a process), a peer
+    reads them from it while the device's main thread is busy, a column added to them goes where
+    they live, and the checkpoint records their shard so a restore puts them back there."""
+    name = f"hosted-{uuid.uuid4().hex}"
+    cfg = QueueConfig(COLUMNS)
+    q = RayDistQueue(cfg, num_shards=2, name=name, hosted=True)
+    devices = [Device.remote(name, k) for k in range(2)]
+    q.host_shards(devices)
+    ids = ray.get(devices[1].put.remote({"prompt": [[1, 2], [3]], "reward": [1.0, 2.0]}))
+    busy = devices[1].busy.remote(3.0)
+    while ray.get(devices[1].started.options(concurrency_group=STORAGE_GROUP).remote()) is None:
+        time.sleep(0.05)  # until the device's main thread is in `busy`
+    b = q.get("peer", ["prompt", "reward"], 5)
+    read_at = time.time()
+    start, end = ray.get(busy)
+    assert start < read_at < end  # answered by the storage thread, not after the busy main thread
+    assert b.row_ids == ids and b.shards == [1, 1] and b.columns["prompt"] == [[1, 2], [3]]
+    assert q.remote_bytes == q.wire_bytes > 0  # the driver has no shard: all its bytes crossed
+    q.put({"logprobs": [[-1.0, -2.0], [-3.0]]}, row_ids=ids)  # written by a peer, where the rows live
+    got, shards, wire, remote = ray.get(devices[1].get_rows.remote(ids, ["logprobs", "prompt"]))
+    assert got == [[-1.0, -2.0], [-3.0]] and shards == [1, 1]
+    assert wire > 0 and remote == 0  # its own rows, written and read in process
+    other = q.put({"prompt": [[7], [8]]})  # a writer without a shard: r % N
+    assert q.get_rows("peer", other, ["prompt"]).shards == [r % 2 for r in other]
+
+    state = q.state_dict()
+    assert state["controller"]["shards"] == {ids[0]: 1, ids[1]: 1, **{r: r % 2 for r in other}}
+    q.load_state_dict(state)  # each row back on its device
+    cells = ray.get([d.shard_state_dict.options(concurrency_group=STORAGE_GROUP).remote() for d in devices])
+    assert sorted(cells[1]["cells"]) == sorted([*ids, *(r for r in other if r % 2)])
+    assert q.state_dict() == state
+    # no shard recorded (in-process and older checkpoints), or one this queue lacks: r % N
+    older = {**state, "controller": {k: v for k, v in state["controller"].items() if k != "shards"}}
+    elsewhere = {**state, "controller": {**state["controller"], "shards": {r: 5 for r in ids + other}}}
+    for s in (older, elsewhere):
+        q.load_state_dict(s)
+        assert q.get_rows("c", ids, ["prompt"]).shards == [r % 2 for r in ids]
+    for d in devices:
+        ray.kill(d)
+    q.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -52,12 +52,43 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, sum_gradients: bool = Fal
                 sub.set_force_sum_reduction_for_comms(True)
 
 
-def shard_rows(lengths: Sequence[int], num_ranks: int, cost: Callable[[int], float] | None = None) -> list[list[int]]:
+LOCAL_SLACK = 0.05  # how far over an even share a rank may go to train on rows it already holds
+
+
+def shard_rows(lengths: Sequence[int], num_ranks: int, cost: Callable[[int], float] | None = None,
+               homes: Sequence[int | None] | None = None) -> list[list[int]]:
     """Indices of the sequences each data-parallel rank trains on (ascending per rank): longest
     first onto the lightest rank, weighing each sequence by its tokens, or with `cost` by
     `cost(tokens)` (attention's quadratic term makes one long sequence dearer than the same
-    tokens in short ones)."""
-    return split_balanced(lengths if cost is None else [cost(n) for n in lengths], num_ranks)
+    tokens in short ones).
+
+    With `homes` (each sequence's home rank, the one whose device already holds its data, or
+    None), a sequence goes to its home rank instead whenever that keeps the rank within
+    `local_bound`: no rank then ends above max((1 + LOCAL_SLACK) x an even share, the busiest
+    rank of the plain split). Should the placement end above it all the same (a row that
+    could not go home landed late), the plain split is returned."""
+    weights = list(lengths) if cost is None else [cost(n) for n in lengths]
+    plain = split_balanced(weights, num_ranks)
+    if homes is None or not weights:
+        return plain
+    bound = local_bound(weights, plain)
+    loads = [0.0] * num_ranks
+    parts: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        k = homes[i]
+        if k is None or not 0 <= k < num_ranks or loads[k] + weights[i] > bound:
+            k = min(range(num_ranks), key=lambda k: (loads[k], len(parts[k]), k))
+        parts[k].append(i)
+        loads[k] += weights[i]
+    return plain if max(loads) > bound else [sorted(p) for p in parts]
+
+
+def local_bound(weights: Sequence[float], split: list[list[int]]) -> float:
+    """The most a rank may carry when rows go to their home ranks (`shard_rows`): the larger of
+    an even share plus `LOCAL_SLACK` and the busiest rank of `split` (the plain split's)."""
+    even = sum(weights) / len(split)
+    busiest = max(sum(weights[i] for i in part) for part in split)
+    return max((1 + LOCAL_SLACK) * even, busiest) * (1 + 1e-12)  # (float sums in another order)
 
 
 def shard_batch(x_B: torch.Tensor, dp_index: int, dp: int) -> torch.Tensor:

@@ -54,19 +54,23 @@ class QueueConfig:
 
 @dataclass
 class Batch:
-    """Rows returned by one `get`: `columns[name][i]` belongs to `row_ids[i]`."""
+    """Rows returned by one `get`: `columns[name][i]` belongs to `row_ids[i]`. `shards[i]`: the
+    storage shard holding row i (the Ray backend's; in an RL run, the device it lives on); None
+    from the in-process queue."""
 
     row_ids: list[int]
     group_ids: list[int]
     versions: list[int]
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    shards: list[int] | None = field(default=None, compare=False)  # where the rows are, not what they hold
 
     def __len__(self) -> int:
         return len(self.row_ids)
 
     def select(self, idx: Sequence[int]) -> "Batch":
         return Batch([self.row_ids[i] for i in idx], [self.group_ids[i] for i in idx],
-                     [self.versions[i] for i in idx], {c: [v[i] for i in idx] for c, v in self.columns.items()})
+                     [self.versions[i] for i in idx], {c: [v[i] for i in idx] for c, v in self.columns.items()},
+                     None if self.shards is None else [self.shards[i] for i in idx])
 
     def split_balanced(self, num_ranks: int, length_columns: Sequence[str]) -> list["Batch"]:
         """This batch split across `num_ranks` DP ranks so each gets a near-equal total of
@@ -138,7 +142,7 @@ class DistQueue:
         self.controller = QueueController(cfg.group_size)
         self.storage = StorageShard()
         self.stats = QueueStats()
-        self.wire_bytes = 0  # bytes this client moved to and from storage (none in process)
+        self.wire_bytes = self.remote_bytes = 0  # bytes this client moved to and from storage (none in process)
         self._cond = threading.Condition(threading.Lock())
 
     def __len__(self) -> int:

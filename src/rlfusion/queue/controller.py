@@ -53,6 +53,7 @@ class RowMeta:
     ready: set[str] = field(default_factory=set)
     pending: set[str] = field(default_factory=set)  # being written to storage, not yet readable
     consumed: set[str] = field(default_factory=set)
+    shard: int | None = None  # the storage shard holding its cells (Ray backend; None in process)
 
 
 class QueueController:
@@ -129,6 +130,11 @@ class QueueController:
             self.rows[r] = meta
             self.groups.setdefault(g, []).append(r)
         return ids
+
+    def place(self, row_ids: Sequence[int], shards: Sequence[int]) -> None:
+        """Record the storage shard of each row (the Ray backend's: where its cells live)."""
+        for r, k in zip(row_ids, shards):
+            self.rows[r].shard = k
 
     def mark_ready(self, row_ids: Sequence[int], columns: Sequence[str]) -> None:
         for r in row_ids:
@@ -229,17 +235,22 @@ class QueueController:
     # ---- checkpoint ----
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "group_size": self.group_size,
             "next_row_id": self.next_row_id,
             # pending cells were never stored: a restored queue sees them as unwritten
             "rows": [(r, m.group_id, m.version, sorted(m.ready), sorted(m.consumed)) for r, m in self.rows.items()],
         }
+        shards = {r: m.shard for r, m in self.rows.items() if m.shard is not None}
+        if shards:  # where each row lives (Ray backend), so a restore puts it back on its device
+            state["shards"] = shards
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.group_size = state["group_size"]
         self.next_row_id = state["next_row_id"]  # (older checkpoints also list "retired": derivable)
         self.rows, self.groups = {}, {}
+        shards = state.get("shards", {})  # (absent: in-process and older checkpoints)
         for r, g, v, ready, consumed in state["rows"]:
-            self.rows[r] = RowMeta(group_id=g, version=v, ready=set(ready), consumed=set(consumed))
+            self.rows[r] = RowMeta(group_id=g, version=v, ready=set(ready), consumed=set(consumed), shard=shards.get(r))
             self.groups.setdefault(g, []).append(r)

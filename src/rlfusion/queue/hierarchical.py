@@ -64,13 +64,14 @@ class GroupQueue:
                 self.requests += 1
                 wire = pack_columns(self.schema, batch.columns, len(batch))
                 payload, layout = _flatten(wire)
-                header[0] = (batch.row_ids, batch.group_ids, batch.versions, wire.objects, layout, payload.numel())
+                header[0] = (batch.row_ids, batch.group_ids, batch.versions, batch.shards, wire.objects, layout,
+                             payload.numel())
             except Exception as e:  # every rank raises it, rather than the others waiting forever
                 header[0] = e
         dist.broadcast_object_list(header, src=self.reader, group=self.group)
         if isinstance(header[0], Exception):
             raise header[0]
-        row_ids, group_ids, versions, objects, layout, nbytes = header[0]
+        row_ids, group_ids, versions, shards, objects, layout, nbytes = header[0]
         if self.rank != self.reader:
             payload = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
@@ -81,7 +82,7 @@ class GroupQueue:
         wire = _unflatten(payload, layout, len(row_ids))
         wire.objects = objects
         cells = unpack_columns(wire)
-        return Batch(row_ids, group_ids, versions, {c: cells[c] for c in columns})
+        return Batch(row_ids, group_ids, versions, {c: cells[c] for c in columns}, shards)
 
     def put(self, data: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int] | None:
         """Write from the writer rank only (it holds the last stage's outputs); other ranks

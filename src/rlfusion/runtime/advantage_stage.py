@@ -1,10 +1,12 @@
 """The learner's advantage stage, run by the first train device before each update: the scored
 rows' numbers from the queue (never their tokens), KL reward shaping, group-relative (or batch)
-advantages, the dynamic-sampling filter, and the kept rows split over the data-parallel ranks.
+advantages, the dynamic-sampling filter, and the kept rows split over the data-parallel ranks,
+each row preferably onto the rank whose device already holds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,17 +55,21 @@ def compute_advantages(trajs: list[Trajectory], algo: AlgoConfig, group_size: in
     return [t for k, t in enumerate(trajs) if keep_G[k // group_size]]
 
 
-def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int, cost: SeqCost | None = None
+def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int, cost: SeqCost | None = None,
+                    rank_of: Mapping[int, int] | None = None
                     ) -> tuple[list[dataflow.RowNumbers], list[dataflow.RankRows], dict[str, float]]:
     """The advantage stage of one update, on the first train device: the scored rows' numbers
     from the queue — `rows`: a count (the first that many complete groups, a synchronous step's)
     or the row ids (StaleSync's batch) — (reward, score, lengths, KL; never their tokens), KL
     reward shaping if any, advantages, which rows the update keeps, and the kept rows split over
     `num_ranks` data-parallel ranks by tokens, or with `cost` by its a·tokens + b·tokens²
-    (`optim.dp_balance=cost`). Nothing is written back: each rank's share carries its rows'
-    advantages and shaped rewards (`dataflow.RankRows`), and the split goes to the train devices
-    anyway. Returns the rows (in (group, sample) order), each rank's share, and the batch's
-    aggregates (what the controller records)."""
+    (`optim.dp_balance=cost`); with `rank_of` (reading device -> data-parallel rank) a row goes
+    to the rank that reads it on the device it lives on where the balance allows (`shard_rows`),
+    and `split_local_fraction` is the share of the update's tokens read there. Nothing is
+    written back: each rank's share carries its rows' advantages and shaped rewards
+    (`dataflow.RankRows`), and the split goes to the train devices anyway. Returns the rows (in
+    (group, sample) order), each rank's share, and the batch's aggregates (what the controller
+    records)."""
     timeout = cfg.deploy.queue_timeout_s
     reads = dataflow.advantage_reads(cfg)
     count = rows if isinstance(rows, int) else len(rows)
@@ -72,6 +78,7 @@ def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int,
         raise RunError(f"the advantage stage waited {timeout:g} s for {count} scored rows and the queue had "
                        f"{len(batch)} (deploy.queue_timeout_s)")
     rows = dataflow.to_numbers(batch)
+    lives_on = dict(zip(batch.row_ids, batch.shards)) if getattr(batch, "shards", None) and rank_of else None
     rows.sort(key=lambda r: (r.group_id, r.sample))
     out: dict[str, float] = {}
     if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward":
@@ -82,8 +89,12 @@ def advantage_stage(queue: Any, cfg: Any, rows: int | list[int], num_ranks: int,
     for r in rows:
         r.train = id(r) in kept
     train = [r for r in rows if r.train]
-    split = [dataflow.RankRows.of([train[i] for i in part])
-             for part in shard_rows([r.num_tokens for r in train], num_ranks, cost)]
+    homes = None if lives_on is None else [rank_of.get(lives_on[r.row_id]) for r in train]
+    parts = shard_rows([r.num_tokens for r in train], num_ranks, cost, homes)
+    split = [dataflow.RankRows.of([train[i] for i in part]) for part in parts]
+    if homes is not None:  # the update's tokens its ranks read from their own device
+        local = sum(train[i].num_tokens for k, part in enumerate(parts) for i in part if homes[i] == k)
+        out["split_local_fraction"] = local / max(1, sum(r.num_tokens for r in train))
     out.update({
         "reward_mean": sum(r.reward for r in rows) / count,
         "correct_mean": sum(r.correct for r in rows) / count,

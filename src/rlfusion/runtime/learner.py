@@ -69,6 +69,11 @@ class Learner:
             if plan.train_pp > 1:  # this device's stages are all it keeps of the model
                 self.train_model = ctx.switch.train_model = None
             self.layout_state = LayoutState(self.pm, param_index)
+        # the devices that read each data-parallel rank's rows (its model-parallel group, or its
+        # first device alone with hierarchical reads): the split prefers rows already on them
+        groups = {i: plan.model_parallel_group(i) for i in range(plan.train_dp)}
+        one = isinstance(self.reads, GroupQueue)
+        self.rank_of = {d: i for i, group in groups.items() for d in (group[:1] if one else group)}
         self.critic: CriticStage | None = None  # PPO's value model, next to the actor
         if cfg.algo.advantage == "gae":  # from the base weights, before any update
             if self.pm is not None:  # the driver refuses this first (trainer._check_train_layout)
@@ -105,7 +110,7 @@ class Learner:
                 with ctx.spans.span("advantage"):
                     start = time.perf_counter()
                     numbers, split, summary = advantage_stage(ctx.queue, ctx.cfg, rows, plan.train_dp,
-                                                              self.split_cost)
+                                                              self.split_cost, self.rank_of)
                     summary["time_advantage_s"] = time.perf_counter() - start
         finally:  # the split goes to the other train devices; None tells them the stage failed
             if self.train_group is not None:

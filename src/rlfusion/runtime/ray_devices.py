@@ -1,8 +1,9 @@
 """`RayDevices`: the device workers as Ray actors, one per device (`workers.DeviceWorker`), in a
 placement group, joined in one torch.distributed world, with the run's DistQueue on Ray: its
-controller actor (row metadata only) and one storage shard per node, placed in the devices'
-placement group beside them. Commands go out as actor calls (`devices.Devices` holds them);
-answers are checked as they arrive, so a dead worker is named at once (`WorkerDiedError`).
+controller actor (row metadata only) in the devices' placement group, and its storage in the
+devices themselves: each worker hosts the shard of the rows it creates (`queue.shard_host`).
+Commands go out as actor calls (`devices.Devices` holds them); answers are checked as they
+arrive, so a dead worker is named at once (`WorkerDiedError`).
 
 Also here: the shared scoring of synchronous rollouts (`_rollout`: a device that finishes early
 scores samples a peer has finished).
@@ -16,6 +17,7 @@ import sys
 from typing import Any
 
 from rlfusion.errors import RunError
+from rlfusion.queue.shard_host import STORAGE_GROUP
 from rlfusion.runtime.dataflow import queue_config
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.devices import Devices
@@ -73,24 +75,22 @@ class RayDevices(Devices):
 
         ray, plan, cfg = self.ray, self.plan, self.cfg
         ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        # the queue's data beside the devices: one storage shard per node, in the bundle of the
-        # node's first device (the shards and the controller take no CPU of it)
-        node_of = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        first_bundle = {}
-        for bundle in sorted(node_of):
-            first_bundle.setdefault(node_of[bundle], bundle)
-        bundles = list(first_bundle.values())
-        place = [PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b) for b in bundles + [0]]
-        self.queue = RayDistQueue(queue_config(cfg.rollout.group_size), num_shards=len(bundles), placement=place)
+        # the queue's controller first (in the first device's bundle, taking no CPU of it), then
+        # the devices, which host its storage: shard d is device d's, holding the rows it creates
+        controller = [PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)]
+        self.queue = RayDistQueue(queue_config(cfg.rollout.group_size), num_shards=plan.num_devices,
+                                  placement=controller, hosted=True)
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
         if self.single_node:  # gloo's and NCCL's bootstrap connections: loopback only, nothing listens outside
             env["env_vars"]["GLOO_SOCKET_IFNAME"] = env["env_vars"]["NCCL_SOCKET_IFNAME"] = _loopback_interface()
         # "pool": `take_finished` answers on its own thread while the device generates
-        actor_cls = ray.remote(concurrency_groups={"pool": 1})(DeviceWorker)
+        # STORAGE_GROUP: its queue shard answers the peers' reads and writes meanwhile
+        actor_cls = ray.remote(concurrency_groups={"pool": 1, STORAGE_GROUP: 1})(DeviceWorker)
         self.workers = [actor_cls.options(
             **worker_options(plan, threads), runtime_env=env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
         ).remote(d, plan, cfg, str(base_path), self.queue) for d in range(plan.num_devices)]
+        self.queue.host_shards(self.workers)
         address = self.call([self.workers[0].address.remote()])[0] if plan.num_devices > 1 else None
         self.rendezvous = address  # (host, port) of the device world's store, for checks
         self.call([w.connect.remote(address) for w in self.workers])

@@ -192,6 +192,8 @@ class RLTrainer:
         # answers, reports and its own queue reads and writes; none in process)
         queue_bytes = sum(r["queue_bytes"] for r in reports.values())
         out["queue_bytes"] = float(queue_bytes)
+        # the part that crossed a process boundary (a device's own rows move in process)
+        out["queue_remote_bytes"] = float(sum(r.get("queue_remote_bytes", 0) for r in reports.values()))
         if self.devices.count_bytes:
             driver = self.devices.take_driver_bytes()
             out["driver_bytes"] = float(driver)

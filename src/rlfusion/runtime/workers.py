@@ -21,6 +21,7 @@ from rlfusion.model.hf import is_hf_checkpoint
 from rlfusion.obs.metrics import NumberPacker
 from rlfusion.obs.peak import matmul_peak_flops
 from rlfusion.obs.timeline import pack_spans
+from rlfusion.queue.shard_host import StorageHost
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.device_binding import bind_device, listening_store, on_host
@@ -33,7 +34,7 @@ from rlfusion.runtime.scorer import Scorer
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.train_layout import join_layout_groups
 
-class DeviceWorker:
+class DeviceWorker(StorageHost):
     """Device `device` of `plan`. `queue` is the run's DistQueue client (the in-process queue, or
     the Ray queue's client). A role the device does not have is None."""
 
@@ -41,6 +42,7 @@ class DeviceWorker:
         torch.set_num_threads(cfg.deploy.threads_per_device if cfg.deploy.backend == "ray" else cfg.threads)
         torch.manual_seed(cfg.seed)
         self.device, self.plan, self.cfg = device, plan, cfg
+        StorageHost.__init__(self, queue, device)  # the device's rows live here, served to peers (`shard_host`)
         where = bind_device(plan.device, device)  # this device's torch device
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path, device=where, max_seq_len=cfg.context_len or None)
@@ -68,7 +70,7 @@ class DeviceWorker:
         self._model = model  # the learner's to train, until `connect`
         self.sync_group: Any = None  # the first train device and the rollout devices: the weight broadcast
         self._store = None  # device 0: the rendezvous store of the device world
-        self._queue_bytes = 0  # bytes this device's queue client had moved at the last report
+        self._queue_bytes = self._remote_bytes = 0  # bytes this device's queue client had moved (to another process)
         self._packer = NumberPacker()  # the report recurs every step
 
     # ---- joining the device world ----
@@ -163,4 +165,6 @@ class DeviceWorker:
         numbers["matmul_peak_gflop_per_s"] = self.matmul_peak_flops / 1e9
         moved = getattr(self.ctx.queue, "wire_bytes", 0)
         numbers["queue_bytes"], self._queue_bytes = moved - self._queue_bytes, moved
+        remote = getattr(self.ctx.queue, "remote_bytes", 0)
+        numbers["queue_remote_bytes"], self._remote_bytes = remote - self._remote_bytes, remote
         return pack_spans(spans), self._packer.pack(numbers)
