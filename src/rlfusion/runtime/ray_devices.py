@@ -4,9 +4,6 @@ controller actor (row metadata only) in the devices' placement group, and its st
 devices themselves: each worker hosts the shard of the rows it creates (`queue.shard_host`).
 Commands go out as actor calls (`devices.Devices` holds them); answers are checked as they
 arrive, so a dead worker is named at once (`WorkerDiedError`).
-
-Also here: the shared scoring of synchronous rollouts (`_rollout`: a device that finishes early
-scores samples a peer has finished).
 """
 
 from __future__ import annotations
@@ -83,9 +80,9 @@ class RayDevices(Devices):
         env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
         if self.single_node:  # gloo's and NCCL's bootstrap connections: loopback only, nothing listens outside
             env["env_vars"]["GLOO_SOCKET_IFNAME"] = env["env_vars"]["NCCL_SOCKET_IFNAME"] = _loopback_interface()
-        # "pool": `take_finished` answers on its own thread while the device generates
+        # "ping": answered on its own thread while the device works (`_dead_devices`)
         # STORAGE_GROUP: its queue shard answers the peers' reads and writes meanwhile
-        actor_cls = ray.remote(concurrency_groups={"pool": 1, STORAGE_GROUP: 1})(DeviceWorker)
+        actor_cls = ray.remote(concurrency_groups={"ping": 1, STORAGE_GROUP: 1})(DeviceWorker)
         self.workers = [actor_cls.options(
             **worker_options(plan, threads), runtime_env=env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
@@ -133,9 +130,9 @@ class RayDevices(Devices):
         return WorkerDiedError(f"{where} died ({why})")
 
     def _dead_devices(self) -> list[int]:
-        """Devices whose worker process is gone (asked on the "pool" thread, which answers even
+        """Devices whose worker process is gone (asked on the "ping" thread, which answers even
         while the worker's main thread is busy)."""
-        refs = [w.ping.options(concurrency_group="pool").remote() for w in self.workers]
+        refs = [w.ping.options(concurrency_group="ping").remote() for w in self.workers]
         dead = []
         for device, ref in enumerate(refs):
             try:
