@@ -228,17 +228,19 @@ class DeviceSwitch:
             led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
 
     def memory(self) -> dict[str, Any]:
-        """Per-phase peaks (bytes) since the last call, the zero-redundancy check (one bucket
-        allowed: a training layout's reshard fills the replica through one) and how often the
-        optimizer state went to host and came back, since the last call."""
+        """Per-phase peaks (bytes) since the last call ("peaks/PHASE", and the allocator's
+        "allocator_peaks/PHASE"), the zero-redundancy check (one bucket allowed: a training
+        layout's reshard fills the replica through one) and how often the optimizer state went to
+        host and came back, since the last call."""
         peaks = self.ledger.peaks()
         ok = True
         if {"switch", "train", "rollout"} <= set(peaks):
             ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=self.bucket_bytes if self.pm is not None else 0)
         allocator = self.ledger.allocator_peaks()
         self.ledger = _fresh_ledger(self.ledger)
-        out = {"peaks": peaks, "allocator_peaks": allocator, "zero_redundancy": ok, "offloads": self.offloads,
-               "restores": self.restores, "engine_loads": self.loads}
+        out = {**{f"peaks/{phase}": v for phase, v in peaks.items()},
+               **{f"allocator_peaks/{phase}": v for phase, v in allocator.items()},
+               "zero_redundancy": ok, "offloads": self.offloads, "restores": self.restores, "engine_loads": self.loads}
         self.offloads = self.restores = self.loads = 0
         return out
 

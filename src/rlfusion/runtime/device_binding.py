@@ -69,3 +69,16 @@ def listening_store(host: str, world_size: int) -> dist.TCPStore:
     # the store owns the socket from here (detach: Python's socket object must not close it)
     return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
                          master_listen_fd=sock.detach())
+
+
+def join_world(device: int, num_devices: int, where: torch.device, address: tuple[str, int],
+               store: dist.TCPStore | None, groups: list[tuple[list[int], str | None]]) -> list[Any]:
+    """Join the device world as rank `device` through the rendezvous store at `address` (`store`:
+    device 0's own, from `listening_store`) and create `groups`, (ranks, backend or None for the
+    world's) each — every rank creates every group, in the same order. On GPUs the world runs
+    NCCL for device tensors and gloo for host tensors (counts, flags, objects). Returns the groups."""
+    backend = "cpu:gloo,cuda:nccl" if where.type == "cuda" else "gloo"
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], num_devices, is_master=False)
+    dist.init_process_group(backend, store=store, rank=device, world_size=num_devices)
+    return [dist.new_group(ranks, backend=group_backend) for ranks, group_backend in groups]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +59,17 @@ class RoleContext:
     switch: DeviceSwitch
     queue: Any
     spans: SpanLog
+    queue_moved: dict[str, int] = field(default_factory=dict)  # the client's byte counters at the last report
+
+    def take_queue_bytes(self) -> dict[str, float]:
+        """The bytes this device's queue client moved since the last call: to and from storage
+        ("queue_bytes") and the part that crossed a process boundary ("queue_remote_bytes"; a
+        device's own rows move in process)."""
+        out = {}
+        for name, attr in (("queue_bytes", "wire_bytes"), ("queue_remote_bytes", "remote_bytes")):
+            moved = getattr(self.queue, attr, 0)
+            out[name], self.queue_moved[name] = moved - self.queue_moved.get(name, 0), moved
+        return out
 
     def put_new(self, trajs: list[Trajectory], columns: tuple[str, ...]) -> list[int]:
         """`trajs` as new queue rows holding `columns` (`dataflow.trajectory_columns`), each with

@@ -1,18 +1,15 @@
 """`DeviceWorker`: one device — a Ray actor, or an object in the driver's process (the local
 backend) — hosting the roles its `DeploymentPlan` gives it around one `DeviceSwitch`, one queue
-client and one span log (`role_context.py`): the generator (`generator.py`: rollouts, evaluation),
-the scorer (`scorer.py`: reward, reference, shared scoring from the queue) and the learner (`learner.py`:
-advantages, the update, the weight sync, the trained state). The host loads the base model,
-builds the roles, joins the device world (rendezvous, process groups, the training layout's
-groups), answers `report`, and hands each command of the controller (`devices.Devices`) to the
-role that owns it.
+client and one span log (`role_context.py`): the generator (rollouts, evaluation), the scorer
+(reward, reference, shared scoring) and the learner (advantages, update, weight sync, state). It
+loads the base, builds the roles, joins the device world, holds the device's queue shard
+(`queue.shard_host`), answers `report`, and hands each controller command to its role.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rlfusion.fusion.reshard import build_inference_model, release
 from rlfusion.fusion.switch import DeviceSwitch
@@ -24,7 +21,7 @@ from rlfusion.obs.timeline import pack_spans
 from rlfusion.queue.shard_host import StorageHost
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime.deployment import DeploymentPlan
-from rlfusion.runtime.device_binding import bind_device, listening_store, on_host
+from rlfusion.runtime.device_binding import bind_device, join_world, listening_store, on_host
 from rlfusion.runtime.generator import Generator
 from rlfusion.runtime.heap import freeze_long_lived
 from rlfusion.runtime.learner import Learner
@@ -34,9 +31,9 @@ from rlfusion.runtime.scorer import Scorer
 from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.train_layout import join_layout_groups
 
+
 class DeviceWorker(StorageHost):
-    """Device `device` of `plan`. `queue` is the run's DistQueue client (the in-process queue, or
-    the Ray queue's client). A role the device does not have is None."""
+    """Device `device` of `plan`; `queue`: the run's DistQueue client. A role the device lacks is None."""
 
     def __init__(self, device: int, plan: DeploymentPlan, cfg: TrainConfig, base_path: str, queue: Any = None):
         torch.set_num_threads(cfg.deploy.threads_per_device if cfg.deploy.backend == "ray" else cfg.threads)
@@ -46,13 +43,11 @@ class DeviceWorker(StorageHost):
         where = bind_device(plan.device, device)  # this device's torch device
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path, device=where, max_seq_len=cfg.context_len or None)
-        # the engine generates from `policy`: the model itself, or in a training layout (whose
-        # shards `connect` applies) a full replica, filled from them for each rollout only
+        # the engine's `policy`: the model, or in a training layout a replica filled for each rollout only
         in_layout = plan.train_layout and device in plan.train
         self.policy = build_inference_model(model.config, device=where) if in_layout else model
         dtype = COMPUTE_DTYPES[cfg.deploy.precision]
-        # this device's compute peak at its threads and precision (the achieved rates' yardstick)
-        self.matmul_peak_flops = matmul_peak_flops(repeats=3, device=where, dtype=dtype)
+        self.matmul_peak_flops = matmul_peak_flops(repeats=3, device=where, dtype=dtype)  # rates' yardstick
         hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
         stage = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base, dtype)
                  if "rollout" in roles else None)
@@ -63,14 +58,13 @@ class DeviceWorker(StorageHost):
                               int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", spans.span, where)
         self.ctx = RoleContext(device, plan, cfg, where, dtype, switch, queue, spans)
         task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
-        scores = "reward" in roles or "reference" in roles
+        scores = {"reward", "reference"} & set(roles)
         self.scorer = Scorer.build(self.ctx, roles, model, tokenizer, task) if scores else None
         self.generator = Generator(self.ctx, stage, task, tokenizer, self.scorer) if stage is not None else None
         self.learner: Learner | None = None  # a train device's, built in `connect`
         self._model = model  # the learner's to train, until `connect`
         self.sync_group: Any = None  # the first train device and the rollout devices: the weight broadcast
         self._store = None  # device 0: the rendezvous store of the device world
-        self._queue_bytes = self._remote_bytes = 0  # bytes this device's queue client had moved (to another process)
         self._packer = NumberPacker()  # the report recurs every step
 
     # ---- joining the device world ----
@@ -89,15 +83,10 @@ class DeviceWorker(StorageHost):
         `address()`; None: a world of one, no process group) and build the learner."""
         plan, train_group = self.plan, None
         if address is not None:
-            # on GPUs: NCCL for device tensors, gloo for the host tensors (counts, flags, objects)
-            backend = "cpu:gloo,cuda:nccl" if self.ctx.where.type == "cuda" else "gloo"
-            store = self._store if self.device == 0 else dist.TCPStore(
-                address[0], address[1], plan.num_devices, is_master=False)
-            dist.init_process_group(backend, store=store, rank=self.device, world_size=plan.num_devices)
-            # every rank creates every group, in the same order
-            train_group = dist.new_group(list(plan.train))
-            self.sync_group = dist.new_group(sorted({plan.train[0], *plan.rollout}))
-            rollout_group = dist.new_group(list(plan.rollout), backend="gloo")  # CPU counts
+            train_group, self.sync_group, rollout_group = join_world(
+                self.device, plan.num_devices, self.ctx.where, address, self._store if self.device == 0 else None,
+                [(list(plan.train), None), (sorted({plan.train[0], *plan.rollout}), None),
+                 (list(plan.rollout), "gloo")])  # the rollout devices' stop-rule counts: CPU tensors
             if self.generator is not None:
                 self.generator.rollout_group = rollout_group
             if plan.train_layout and self.device not in plan.train:
@@ -107,8 +96,7 @@ class DeviceWorker(StorageHost):
         self._model = None
 
     def settle(self) -> None:
-        """Setup is over (once, after `connect`): full garbage collections no longer walk the
-        imports, model and task (`runtime/heap.py`)."""
+        """Setup is over (after `connect`): full collections skip the imports, model and task (`heap.py`)."""
         freeze_long_lived()
 
     def ping(self) -> int:
@@ -131,9 +119,8 @@ class DeviceWorker(StorageHost):
 
     def weights(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """The policy's full weights (a train device's: `Learner.weights`)."""
-        if self.learner is not None:
-            return self.learner.weights(keep)
-        return on_host(self.policy.state_dict()) if keep else None
+        own = on_host(self.policy.state_dict()) if keep and self.learner is None else None
+        return self.learner.weights(keep) if self.learner is not None else own
 
     def load_state(self, state: dict[str, Any]) -> None:
         """A checkpoint's policy weights (and on a train device its optimizer state and version)."""
@@ -146,9 +133,8 @@ class DeviceWorker(StorageHost):
     def sync_weights(self) -> int:
         """Separated mode: the new weights from the first train device to the rollout devices
         (`Learner.sync_weights`); a rollout device receives them. Bytes sent or received."""
-        if self.learner is not None:
-            return self.learner.sync_weights(self.sync_group)
-        return self.ctx.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins=True)
+        return (self.learner.sync_weights(self.sync_group) if self.learner is not None else
+                self.ctx.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins=True))
 
     def report(self) -> tuple[Any, Any]:
         """Since the last call: spans, the engine's counts (with the stop-rule sums), the memory
@@ -158,13 +144,7 @@ class DeviceWorker(StorageHost):
         numbers: dict[str, float] = {}
         if self.generator is not None:
             numbers.update({f"engine/{k}": v for k, v in self.generator.take_stats().items()})
-        memory = self.ctx.switch.memory()
-        numbers.update({f"memory/peaks/{phase}": v for phase, v in memory.pop("peaks").items()})
-        numbers.update({f"memory/allocator_peaks/{phase}": v for phase, v in memory.pop("allocator_peaks").items()})
-        numbers.update({f"memory/{k}": v for k, v in memory.items()})
+        numbers.update({f"memory/{k}": v for k, v in self.ctx.switch.memory().items()})
         numbers["matmul_peak_gflop_per_s"] = self.matmul_peak_flops / 1e9
-        moved = getattr(self.ctx.queue, "wire_bytes", 0)
-        numbers["queue_bytes"], self._queue_bytes = moved - self._queue_bytes, moved
-        remote = getattr(self.ctx.queue, "remote_bytes", 0)
-        numbers["queue_remote_bytes"], self._remote_bytes = remote - self._remote_bytes, remote
+        numbers.update(self.ctx.take_queue_bytes())
         return pack_spans(spans), self._packer.pack(numbers)
