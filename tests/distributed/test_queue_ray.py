@@ -44,6 +44,7 @@ def script(q) -> list:
     out.append(q.count_consumed("share", [0, 1]))
     out.append(q.get("share", ["prompt"], 9, groups=[0, 1]))
     out.append(q.count_consumed("share", [0, 1]))
+    out.append(q.get("share", ["prompt"], 9, block=True, timeout=60, groups=[0, 1], min_count=1))  # all taken: at once
     out.append(q.retire(a))
     out.append(q.get("new", ["prompt", "meta"], 9))
     return out
@@ -54,7 +55,7 @@ def test_ray_backend_matches_in_process(ray_session, num_shards):
     cfg = QueueConfig(COLUMNS, group_size=2)
     rq = RayDistQueue(cfg, num_shards=num_shards)
     assert script(rq) == script(DistQueue(cfg))
-    assert rq.stats.get_requests == 7 and rq.stats.bytes_served > 0
+    assert rq.stats.get_requests == 8 and rq.stats.bytes_served > 0
     rq.shutdown()
 
 

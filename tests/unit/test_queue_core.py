@@ -105,6 +105,20 @@ def test_readers_sharing_a_batch_take_its_groups_only_and_count_what_is_taken():
     assert q.get("whole", ["prompt"], 4, policy="group", groups=[1, 2]).group_ids == [1, 1]  # 2 is half there
 
 
+def test_a_blocking_get_of_groups_ends_at_the_first_row_or_once_all_are_taken():
+    import time
+    q = make_queue(group_size=2)
+    start = time.monotonic()
+    threading.Timer(0.2, lambda: q.put({"prompt": [[1]]}, group_ids=[0])).start()
+    got = q.get("reward", ["prompt"], 8, block=True, timeout=30, groups=[0], min_count=1)
+    assert got.row_ids == [0] and time.monotonic() - start < 10  # one row ends the wait
+    q.put({"prompt": [[2]]}, group_ids=[0])
+    assert q.get("reward", ["prompt"], 8, groups=[0]).row_ids == [1]
+    start = time.monotonic()
+    assert len(q.get("reward", ["prompt"], 8, block=True, timeout=30, groups=[0], min_count=1)) == 0
+    assert time.monotonic() - start < 10  # group 0's 2 rows are all taken: nothing more can come
+
+
 def test_oldest_version_policy():
     q = make_queue()
     q.put({"reward": [0.0, 1.0, 2.0, 3.0]}, versions=[3, 1, 2, 1])

@@ -186,16 +186,20 @@ class DistQueue:
     # ---- reads ----
 
     def get(self, consumer: str, columns: Sequence[str], count: int, policy: Policy = "fifo",
-            block: bool = False, timeout: float | None = None, groups: Sequence[int] | None = None) -> Batch:
+            block: bool = False, timeout: float | None = None, groups: Sequence[int] | None = None,
+            min_count: int | None = None) -> Batch:
         """Up to `count` rows whose `columns` are all ready and that `consumer` has not had,
         now marked consumed by it; with `groups`, rows of those group ids only. With `block`,
-        wait until `count` rows are available or `timeout` passes (None: forever), then return
-        what there is (possibly fewer)."""
+        wait until `min_count` rows (default `count`) are available or `timeout` passes (None:
+        forever), then return what there is (possibly fewer); with `groups` the wait also ends
+        once `consumer` has had every row of those groups (`group_size` each)."""
         check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
+        need = count if min_count is None else min_count
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             rows = self.controller.select(consumer, columns, count, policy, groups)
-            while block and len(rows) < count:
+            while block and len(rows) < need and not (groups is not None and
+                                                      self.controller.groups_taken(consumer, groups)):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break

@@ -228,6 +228,12 @@ class QueueController:
         """How many live rows of these group ids `consumer` has consumed."""
         return sum(consumer in self.rows[r].consumed for g in set(groups) for r in self.groups.get(g, ()))
 
+    def groups_taken(self, consumer: str, groups: Sequence[int]) -> bool:
+        """Whether `consumer` has consumed every row these groups will have (`group_size`
+        each): nothing more of them can come to it."""
+        return (self.group_size is not None
+                and self.count_consumed(consumer, groups) == len(set(groups)) * self.group_size)
+
     def mark_consumed(self, consumer: str, row_ids: Sequence[int]) -> None:
         for r in row_ids:
             self.rows[r].consumed.add(consumer)

@@ -139,15 +139,17 @@ class QueueControllerActor:
         return [m.group_id for m in meta], [m.version for m in meta], [m.shard for m in meta]
 
     async def acquire(self, consumer: str, columns: list[str], count: int, policy: Policy, block: bool,
-                      timeout: float | None, groups: list[int] | None = None
+                      timeout: float | None, groups: list[int] | None = None, min_count: int | None = None
                       ) -> tuple[list[int], list[int], list[int], list[int]]:
         """Row ids (with group ids, versions and shards) for `consumer`, marked consumed by it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         found: list[int] = []
+        need = count if min_count is None else min_count
 
         def enough() -> bool:
             found[:] = self.controller.select(consumer, columns, count, policy, groups)
-            return not block or len(found) >= count
+            return (not block or len(found) >= need
+                    or (groups is not None and self.controller.groups_taken(consumer, groups)))
         async with self._condition():
             await self._wait_until(enough, deadline)
             groups, versions, shards = self._serve(consumer, found)
@@ -410,12 +412,14 @@ class RayDistQueue:
     # ---- reads ----
 
     def get(self, consumer: str, columns: Sequence[str], count: int, policy: Policy = "fifo",
-            block: bool = False, timeout: float | None = None, groups: Sequence[int] | None = None) -> Batch:
+            block: bool = False, timeout: float | None = None, groups: Sequence[int] | None = None,
+            min_count: int | None = None) -> Batch:
         """Same contract as `DistQueue.get`; the cells come straight from the shards, and the
         batch names each row's shard."""
         check_get_args(self.schema, self.cfg.group_size, consumer, columns, count, policy)
         rows, groups, versions, where = _call(self.controller.acquire.remote(
-            consumer, list(columns), count, policy, block, timeout, None if groups is None else list(groups)))
+            consumer, list(columns), count, policy, block, timeout, None if groups is None else list(groups),
+            min_count))
         self.meta_bytes += _nbytes((rows, groups, versions, where))
         return Batch(rows, groups, versions, self._read_shards(consumer, rows, where, columns), where)
 

@@ -32,7 +32,7 @@ from rlfusion.runtime.reward_stage import RewardStage
 from rlfusion.runtime.role_context import RoleContext
 
 SHARE_CHUNK_ROWS = 8  # shared scoring: rows taken from the queue at a time
-SHARE_POLL_S = 0.02  # an idle device looks for rows of the step this often
+SHARE_WAIT_S = 1.0  # one wait for rows of the step (it ends early when a row arrives or all are taken)
 
 
 class Scorer:
@@ -123,8 +123,10 @@ class Scorer:
         scored = peer = 0
         taken, since = -1, time.monotonic()  # rows of the step taken by any device, and since when
         while True:
-            with ctx.spans.span("queue"):
-                batch = ctx.queue.get(dataflow.REWARD.name, reads, SHARE_CHUNK_ROWS, groups=groups)
+            # waits (no span: idle) until a row of the step is ready or every row is taken; the
+            # read of a chunk (a few KB) is counted with that wait
+            batch = ctx.queue.get(dataflow.REWARD.name, reads, SHARE_CHUNK_ROWS, block=True, timeout=SHARE_WAIT_S,
+                                  groups=groups, min_count=1)
             if len(batch):
                 trajs = self.score_and_reference(dataflow.to_trajectories(batch))
                 with ctx.spans.span("queue"):
@@ -141,7 +143,6 @@ class Scorer:
             elif time.monotonic() - since > cfg.deploy.queue_timeout_s:
                 raise RunError(f"shared scoring on device {ctx.device} saw no row of the step taken for "
                                f"{cfg.deploy.queue_timeout_s:g} s ({taken} of {total}; deploy.queue_timeout_s)")
-            time.sleep(SHARE_POLL_S)  # idle: the step's other rows are still being generated
 
     def _reward(self, trajs: list[Trajectory]) -> None:
         with self.ctx.spans.span("reward"):
