@@ -240,8 +240,7 @@ class QueueControllerActor:
 
 
 def _by_shard(row_ids: Sequence[int], shards: Sequence[int]) -> dict[int, list[int]]:
-    """The row ids held by each shard (`shards[i]`: the shard of `row_ids[i]`), in order."""
-    out: dict[int, list[int]] = {}
+    out: dict[int, list[int]] = {}  # shard -> its rows among `row_ids` (`shards[i]`: row i's), in order
     for r, k in zip(row_ids, shards):
         out.setdefault(k, []).append(r)
     return out
@@ -326,8 +325,7 @@ class RayDistQueue:
         ray.get(self.controller.set_shards.remote(self._shards))
 
     def attach(self, host: StorageHost, index: int) -> None:
-        """`host`, in this client's own process, serves shard `index`: this client's new rows go
-        there, and its rows move by plain calls (`StorageHost.__init__` attaches itself)."""
+        """`host`, in this client's process, serves shard `index`: new rows go there, by plain calls."""
         if not 0 <= index < self.num_shards:
             raise ValueError(f"shard {index} is out of range: the queue has {self.num_shards} shards")
         self.local, self.local_index = host, index
