@@ -6,7 +6,7 @@ the samples move between the devices through the DistQueue.
     LocalDevices   one `DeviceWorker` in the controller's process (`deploy.backend=local`),
                    the in-process queue; the same commands, switch and memory ledger
     RayDevices     one Ray actor per device (`ray_devices.py`), the Ray queue (metadata in a
-                   controller actor, data in storage shards beside the devices)
+                   controller actor, each row's data in the device worker that made it)
 
 The two differ only in how a command reaches a worker (`_start` / `_wait`).
 """
