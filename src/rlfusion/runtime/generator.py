@@ -33,7 +33,9 @@ from rlfusion.runtime.stop_sums import StopSums, no_stop_sync
 from rlfusion.stalesync.rules import unpack_items
 
 
-SHARE_PUT_ROWS = 8  # shared scoring: finished samples go into the queue this many at a time
+# shared scoring: finished samples go into the queue in about this many puts per rollout (each
+# costs the controller two round trips), of at least SHARE_PUT_ROWS samples
+SHARE_PUTS, SHARE_PUT_ROWS = 4, 8
 
 
 class Generator:
@@ -60,7 +62,7 @@ class Generator:
         rows; with `score_here` (reward and reference live on this device too) the rows carry
         their reward and reference columns when they go in. With `share` (the step's group ids
         on every rollout device, as runs: `queue.controller.row_runs`), the samples go in
-        unscored as they finish, `SHARE_PUT_ROWS` at a time, and every device of the step scores
+        unscored as they finish, in about `SHARE_PUTS` puts, and every device of the step scores
         rows of the step waiting in the queue once its own decoding is done (`Scorer.score_shared`),
         so an idle device scores a busy one's finished samples. Returns counts only: the rows
         this device scored (or put), those of another device's groups, the tokens generated."""
@@ -75,10 +77,11 @@ class Generator:
 
         if share:
             finished: list[Trajectory] = []
+            every = max(SHARE_PUT_ROWS, -(-len(group_ids) * self.ctx.cfg.rollout.group_size // SHARE_PUTS))
 
             def put_finished(t: Trajectory) -> None:
                 finished.append(t)
-                if len(finished) >= SHARE_PUT_ROWS:
+                if len(finished) >= every:
                     self._put(finished[:], scored=False)
                     finished.clear()
             trajs = run(put_finished)

@@ -31,7 +31,9 @@ from rlfusion.runtime.reference_stage import ReferenceStage, add_summed_kl
 from rlfusion.runtime.reward_stage import RewardStage
 from rlfusion.runtime.role_context import RoleContext
 
-SHARE_CHUNK_ROWS = 8  # shared scoring: rows taken from the queue at a time
+# shared scoring: a device takes the step's rows in chunks of about 1/SHARE_TAKES of them (each
+# take and its write cost the controller three round trips), of at least SHARE_CHUNK_ROWS rows
+SHARE_TAKES, SHARE_CHUNK_ROWS = 8, 8
 SHARE_WAIT_S = 1.0  # one wait for rows of the step (it ends early when a row arrives or all are taken)
 
 
@@ -112,7 +114,7 @@ class Scorer:
     def score_shared(self, groups: list[int], mine: set[int]) -> tuple[int, int]:
         """Shared scoring of a synchronous rollout (`deploy.share_scoring`): score rows of the
         step's `groups` waiting in the queue — any rollout device's, put unscored as they finish
-        — `SHARE_CHUNK_ROWS` at a time as one reader of them all (the reward stage's consumer:
+        — a chunk at a time as one reader of them all (the reward stage's consumer:
         each row is taken once), until every row of the step is taken. A device calls it once its
         own decoding is done, so an idle one scores a busy one's finished samples and the two
         finish together. Returns the rows scored here and how many of them are not of `mine`
@@ -120,12 +122,13 @@ class Scorer:
         ctx, cfg = self.ctx, self.ctx.cfg
         reads = tuple(dict.fromkeys(dataflow.REWARD.reads + (dataflow.REFERENCE.reads if self.reference else ())))
         total = len(groups) * cfg.rollout.group_size
+        chunk = max(SHARE_CHUNK_ROWS, -(-total // SHARE_TAKES))
         scored = peer = 0
         taken, since = -1, time.monotonic()  # rows of the step taken by any device, and since when
         while True:
             # waits (no span: idle) until a row of the step is ready or every row is taken; the
             # read of a chunk (a few KB) is counted with that wait
-            batch = ctx.queue.get(dataflow.REWARD.name, reads, SHARE_CHUNK_ROWS, block=True, timeout=SHARE_WAIT_S,
+            batch = ctx.queue.get(dataflow.REWARD.name, reads, chunk, block=True, timeout=SHARE_WAIT_S,
                                   groups=groups, min_count=1)
             if len(batch):
                 trajs = self.score_and_reference(dataflow.to_trajectories(batch))
