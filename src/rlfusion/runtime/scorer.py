@@ -114,22 +114,27 @@ class Scorer:
     def score_shared(self, groups: list[int], mine: set[int]) -> tuple[int, int]:
         """Shared scoring of a synchronous rollout (`deploy.share_scoring`): score rows of the
         step's `groups` waiting in the queue — any rollout device's, put unscored as they finish
-        — a chunk at a time as one reader of them all (the reward stage's consumer:
-        each row is taken once), until every row of the step is taken. A device calls it once its
-        own decoding is done, so an idle one scores a busy one's finished samples and the two
-        finish together. Returns the rows scored here and how many of them are not of `mine`
+        — a chunk at a time as one reader of them all (the reward stage's consumer: each row is
+        taken once; its own rows first), until every row of the step is taken. A device calls it
+        once its own decoding is done, so an idle one scores a busy one's finished samples and the
+        two finish together. Returns the rows scored here and how many of them are not of `mine`
         (this device's groups)."""
         ctx, cfg = self.ctx, self.ctx.cfg
         reads = tuple(dict.fromkeys(dataflow.REWARD.reads + (dataflow.REFERENCE.reads if self.reference else ())))
         total = len(groups) * cfg.rollout.group_size
         chunk = max(SHARE_CHUNK_ROWS, -(-total // SHARE_TAKES))
+        own = sorted(mine)
         scored = peer = 0
         taken, since = -1, time.monotonic()  # rows of the step taken by any device, and since when
         while True:
-            # waits (no span: idle) until a row of the step is ready or every row is taken; the
-            # read of a chunk (a few KB) is counted with that wait
-            batch = ctx.queue.get(dataflow.REWARD.name, reads, chunk, block=True, timeout=SHARE_WAIT_S,
-                                  groups=groups, min_count=1)
+            # its own rows first (they live in this process), then any of the step's, waiting
+            # (no span: idle) until one is ready or every row is taken; the read of a chunk (a few
+            # KB) is counted with that wait
+            batch = ctx.queue.get(dataflow.REWARD.name, reads, chunk, groups=own) if own else ()
+            if not len(batch):
+                own = []  # all its own rows are in (its decoding is done) and taken: none come back
+                batch = ctx.queue.get(dataflow.REWARD.name, reads, chunk, block=True, timeout=SHARE_WAIT_S,
+                                      groups=groups, min_count=1)
             if len(batch):
                 trajs = self.score_and_reference(dataflow.to_trajectories(batch))
                 with ctx.spans.span("queue"):
