@@ -35,7 +35,7 @@ from rlfusion.stalesync.rules import unpack_items
 
 # shared scoring: finished samples go into the queue in about this many puts per rollout (each
 # costs the controller two round trips), of at least SHARE_PUT_ROWS samples
-SHARE_PUTS, SHARE_PUT_ROWS = 4, 8
+SHARE_PUTS, SHARE_PUT_ROWS = 2, 8
 
 
 class Generator:

@@ -33,7 +33,7 @@ from rlfusion.runtime.role_context import RoleContext
 
 # shared scoring: a device takes the step's rows in chunks of about 1/SHARE_TAKES of them (each
 # take and its write cost the controller three round trips), of at least SHARE_CHUNK_ROWS rows
-SHARE_TAKES, SHARE_CHUNK_ROWS = 8, 8
+SHARE_TAKES, SHARE_CHUNK_ROWS = 4, 8
 SHARE_WAIT_S = 1.0  # one wait for rows of the step (it ends early when a row arrives or all are taken)
 
 
