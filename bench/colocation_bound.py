@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         print("smoke run: sizes cut to seconds; figures are not measurements")
-    cal = measure_calibration(None, threads=1, quick=args.quick or args.smoke)
+    cal = measure_calibration(None, threads=1, quick=args.quick or args.smoke, smoke=args.smoke)
     cfg = load_config(TrainConfig, None, SMOKE_ROLLOUT if args.smoke else [])
     responses, prompts = default_lengths(cfg, steps=1 if args.smoke else 3)
     print(f"response lengths: {len(responses)} samples, mean {statistics.mean(responses):.1f}, "

@@ -468,7 +468,7 @@ def main() -> None:
         parser.error(f"--rounds={rounds} must be >= 1")
     t0 = time.perf_counter()
     print("calibration microbenchmarks (rlfusion.measure.calibrate, 1 thread per device):", flush=True)
-    cal = measure_calibration(None, threads=1, quick=args.quick or args.smoke)  # quick: its smallest
+    cal = measure_calibration(None, threads=1, quick=args.quick or args.smoke, smoke=args.smoke)
     if args.calibration_out:
         save_calibration(cal, args.calibration_out)
         print(f"  saved {args.calibration_out}")

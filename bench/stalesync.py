@@ -277,13 +277,14 @@ def non_generation_s_per_token(timed: list[dict], spans: list) -> float:
     return work / sum(m["generated_tokens"] for m in timed)
 
 
-def measure_conditions() -> tuple[dict, float]:
-    """The engine floors and the concurrent speed of two busy processes, measured now."""
+def measure_conditions(smoke: bool = False) -> tuple[dict, float]:
+    """The engine floors and the concurrent speed of two busy processes, measured now (`smoke`:
+    the probe's workload once)."""
     cfg = run_config()
     floors = engine_floors(cfg.rollout.max_num_seqs, cfg.context_len or None)
     # the most favourable speed the probe measured (its parts: decode, long-context reads, update,
     # and the whole): a ceiling must hold for any mix of work
-    probe = measure_contention(default_setup(threads=1))
+    probe = measure_contention(default_setup(threads=1, smoke=smoke))
     speed = max(probe[k] for k in ("concurrent_speed", "decode_speed", "context_speed", "train_speed"))
     print(f"engine floors: decode {floors['decode_s_per_token'] * 1e6:.1f} us per token (at "
           f"{floors['decode_rows']} rows), prefill {floors['prefill_s_per_token'] * 1e6:.1f} us per "
@@ -466,7 +467,7 @@ def main() -> None:
     accs: dict[str, list[float]] = {n: [] for n in names}
     per_seed: list[dict] = []  # each seed's timed updates and synchronous spans, for its ceiling
     for seed in seeds:
-        seed_conditions.append([measure_conditions()])
+        seed_conditions.append([measure_conditions(args.smoke)])
         seed_timed, seed_spans = {n: len(timed[n]) for n in names}, {n: len(sync_spans[n]) for n in sync_names}
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {n: make_trainer(n, Path(tmp), eval_problems, updates, seed, WORKLOAD["file"])
@@ -498,7 +499,7 @@ def main() -> None:
                     png = Path(gantt) / f"stalesync_{_folder(n)}.png"
                     last = [sp for sp in trainers[n].timeline.spans if sp.step == updates - 1]  # one whole step
                     plot_gantt(last, png, title=f"{n}: device timeline of update {updates}")
-            seed_conditions[-1].append(measure_conditions())  # the seed's idle workers still alive
+            seed_conditions[-1].append(measure_conditions(args.smoke))  # the seed's idle workers still alive
             for t in trainers.values():
                 t.close()
         per_seed.append({"seed": seed, "timed": {n: timed[n][seed_timed[n]:] for n in names},

@@ -55,11 +55,14 @@ BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
 
 @dataclass(frozen=True)
 class Setup:
-    """What every measurement runs with: the base checkpoint, torch's thread count, quick mode."""
+    """What every measurement runs with: the base checkpoint, torch's thread count, quick mode;
+    `smoke` (a bench's `--smoke`: its figures are not measurements) times each repeated
+    measurement once."""
 
     base: str
     threads: int
     quick: bool
+    smoke: bool = False
 
 
 def load_base_model(setup: Setup, max_seq_len: int | None = None):
@@ -292,15 +295,15 @@ def _interleaved_medians(fns: list, reps: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def measure_train_and_reference(model, tokenizer, quick: bool, switch_model=None) -> dict:
+def measure_train_and_reference(model, tokenizer, quick: bool, switch_model=None, smoke: bool = False) -> dict:
     """The update's and the reference pass's cost planes (`_plane`) and the switches, on `model`
     (built for the long samples' context); the switch restores a KV cache sized for
-    `switch_model`'s context (default `model`'s)."""
+    `switch_model`'s context (default `model`'s). `smoke`: each timed once."""
     from rlfusion.runtime.actor import ActorStage
     from rlfusion.runtime.reference_stage import ReferenceStage
     from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
-    reps = 2 if quick else 5
+    reps = 1 if smoke else 2 if quick else 5
     vocab = model.config.vocab_size
     actor = ActorStage(copy.deepcopy(model), AlgoConfig(), OptimConfig(), temperature=1.0)
     reference = ReferenceStage(copy.deepcopy(model), 1.0, OptimConfig().microbatch_tokens)
@@ -400,12 +403,12 @@ def _pair_worker(rank: int, setup: Setup, init: str, out) -> None:
                 size += p.numel() * p.element_size()
 
     dist.barrier()
-    bcast_s = _median_time(broadcast, 3 if setup.quick else 5)
+    bcast_s = _median_time(broadcast, 1 if setup.smoke else 3 if setup.quick else 5)
     dist.barrier()
     counts = torch.zeros(4, dtype=torch.int64)  # RolloutStage.run_groups' stop-rule sums
     for _ in range(20):
         dist.all_reduce(counts)
-    reps = 100 if setup.quick else 300
+    reps = 20 if setup.smoke else 100 if setup.quick else 300
     start = time.perf_counter()
     for _ in range(reps):
         dist.all_reduce(counts)
@@ -483,10 +486,10 @@ def measure_pair(setup: Setup) -> dict:
 
 # ---- the whole calibration -----------------------------------------------------------------
 
-def default_setup(threads: int = 1, quick: bool = False) -> Setup:
+def default_setup(threads: int = 1, quick: bool = False, smoke: bool = False) -> Setup:
     from rlfusion.model.checkpoint import find_base
 
     base = find_base()
     if base is None:
         raise ValueError("no tiny base model found: run `rlfusion pretrain` first")
-    return Setup(str(base), threads, quick)
+    return Setup(str(base), threads, quick, smoke)

@@ -18,9 +18,10 @@ from rlfusion.sim.calibration import Calibration, save_calibration
 
 
 def measure_calibration(path: str | Path | None = None, threads: int = 1, quick: bool = False,
-                        log=print) -> Calibration:
-    """Run every microbenchmark (about 30 s; `quick` about 20 s) and save the calibration."""
-    setup = default_setup(threads, quick)
+                        log=print, smoke: bool = False) -> Calibration:
+    """Run every microbenchmark (about 30 s; `quick` about 20 s) and save the calibration.
+    `smoke` (a bench's `--smoke`, with `quick`): the repeated timings once each."""
+    setup = default_setup(threads, quick, smoke)
     t0 = time.perf_counter()
     model, tokenizer = load_base_model(setup)
     long_model, _ = load_base_model(setup, max_seq_len=max(model.config.max_seq_len, LONG_CONTEXT))
@@ -30,7 +31,7 @@ def measure_calibration(path: str | Path | None = None, threads: int = 1, quick:
         f"and longer context token, {engine['decode_segment_ms']:.2f} ms per run of rows read apart, prefill {engine['prefill_fixed_ms']:.2f} ms + "
         f"{engine['prefill_ms_per_token'] * 1e3:.1f} us/token")
     # long samples need the long context; the switch's KV cache is the base's (the default task's)
-    train = measure_train_and_reference(long_model, tokenizer, quick, switch_model=model)
+    train = measure_train_and_reference(long_model, tokenizer, quick, switch_model=model, smoke=smoke)
     log(f"  train {train['train_tokens_per_s_per_device']:,.0f} tok/s + {train['train_step_overhead_s'] * 1e3:.1f} ms "
         f"+ {train['train_context_ns']:.1f} ns x sequence length^2, "
         f"reference {train['reference_tokens_per_s_per_device']:,.0f} tok/s + "

@@ -206,7 +206,7 @@ def measure_contention(setup: Setup) -> dict:
     workers = []
     try:
         workers = contention_workers(setup)
-        alone, together, lockstep = contention_probe(workers, 2 if setup.quick else 3)
+        alone, together, lockstep = contention_probe(workers, 1 if setup.smoke else 2 if setup.quick else 3)
     finally:
         for w in workers:
             ray.kill(w)
