@@ -174,11 +174,13 @@ def throughput_once(num_shards: int, rows: dict[str, list], repeats: int, batch:
     return total / seconds
 
 
-def throughput_section(reps: int, repeats: int) -> dict[int, float]:
+def throughput_section(reps: int, repeats: int, smoke: bool = False) -> dict[int, float]:
+    """`smoke`: one run on 2 shards, no warm-up (the same calls; each run starts its own actors)."""
     rows = long_tail_rows(256, seed=2)
     mb_per_row = pack_columns(Schema(COLUMNS), rows, 256).nbytes / 256 / 1e6
-    results: dict[int, list[float]] = {1: [], 2: [], 4: []}
-    throughput_once(1, rows, 1, 64)  # warm-up: actor processes, imports
+    results: dict[int, list[float]] = {2: []} if smoke else {1: [], 2: [], 4: []}
+    if not smoke:
+        throughput_once(1, rows, 1, 64)  # warm-up: actor processes, imports
     for _ in range(reps):
         for shards in results:
             results[shards].append(throughput_once(shards, rows, repeats, 64))
@@ -259,7 +261,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, configure_logging=False)
     try:
         flat, hier = requests_section(gets=1 if args.smoke else 4)
-        throughput_section(reps, repeats)
+        throughput_section(reps, repeats, args.smoke)
     finally:
         ray.shutdown()
     share = rl_loop_section(steps, args.smoke)
