@@ -159,14 +159,22 @@ def layouts_and_a2a(cases, a2a_args, overlap_cases=()) -> dict:
             "overlap": compare_overlap(list(overlap_cases))}
 
 
-def run_world_checked(fn, world_size: int, *args, timeout: float = 240) -> list[dict]:
-    """`run_world`, failing the test with the first rank's error if any rank raised."""
-    from rlfusion.parallel.launch import run_world
+def run_parts(parts: list[tuple[str, object, tuple]]) -> dict:
+    """(On every rank.) Each `(name, function, args)` of `parts` in turn in this one world: its
+    result by name, or `{"error": traceback}` where it raised; once a part has failed the
+    later ones do not run (the ranks' collectives may be out of step)."""
+    import traceback
 
-    ranks = run_world(fn, world_size, *args, timeout=timeout)
-    errors = [r["error"] for r in ranks if "error" in r]
-    assert not errors, errors[0]
-    return ranks
+    out, failed = {}, None
+    for name, fn, args in parts:
+        if failed is not None:
+            out[name] = {"error": f"not run: part {failed!r} of the same world failed before it"}
+            continue
+        try:
+            out[name] = fn(*args)
+        except Exception:
+            out[name], failed = {"error": traceback.format_exc()}, name
+    return out
 
 
 def sharded_grad_norm() -> dict:

@@ -13,7 +13,7 @@ top-2 combine sums of two terms do not depend on order.
 import pytest
 import torch
 
-from parallel_helpers import make_batches, run_world_checked, small_config
+from parallel_helpers import make_batches, small_config
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, parallelize
 from rlfusion.parallel.balance import (BalanceConfig, ExpertBalancer, ExpertLoadTracker,
@@ -121,9 +121,8 @@ def migration_world(cases):
     return out
 
 
-@pytest.fixture(scope="module")
-def world():
-    return run_world_checked(migration_world, 4, CASES, timeout=240)
+# what this module's ranks run in the folder's shared world (conftest.py: the `world` fixture)
+WORLD = (migration_world, (CASES,), 240)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

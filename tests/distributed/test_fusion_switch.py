@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_helpers import make_batches, run_world_checked, small_config
+from parallel_helpers import make_batches, small_config
 from rlfusion.fusion.buckets import TensorSpec, pack, plan_buckets, unpack
 from rlfusion.fusion.offload import HostPool, device_bytes, grad_tensors, optimizer_tensors
 from rlfusion.fusion.reshard import (SwitchCounter, build_inference_model, infer_to_train,
@@ -180,9 +180,8 @@ def switch_layouts(cases) -> dict:
     return {name: _one_layout(kw, n_micro, infer) for name, kw, n_micro, infer in cases}
 
 
-@pytest.fixture(scope="module")
-def world():
-    return run_world_checked(switch_layouts, 4, CASES, timeout=240)
+# what this module's ranks run in the folder's shared world (conftest.py: the `world` fixture)
+WORLD = (switch_layouts, (CASES,), 240)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

@@ -12,7 +12,7 @@ carved out of dp×tp (tp2×ep2 = tp2 ranks × 2 data-parallel ranks splitting ex
 
 import pytest
 
-from parallel_helpers import layouts_and_a2a, run_world_checked
+from parallel_helpers import layouts_and_a2a
 
 ATOL = 1e-5
 CASES = [
@@ -42,9 +42,8 @@ OVERLAP_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def world():
-    return run_world_checked(layouts_and_a2a, 4, CASES, A2A_ARGS, OVERLAP_CASES, timeout=300)
+# what this module's ranks run in the folder's shared world (conftest.py: the `world` fixture)
+WORLD = (layouts_and_a2a, (CASES, A2A_ARGS, OVERLAP_CASES), 300)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
