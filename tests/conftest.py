@@ -1,6 +1,7 @@
 """Shared by the three tiers (tests/unit, tests/distributed, tests/e2e): the helpers' folder on
 sys.path, each tier's marker (`pytest -m unit`), a tiny base checkpoint for the session and a
-local Ray cluster for each module whose tests ask for one."""
+local Ray cluster for the modules whose tests ask for one (kept up from one such module into
+the next, stopped before any other)."""
 
 import sys
 from pathlib import Path
@@ -43,15 +44,27 @@ RAY_CPUS = 4  # the most CPUs a test's devices take (4 devices of 1 thread); log
 
 
 @pytest.fixture(scope="module")
-def _ray_module():
+def _ray_module(request):
     """Ray stops after the last test of a module that asked for it: a later test may need Ray
     not running (an address it must fail to reach, a cluster of its own, workers that inherit
-    environment variables it sets first)."""
+    environment variables it sets first). Unless the next module asks for it too: then it
+    runs on into that one (a start and a stop fewer), which finds it up as its own later tests
+    find it."""
     yield
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and not _next_module_asks_for_ray(request):
         ray.shutdown()
+
+
+def _next_module_asks_for_ray(request) -> bool:
+    """Whether the module that runs after this one has a test that asks for `ray_session`."""
+    items, here = request.session.items, request.node.path
+    mine = [i for i, item in enumerate(items) if item.path == here]
+    if not mine or mine[-1] + 1 == len(items):
+        return False
+    following = items[mine[-1] + 1].path
+    return any(item.path == following and "ray_session" in getattr(item, "fixturenames", ()) for item in items)
 
 
 @pytest.fixture
