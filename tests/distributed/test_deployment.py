@@ -89,10 +89,21 @@ def _cfg(tmp_path, mode: str, **over) -> TrainConfig:
 FIRST_TEST_GROUP = 1000  # the tests' own groups: clear of the ids a run's steps use (0, 1, ...)
 
 
+_SAMPLES: dict[tuple, list] = {}  # one seeded rollout per (base, rollout, task, reference micro-batch, prompts)
+
+
 def _sample(cfg, base, num_prompts: int):
     """Trajectories from the base policy on `num_prompts` task prompts (seeded), with their
     reference logprobs (the base model's, as a reference device would add them) and the
-    per-row numbers the controller's advantage stage writes."""
+    per-row numbers the controller's advantage stage writes. Seeded, so the same for every test
+    of the same settings: generated once per module, each test gets its own copy."""
+    key = (str(base), repr(cfg.rollout), repr(cfg.task), cfg.optim.microbatch_tokens, num_prompts)
+    if key not in _SAMPLES:
+        _SAMPLES[key] = _generate(cfg, base, num_prompts)
+    return copy.deepcopy(_SAMPLES[key])
+
+
+def _generate(cfg, base, num_prompts: int):
     model, tokenizer, _ = load_checkpoint(base)
     rng = random.Random(3)
     task = ArithmeticTask(cfg.task)
@@ -689,7 +700,7 @@ def test_devices_that_cannot_be_placed_fail_fast_and_leave_nothing_behind(ray_se
     placement group is removed (it would otherwise hold CPUs for the rest of the session)."""
     import rlfusion.runtime.ray_devices as rd
 
-    monkeypatch.setattr(rd, "PLACEMENT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(rd, "PLACEMENT_TIMEOUT_S", 0.5)  # the bundles can never be placed: any wait shows it
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
