@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from rlfusion.model.kv_cache import AttnContext
 from rlfusion.model.transformer import MoETransformer
@@ -122,6 +121,10 @@ def build_schedule(chunks: list[nn.Module], stages: list[int], num_stages: int, 
     """One `PipelineStage` per chunk, with example shapes (MoE routing is data-dependent, so
     the stages cannot infer shapes by running the model on meta tensors). `requires_grad`
     on the examples tells the stage that activations and their gradients flow both ways."""
+    # imported here, not with the module: it pulls in torch._dynamo (~0.3 s), which every
+    # device worker and CLI process would pay at start-up even without a pipeline layout
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
     B, T = micro_BT
     hidden = torch.empty(B, T, d_model, device=device, requires_grad=True)
     pipeline_stages = []

@@ -62,7 +62,8 @@ class RunResult:
 class RLTrainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, base_path: Path):
         torch.set_num_threads(cfg.threads)
-        torch.use_deterministic_algorithms(cfg.deterministic)
+        if cfg.deterministic or torch.are_deterministic_algorithms_enabled():  # else a no-op that
+            torch.use_deterministic_algorithms(cfg.deterministic)  # imports torch._inductor (~0.3 s)
         torch.manual_seed(cfg.seed)
         self.cfg, self.run_dir = cfg, run_dir
         base_fit.check_base(cfg, base_path, stalesync_overlaps(cfg))  # from its config files, before any copy is built
