@@ -57,7 +57,8 @@ A validation entry is a `Case` builder in `VALIDATIONS`.
     python bench/simulator.py --quick    # 2 rounds, quick calibration
     python bench/simulator.py --only replay   # one validation's cases (task | replay)
     python bench/simulator.py --smoke    # quick calibration, 1 round of one synchronous and one StaleSync
-                                         # case per validation, 2 prompts x 2 samples (a test runs it)
+                                         # case per validation, 2 prompts x 2 samples, one published
+                                         # run of the external validation (a test runs it)
 """
 
 from __future__ import annotations
@@ -461,7 +462,7 @@ def main() -> None:
     if args.smoke:
         print("smoke run: sizes cut to seconds; figures are not measurements")
     if args.external_only:
-        external_validation()
+        external_validation(smoke=args.smoke)
         return
     rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 6)
     if rounds < 1:
@@ -541,7 +542,7 @@ def main() -> None:
           f"{cal.train_tokens_per_s_per_device:,.0f} tok/s + {cal.train_context_ns:.1f} ns x length^2, "
           f"decode {cal.decode_step_ms[0]:.2f}-{cal.decode_step_ms[-1]:.2f} ms/step")
     print()
-    external_validation(targets=False)
+    external_validation(targets=False, smoke=args.smoke)
     for name, err in errors.items():
         print(f"target sim_error_{name}: {err:.2f} (goal <= {GOAL})")
     external_targets()
@@ -550,12 +551,13 @@ def main() -> None:
 EXTERNAL_GOAL = 0.25  # the synchronous step of a published run, within 25%
 
 
-def external_validation(targets: bool = True) -> None:
+def external_validation(targets: bool = True, smoke: bool = False) -> None:
     """verl's fully async ablation (`rlfusion.sim.external`): the publication's figures and the
-    simulator's side by side, from the hardware, model and workload alone (no run here)."""
+    simulator's side by side, from the hardware, model and workload alone (no run here).
+    `smoke`: one of the published runs (each takes ~4 s to simulate here)."""
     from rlfusion.sim.external import SOURCE, reproduce
 
-    rows = reproduce()
+    rows = reproduce((128,)) if smoke else reproduce()
     print(f"## external validation: {SOURCE}")
     print("| GPUs | sync step s published / simulated (error) | gen | old logprob | update | "
           "async step s published / simulated | async speed-up published (400 steps) / simulated |")
