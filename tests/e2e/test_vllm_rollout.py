@@ -36,6 +36,24 @@ def hf_run(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def ray_with_fake_vllm():
+    """One local Ray cluster for this module's Ray runs, started with the fake `vllm` (and this
+    folder's reward functions) on its workers' PYTHONPATH: each run finds it up and leaves it so
+    (a cluster start and stop fewer each); it stops after the module."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", f"{FAKE_VLLM_DIR}:{FAKE_VLLM_DIR.parent}:{os.environ.get('PYTHONPATH', '')}")
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
 def _cfg(tmp_path, *extra):
     return load_config(TrainConfig, None, [f"base={tmp_path / 'base'}", f"data.path={tmp_path / 'p.jsonl'}",
                                            "rollout.backend=vllm", f"out_dir={tmp_path}", *SMALL, *extra])
@@ -64,7 +82,8 @@ def test_colocated_vllm_sleeps_for_training_and_wakes_with_the_new_weights(hf_ru
 
 
 @pytest.mark.slow
-def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial_samples(hf_run, monkeypatch):
+def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial_samples(ray_with_fake_vllm, hf_run,
+                                                                                          monkeypatch):
     # the Ray workers import the fake as `vllm`, and the reward function from this folder
     monkeypatch.setenv("PYTHONPATH", f"{FAKE_VLLM_DIR}:{FAKE_VLLM_DIR.parent}:{os.environ.get('PYTHONPATH', '')}")
     cfg = _cfg(hf_run, "deploy.backend=ray", "deploy.num_devices=2", "deploy.mode=separated",
@@ -111,7 +130,7 @@ def test_separated_stalesync_on_vllm_loads_broadcast_weights_and_resumes_partial
     ("colocated", ["deploy.train_ep=2"]),  # the replica filled from expert shards, then loaded into vLLM
     ("hybrid", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
 ])
-def test_vllm_on_ray_in_a_training_layout_and_hybrid(hf_run, monkeypatch, mode, extra):
+def test_vllm_on_ray_in_a_training_layout_and_hybrid(ray_with_fake_vllm, hf_run, monkeypatch, mode, extra):
     monkeypatch.setenv("PYTHONPATH", f"{FAKE_VLLM_DIR}:{FAKE_VLLM_DIR.parent}:{os.environ.get('PYTHONPATH', '')}")
     cfg = _cfg(hf_run, "deploy.backend=ray", "deploy.num_devices=2", f"deploy.mode={mode}", "max_steps=3",
                "reward=reward_fns:length_reward", *extra)
