@@ -53,9 +53,16 @@ reads them.
 
 A validation entry is a `Case` builder in `VALIDATIONS`.
 
+The run ends with StaleSync's reach on the replay workload: with the calibration the
+validation just checked, the simulator runs every configuration a user can pick (s 1-8, the
+partial-rollout threshold, 128 or 256 engine slots, co-located / hybrid / separated) on lengths
+drawn as the workload draws them, and prints each one's tokens/s against the synchronous
+co-located step's and the best (`--reach-only`: the calibration and this, ~4 min).
+
     python bench/simulator.py            # 6 rounds of each measurement (about 18 min)
     python bench/simulator.py --quick    # 2 rounds, quick calibration
     python bench/simulator.py --only replay   # one validation's cases (task | replay)
+    python bench/simulator.py --reach-only    # the calibration and StaleSync's simulated reach
     python bench/simulator.py --smoke    # quick calibration, 1 round of one synchronous and one StaleSync
                                          # case per validation, 2 prompts x 2 samples, one published
                                          # run of the external validation (a test runs it)
@@ -456,6 +463,8 @@ def main() -> None:
                         help="also save the measured calibration JSON here")
     parser.add_argument("--only", choices=sorted(VALIDATIONS), default=None,
                         help="measure one validation's cases (default: all)")
+    parser.add_argument("--reach-only", action="store_true",
+                        help="only the calibration and StaleSync's simulated reach on the replay workload (~1 min)")
     parser.add_argument("--external-only", action="store_true",
                         help="only the external validation (verl's fully async ablation, seconds)")
     args = parser.parse_args()
@@ -473,6 +482,9 @@ def main() -> None:
     if args.calibration_out:
         save_calibration(cal, args.calibration_out)
         print(f"  saved {args.calibration_out}")
+    if args.reach_only:
+        schedule_reach(cal, smoke=args.smoke)
+        return
     cases: list[Case] = []
     probes = Probes([], [], [])
     for key, (name, measure) in VALIDATIONS.items():
@@ -541,11 +553,87 @@ def main() -> None:
           f"{cal.concurrent_speed:.2f}, lock-step {cal.lockstep:.2f} (whole probe workload), train "
           f"{cal.train_tokens_per_s_per_device:,.0f} tok/s + {cal.train_context_ns:.1f} ns x length^2, "
           f"decode {cal.decode_step_ms[0]:.2f}-{cal.decode_step_ms[-1]:.2f} ms/step")
+    replay_sync = [case for case in cases if case.name == "replay_colocated"]
+    schedule_reach(cal, _train_fraction(replay_sync[0].steps) if replay_sync else 1.0,
+                   smoke=args.smoke)
     print()
     external_validation(targets=False, smoke=args.smoke)
     for name, err in errors.items():
         print(f"target sim_error_{name}: {err:.2f} (goal <= {GOAL})")
     external_targets()
+
+
+# The reach of StaleSync's schedule on the replay workload: the simulator, with the calibration
+# the validation used, over the knobs a user can turn (s, the partial-rollout threshold, engine
+# slots, placement), on lengths drawn as the workload draws them (`rl/replay.py`, by group id).
+REACH = {"max_staleness": (1, 2, 4, 8), "threshold": (0.25, 0.5, 0.75, 1.0), "max_num_seqs": (128, 256),
+         "mode": ("colocated", "hybrid", "separated")}
+REACH_STEPS, REACH_WARMUP, REACH_DRAWS = 40, 5, 3  # updates simulated, left out, length draws (group id offsets)
+
+
+def schedule_reach(cal: Calibration, train_fraction: float = 1.0, smoke: bool = False) -> dict[str, float]:
+    """Simulated tokens/s of every StaleSync configuration in REACH over the synchronous
+    co-located step's, on `configs/replay.toml`'s workload (8 prompts x 8 samples, 2 devices,
+    lengths drawn by group id, no reference pass): the median over REACH_DRAWS draws of
+    generated tokens / time of the updates after the first REACH_WARMUP. Prints each
+    configuration's ratio, its decode seconds and rows per pass per update, and the best;
+    returns {configuration: ratio}."""
+    from rlfusion.config import load_config
+    from rlfusion.rl.replay import replay_length
+    from rlfusion.runtime.train_config import TrainConfig
+    from workload import REPLAY  # bench/workload.py
+
+    ro = load_config(TrainConfig, REPLAY).rollout
+    B, G = ro.prompts_per_step, ro.group_size
+    steps, warmup = (8, 2) if smoke else (REACH_STEPS, REACH_WARMUP)
+    grid = {"max_staleness": (1,), "threshold": (0.75,), "max_num_seqs": (ro.max_num_seqs,),
+            "mode": ("colocated",)} if smoke else REACH
+
+    def lengths(offset: int, groups: int) -> tuple[int, ...]:
+        return tuple(replay_length(offset + g, i, ro.replay_median, ro.replay_sigma, ro.replay_between,
+                                   ro.max_new_tokens) for g in range(groups) for i in range(G))
+
+    base = RLSimConfig(devices_per_supernode=2, prompts_per_step=B, group_size=G, num_steps=steps,
+                       max_new_tokens=ro.max_new_tokens, max_num_seqs=ro.max_num_seqs, reference=False,
+                       prompt_len=23, train_fraction=train_fraction)
+
+    def rate(cfg: RLSimConfig) -> tuple[float, dict[str, float]]:
+        r = simulate(cfg, cal)
+        ends = r.update_end_s
+        if cfg.stalesync_model == "runtime":
+            generated = sum(r.generated_per_update[warmup:])
+        else:
+            generated = sum(cfg.response_lengths[warmup * B * G:steps * B * G])
+        stats = r.rollout_stats[warmup:]
+        per = {k: statistics.mean(x.get(k, 0.0) for x in stats) for k in ("time_decode_s", "engine_decode_rows_mean")} \
+            if stats else {}
+        return generated / (ends[-1] - ends[warmup - 1]), per
+
+    offsets = [d * 100_000 for d in range(1 if smoke else REACH_DRAWS)]
+    sync = {o: rate(base.replace(mode="colocated", response_lengths=lengths(o, B * steps)))[0] for o in offsets}
+    ratios: dict[str, float] = {}
+    print(f"\n## StaleSync's reach on the replay workload, simulated (calibration above; {steps} updates, "
+          f"the first {warmup} left out, median of {len(offsets)} length draws)")
+    print(f"synchronous co-located: {statistics.median(sync.values()):,.0f} tok/s (simulated)")
+    print("| placement | s | threshold | slots | tok/s vs sync co-located | decode s / update (busiest engine) | rows per pass |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in grid["mode"]:
+        for s in grid["max_staleness"]:
+            for thr in grid["threshold"]:
+                for seqs in grid["max_num_seqs"]:
+                    runs = [rate(base.replace(mode=mode, max_staleness=s, partial_rollout=True,
+                                              stalesync_model="runtime", rollout_finish_threshold=thr,
+                                              max_num_seqs=seqs,
+                                              response_lengths=lengths(o, B * (steps + s + 2) * 2)))
+                            + (sync[o],) for o in offsets]
+                    name = f"{mode} s={s} threshold {thr} slots {seqs}"
+                    ratios[name] = statistics.median(r / base_rate for r, _, base_rate in runs)
+                    per = runs[0][1]
+                    print(f"| {mode} | {s} | {thr} | {seqs} | {ratios[name]:.2f}x | "
+                          f"{per.get('time_decode_s', 0.0):.2f} | {per.get('engine_decode_rows_mean', 0.0):.0f} |")
+    best = max(ratios, key=ratios.get)
+    print(f"best simulated StaleSync configuration: {best}: {ratios[best]:.2f}x the synchronous co-located step")
+    return ratios
 
 
 EXTERNAL_GOAL = 0.25  # the synchronous step of a published run, within 25%
