@@ -576,7 +576,8 @@ def schedule_reach(cal: Calibration, train_fraction: float = 1.0, smoke: bool = 
     co-located step's, on `configs/replay.toml`'s workload (8 prompts x 8 samples, 2 devices,
     lengths drawn by group id, no reference pass): the median over REACH_DRAWS draws of
     generated tokens / time of the updates after the first REACH_WARMUP. Prints each
-    configuration's ratio, its decode seconds and rows per pass per update, and the best;
+    configuration's ratio, its seconds, decode seconds and rows per pass per update (the first
+    draw), and the best;
     returns {configuration: ratio}."""
     from rlfusion.config import load_config
     from rlfusion.rl.replay import replay_length
@@ -607,16 +608,20 @@ def schedule_reach(cal: Calibration, train_fraction: float = 1.0, smoke: bool = 
         stats = r.rollout_stats[warmup:]
         per = {k: statistics.mean(x.get(k, 0.0) for x in stats) for k in ("time_decode_s", "engine_decode_rows_mean")} \
             if stats else {}
+        per["step_s"] = (ends[-1] - ends[warmup - 1]) / (steps - warmup)
         return generated / (ends[-1] - ends[warmup - 1]), per
 
     offsets = [d * 100_000 for d in range(1 if smoke else REACH_DRAWS)]
-    sync = {o: rate(base.replace(mode="colocated", response_lengths=lengths(o, B * steps)))[0] for o in offsets}
+    sync_runs = {o: rate(base.replace(mode="colocated", response_lengths=lengths(o, B * steps))) for o in offsets}
+    sync = {o: r for o, (r, _) in sync_runs.items()}
     ratios: dict[str, float] = {}
     print(f"\n## StaleSync's reach on the replay workload, simulated (calibration above; {steps} updates, "
           f"the first {warmup} left out, median of {len(offsets)} length draws)")
-    print(f"synchronous co-located: {statistics.median(sync.values()):,.0f} tok/s (simulated)")
-    print("| placement | s | threshold | slots | tok/s vs sync co-located | decode s / update (busiest engine) | rows per pass |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"synchronous co-located: {statistics.median(sync.values()):,.0f} tok/s (simulated), "
+          f"{sync_runs[0][1]['step_s']:.2f} s per update (first draw)")
+    print("| placement | s | threshold | slots | tok/s vs sync co-located | s per update | decode s / update "
+          "(busiest engine) | rows per pass |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode in grid["mode"]:
         for s in grid["max_staleness"]:
             for thr in grid["threshold"]:
@@ -629,7 +634,7 @@ def schedule_reach(cal: Calibration, train_fraction: float = 1.0, smoke: bool = 
                     name = f"{mode} s={s} threshold {thr} slots {seqs}"
                     ratios[name] = statistics.median(r / base_rate for r, _, base_rate in runs)
                     per = runs[0][1]
-                    print(f"| {mode} | {s} | {thr} | {seqs} | {ratios[name]:.2f}x | "
+                    print(f"| {mode} | {s} | {thr} | {seqs} | {ratios[name]:.2f}x | {per['step_s']:.2f} | "
                           f"{per.get('time_decode_s', 0.0):.2f} | {per.get('engine_decode_rows_mean', 0.0):.0f} |")
     best = max(ratios, key=ratios.get)
     print(f"best simulated StaleSync configuration: {best}: {ratios[best]:.2f}x the synchronous co-located step")
