@@ -113,6 +113,9 @@ VARIANTS = {  # name: (deploy.mode, stalesync overrides), in ladder order
                                                         "stalesync.resume_kv=\"recompute\""]),
     "stalesync s=3 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=3", _PARTIAL]),
     "stalesync s=4 colocated": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=4", _PARTIAL]),
+    # the simulator's best threshold for s=4 co-located on the replay workload (bench/simulator.py's reach)
+    "stalesync s=4 colocated threshold 0.25": ("colocated", ["stalesync.enabled=true", "stalesync.max_staleness=4",
+                                                             "stalesync.rollout_finish_threshold=0.25"]),
     "sync separated": ("separated", []),
     "stalesync s=1 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=1"]),
     "stalesync s=2 separated": ("separated", ["stalesync.enabled=true", "stalesync.max_staleness=2", _PARTIAL]),
@@ -130,8 +133,8 @@ LADDER = {  # the variants each workload runs by default
                                                 "stalesync s=3 hybrid")],
     "task": [n for n in VARIANTS if n not in ("stalesync s=0 colocated", "stalesync s=1 colocated no partial",
                                               "stalesync s=2 colocated recompute", "stalesync s=3 colocated",
-                                              "stalesync s=4 colocated", "stalesync s=3 hybrid",
-                                              "stalesync s=4 hybrid")],
+                                              "stalesync s=4 colocated", "stalesync s=4 colocated threshold 0.25",
+                                              "stalesync s=3 hybrid", "stalesync s=4 hybrid")],
     "learn": ["sync colocated", "stalesync s=1 colocated"],
 }
 WORKLOAD = {"file": REPLAY}  # set by --workload
