@@ -5,6 +5,10 @@ imports (torch, Ray, rlfusion) once instead of once per script.
 
     python tests/bench_runner.py OUT.jsonl SCRIPT.py ...
 
+`Background` starts it as a process of its own beside the test session (tests/conftest.py does
+so once the session is collected: the scripts keep about one core busy while the in-process
+tests leave the second one mostly idle) and reads its results back.
+
 Between scripts it puts back what one could leave behind for the next: the working folder,
 the environment, sys.path, torch's thread count and determinism, a Ray it left running and
 the garbage collector's frozen objects. A script's own child processes (gloo ranks, Ray
@@ -19,7 +23,11 @@ import io
 import json
 import os
 import runpy
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -62,6 +70,58 @@ def run_script(script: str) -> dict:
     gc.unfreeze()
     gc.collect()
     return {"script": script, "code": code, "out": out.getvalue(), "err": err.getvalue(), "seconds": seconds}
+
+
+class Background:
+    """This file run on `scripts` in a process of its own (one thread per process, its own
+    session so a hung script's Ray and gloo processes can be killed with it), started now."""
+
+    TIMEOUT_S = 420  # per script; the slowest smoke run (simulator.py) takes ~1.5 min on 2 busy cores
+
+    def __init__(self, scripts: list[str]):
+        self.scripts = scripts
+        self.folder = Path(tempfile.mkdtemp(prefix="bench_smoke_"))
+        self.results = self.folder / "runs.jsonl"
+        self.results.touch()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with (self.folder / "stdout").open("w") as out, (self.folder / "stderr").open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__, str(self.results), *scripts],
+                                         cwd=BENCH.parent, env=env, stdout=out, stderr=err, text=True,
+                                         start_new_session=True)
+
+    def _lines(self) -> list[str]:
+        return self.results.read_text().splitlines()
+
+    def collect(self) -> dict[str, dict]:
+        """Each script's result once the process ends: {"code", "out", "err", "seconds"}; one
+        still running TIMEOUT_S after the previous one finished (or the start) has the whole
+        process session killed and "timed_out" set, and a script never reached has "missing"
+        with the runner's own output."""
+        while self.proc.poll() is None:
+            time.sleep(0.5)
+            if time.time() - self.results.stat().st_mtime > self.TIMEOUT_S:  # written at each script's end
+                self.stop()
+        lines = self._lines()
+        runs = {run["script"]: run for run in map(json.loads, lines)}
+        tail = f"--- runner stdout (end) ---\n{(self.folder / 'stdout').read_text()[-4000:]}\n" \
+               f"--- runner stderr (end) ---\n{(self.folder / 'stderr').read_text()[-4000:]}"
+        for i, script in enumerate(self.scripts):
+            if script not in runs:
+                reached = i == len(lines)  # the one that was running when the runner ended
+                runs[script] = {"timed_out": reached and self.proc.returncode == -signal.SIGKILL,
+                                "missing": f"the runner exited {self.proc.returncode} "
+                                           f"{'while running it' if reached else 'before it'}\n{tail}"}
+        return runs
+
+    def stop(self) -> None:
+        """Kill the runner and everything it started (a no-op once it ended)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def main() -> None:

@@ -16,6 +16,24 @@ TIERS = ("unit", "distributed", "e2e")
 sys.path.insert(0, str(TESTS))
 
 
+def pytest_collection_finish(session):
+    """The benches' smoke runs that this session selected (tests/e2e/test_bench_smoke.py) start
+    now in a process of their own (tests/bench_runner.py), beside the rest of the session, and
+    their tests read the results at the end."""
+    scripts = [item.callspec.params["script"] for item in session.items
+               if getattr(item, "originalname", None) == "test_bench_smoke"]
+    if scripts and not session.config.option.collectonly:
+        from bench_runner import Background
+
+        session.bench_smoke = Background(scripts)
+
+
+def pytest_sessionfinish(session):
+    smoke = getattr(session, "bench_smoke", None)
+    if smoke is not None:
+        smoke.close()
+
+
 def pytest_collection_modifyitems(config, items):
     """Each test gets its tier's marker from the folder it lives in."""
     for item in items:

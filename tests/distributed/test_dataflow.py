@@ -68,17 +68,17 @@ def test_ray_and_local_backends_take_the_same_update_from_the_same_rows(ray_sess
         torch.testing.assert_close(weights["ray"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_a_step_whose_queue_write_fails_leaves_no_half_written_row(ray_session, tmp_path):
-    """The queue's storage dies while the devices put their rows: the step fails with an error,
-    and the queue holds no row a reader could take (writes are reserve → store → commit, and a
-    failed store gives its rows up)."""
+def test_a_step_whose_devices_die_leaves_no_half_written_row(ray_session, tmp_path):
+    """The device workers die before the step (each hosts the queue shard of the rows it makes,
+    so the storage goes with them): the step fails with an error, and the queue holds no row a
+    reader could take (writes are reserve → store → commit, and a failed store gives its rows
+    up). A storage write that fails on a live device: `test_queue_ray.py`'s
+    `test_ray_failed_shard_write_or_read_loses_and_blocks_nothing`."""
     cfg = _cfg(tmp_path, "ray")
     trainer = RLTrainer(cfg, tmp_path / "run", find_base())
     try:
         queue = trainer.devices.queue
-        # every shard: with one dead, a put whose groups all map to a live shard succeeds whole
-        # (whether a device's groups do depends on the order the devices reserve in)
-        for shard in queue.shards:
+        for shard in queue.shards:  # the device workers
             ray.kill(shard)
         with pytest.raises(Exception):
             trainer.train_step()
