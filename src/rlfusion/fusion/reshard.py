@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rlfusion.fusion.buckets import Bucket, TensorSpec, empty_bucket, plan_buckets, slot_view
 from rlfusion.fusion.offload import HostPool, OffloadStats, grad_tensors, optimizer_tensors
@@ -46,6 +45,7 @@ from rlfusion.parallel.api import ParallelModel
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import build_mesh
+from rlfusion.parallel.sharded import is_dtensor
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def _destinations(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice | Non
             for p in m.parameters(recurse=False)}
     out = {}
     for name, t in _state_tensors(model).items():
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             raise ValueError(f"inference model tensor {name} is a DTensor: the replica must not "
                              "be tensor- or data-parallel (use build_inference_model)")
         out[name] = (t, rows.get(id(t)))
@@ -209,7 +209,7 @@ def _gather_slot(out: torch.Tensor, t: torch.Tensor, experts: ExpertParallelExpe
                  wants: list[slice] | None) -> tuple[int, int]:
     """Write the full tensor into `out` (a bucket view), or with `wants` only the expert rows
     this rank's replica keeps. Returns (received, temporary) bytes."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         full = t.full_tensor()
         out.copy_(full)
         return full.nbytes - t._local_tensor.nbytes, full.nbytes
@@ -266,7 +266,7 @@ def _owner_runs(bucket: Bucket, owner: dict[str, int]) -> list[tuple[int, int, i
 
 def _evenly_sharded(t: torch.Tensor) -> bool:
     """A DTensor split in equal pieces along one dim of a 1-D mesh (a TP shard)."""
-    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or len(t.placements) != 1:
+    if not is_dtensor(t) or t.device_mesh.ndim != 1 or len(t.placements) != 1:
         return False
     p = t.placements[0]
     return p.is_shard() and t.shape[p.dim] % t.device_mesh.size() == 0

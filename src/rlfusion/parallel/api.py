@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rlfusion.model.moe import Router
 from rlfusion.model.transformer import Block, MoETransformer
@@ -28,6 +27,7 @@ from rlfusion.parallel.data_parallel import apply_fsdp, shard_batch
 from rlfusion.parallel.expert_parallel import CommCounter, ExpertParallelExperts, LinkModel
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import ParallelMesh, build_mesh
+from rlfusion.parallel.sharded import is_dtensor
 from rlfusion.parallel.pipeline import PaddedRouting, build_schedule, split_model, stage_indices
 from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -198,7 +198,7 @@ class ParallelModel:
             tensors = dict(chunk.named_parameters()) | dict(chunk.named_buffers())
             for name in chunk.state_dict():
                 t = tensors[name]
-                if isinstance(t, DTensor):
+                if is_dtensor(t):
                     t = t.full_tensor()
                 elif id(t) in owner:
                     t = owner[id(t)].gather_full(t)

@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from rlfusion.model.kv_cache import PackedSeqs
 from rlfusion.model.transformer import Block
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
+from rlfusion.parallel.sharded import is_dtensor, is_fsdp_module
 from rlfusion.queue.packing import split_balanced
 
 
@@ -40,6 +39,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, sum_gradients: bool = Fal
     FSDP2 averages gradients over the mesh; with `sum_gradients` it sums them (for a loss
     already normalized by the global batch), with plain-sum collectives (gloo has no
     PREMUL_SUM)."""
+    from torch.distributed.fsdp import fully_shard  # only sharded layouts pay its import
+
     ignored = {p for m in module.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
     for sub in module.modules():
         if isinstance(sub, Block):
@@ -47,7 +48,7 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, sum_gradients: bool = Fal
     fully_shard(module, mesh=dp_mesh, ignored_params=ignored or None)
     if sum_gradients:
         for sub in module.modules():
-            if isinstance(sub, FSDPModule):
+            if is_fsdp_module(sub):
                 sub.set_gradient_divide_factor(1.0)
                 sub.set_force_sum_reduction_for_comms(True)
 
@@ -118,12 +119,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: s
     (`_sharded_squares`), expert shards' (`expert_params`) over their expert-parallel group, a
     whole tensor counts once; with a `stage_group` (the pipeline's) each rank holds its stages'
     parameters only, and the stages' sums are added over it."""
-    if not expert_params and stage_group is None and not any(isinstance(p, DTensor) for p in params):
+    if not expert_params and stage_group is None and not any(is_dtensor(p) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [p.grad for p in params if p.grad is not None]
     dense = [p.grad.detach() for p in params if p.grad is not None and id(p) not in expert_params]
-    whole = [g.pow(2).sum() for g in dense if not isinstance(g, DTensor)]
-    squares = _sharded_squares([g for g in dense if isinstance(g, DTensor)])
+    whole = [g.pow(2).sum() for g in dense if not is_dtensor(g)]
+    squares = _sharded_squares([g for g in dense if is_dtensor(g)])
     if whole:
         squares = squares + torch.stack(whole).sum()
     if expert_params:  # every rank joins the sum, also one whose local experts got no tokens
@@ -142,7 +143,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, expert_params: s
     return total
 
 
-def _sharded_squares(grads: list[DTensor]) -> torch.Tensor:
+def _sharded_squares(grads: list) -> torch.Tensor:
     """The sum of squares of DTensor gradients: each rank sums its local shards' squares per mesh
     and set of sharded mesh dims, then one all-reduce over each sharded dim (a replicated dim
     holds the same values, so it is not summed) — a collective per such group, not per tensor.
@@ -172,7 +173,7 @@ def sum_over_replicas(params: list[torch.Tensor], metrics: dict[str, float], gro
     for p in params:
         if p.grad is None:  # a rank with no samples in this minibatch still joins the sum
             p.grad = torch.zeros_like(p)
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for p in params]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
@@ -219,4 +220,4 @@ def filler_pass(model: nn.Module, backward: bool) -> None:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds this rank's data (the local shard of a DTensor)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlfusion.parallel.data_parallel import local_tensor
 from rlfusion.parallel.api import ParallelModel
+from rlfusion.parallel.sharded import is_dtensor
 
 
 class LayoutState:
@@ -29,7 +29,7 @@ class LayoutState:
     def whole(self, t: Any, param: torch.Tensor) -> Any:
         """A parameter's (or its optimizer state's) whole tensor from this rank's shard
         (collective: every rank of the layout calls it in the same order)."""
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             return t.full_tensor()
         experts = self.experts_of.get(id(param))
         if experts is not None and isinstance(t, torch.Tensor) and t.shape == param.shape:
@@ -40,7 +40,9 @@ class LayoutState:
         """This rank's part of a whole tensor, laid out like `param` (the inverse of `whole`)."""
         if not isinstance(whole, torch.Tensor):
             return whole
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
+            from torch.distributed.tensor import distribute_tensor  # loaded: the layout made DTensors
+
             return distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         experts = self.experts_of.get(id(param))
         if experts is not None and whole.shape[1:] == param.shape[1:] and whole.shape[0] != param.shape[0]:

@@ -14,18 +14,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rlfusion.model.attention import GroupedQueryAttention
 from rlfusion.model.transformer import Block
 
 
 def _swiglu_plan(prefix: str) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # only TP layouts pay its import
+
     return {f"{prefix}.gate": ColwiseParallel(), f"{prefix}.up": ColwiseParallel(),
             f"{prefix}.down": RowwiseParallel()}
 
 
 def _attention_plan(attn: nn.Module) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     if isinstance(attn, GroupedQueryAttention):
         return {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
                 "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel()}
@@ -64,6 +67,8 @@ def _reduce_rope_key_grad(attn: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
     tp = tp_mesh.size()
     plan = _attention_plan(block.attn)
     if not block.is_moe:
