@@ -268,6 +268,9 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
     # four devices: pipeline x tensor parallel, pipeline x expert parallel (data parallel 2)
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_tp": 2}, None),
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2}, None),
+    # three stages of the base's 4 layers: 1, 2 and 1 layers (the first one dense, the last
+    # beside the head)
+    ({"deploy.num_devices": 3, "deploy.mode": "fully_shared", "deploy.train_pp": 3}, None),
     # activations recomputed or swapped (the reference keeps them all): whole layers with
     # expert parallelism (the replay repeats the all-to-alls), swap with FSDP, the planner's
     # choice under a budget with TP

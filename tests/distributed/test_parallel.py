@@ -12,7 +12,9 @@ carved out of dp×tp (tp2×ep2 = tp2 ranks × 2 data-parallel ranks splitting ex
 
 import pytest
 
-from parallel_helpers import layouts_and_a2a
+from parallel_helpers import layouts_and_a2a, small_config
+from rlfusion.parallel import ParallelLayout
+from rlfusion.parallel.pipeline import stage_layers
 
 ATOL = 1e-5
 CASES = [
@@ -24,11 +26,17 @@ CASES = [
     ("tp4×ep4 aux loss", dict(tp=4, ep=4), dict(num_kv_heads=4, aux_loss_coef=0.01), 1),
     ("pp2×dp2 (1F1B)", dict(pp=2, dp=2), {}, 2),
     ("pp2×vpp2×tp2 (interleaved 1F1B)", dict(pp=2, vpp=2, tp=2), {}, 4),
+    # layer counts pp*vpp does not divide: stages of uneven lengths (UNEVEN below)
+    ("pp2×dp2 uneven (1F1B, 5 layers)", dict(pp=2, dp=2), dict(num_layers=5), 2),
+    ("pp2×vpp2×tp2 uneven (interleaved 1F1B, 6 layers)", dict(pp=2, vpp=2, tp=2), dict(num_layers=6), 4),
     ("dp2×ep2 hierarchical a2a, 2 nodes", dict(dp=4, ep=2, ranks_per_node=1,
                                                hierarchical_a2a=True), {}, 1),
     ("ep4 hierarchical a2a, 2 nodes × 2 ranks", dict(dp=4, ep=4, ranks_per_node=2,
                                                      hierarchical_a2a=True), {}, 1),
 ]
+# the stages' layers in the uneven cases: (case, layers per stage)
+UNEVEN = [("pp2×dp2 uneven (1F1B, 5 layers)", [2, 3]),
+          ("pp2×vpp2×tp2 uneven (interleaved 1F1B, 6 layers)", [1, 2, 2, 1])]
 # Flat vs hierarchical: ep4 over 2 nodes of 2 ranks, 16 experts, top-2 and top-8.
 A2A_ARGS = ([dict(num_experts=16, top_k=2), dict(num_experts=16, top_k=8)], 4, 2, 8, 16)
 # Overlapped (layout.a2a_chunks=3, over an emulated slow link) vs blocking expert all-to-all.
@@ -54,6 +62,14 @@ def test_layout_matches_single_process(world, name):
         assert r["loss_diff"] <= ATOL, (r["losses"], r["ref_losses"])
         assert r["weight_diff"] <= ATOL, (r["worst"], r["weight_diff"])
         assert r["moved"] > 100 * ATOL
+
+
+@pytest.mark.parametrize("name, lengths", UNEVEN)
+def test_uneven_cases_cut_stages_of_different_lengths(name, lengths):
+    _, layout_kw, changes, _ = next(c for c in CASES if c[0] == name)
+    cfg = small_config(**changes)
+    assert cfg.num_layers % ParallelLayout(**layout_kw).num_stages  # not a multiple
+    assert [len(r) for r in stage_layers(cfg, ParallelLayout(**layout_kw).num_stages)] == lengths
 
 
 def test_hierarchical_a2a_matches_flat_and_sends_fewer_internode_bytes(world):

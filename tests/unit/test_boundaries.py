@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # The floors of `rlfusion`, bottom to top. A unit is a subpackage (`sim`) or a module at the
 # package root (`cli`); a module may import its own unit and the units of its floor or below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "config", "obs", "memory_plan"),  # foundations: import nothing of rlfusion
+    ("errors", "config", "obs", "memory_plan", "partition"),  # foundations: import nothing of rlfusion
     ("queue", "stalesync"),  # the DistQueue and StaleSync's torch-free rules: no model
     ("model",),  # the decoder, its configs and FLOPs: no parallelism, no RL
     ("rl",),  # RL math, tasks and verifiers: no placement, no transport
@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Units kept apart although their floors allow it: the simulator reuses the runtime's torch-free
 # rules (`stalesync/`), never the runtime itself.
 APART = {("sim", "runtime")}
-TORCH_FREE = ("rlfusion.memory_plan", "rlfusion.model.flops", "rlfusion.obs.peak")
+TORCH_FREE = ("rlfusion.memory_plan", "rlfusion.model.flops", "rlfusion.obs.peak", "rlfusion.partition")
 
 
 def _modules(src: Path, package: str) -> dict[str, Path]:

@@ -15,7 +15,7 @@ TINY = get_preset("tiny")  # 4 heads, 2 kv heads, 4 layers (1 dense), 8 experts
     (dict(tp=3), 3, "layout.tp=3", "must divide model.num_heads=4 (allowed: 1, 2, 4)"),
     (dict(tp=4), 4, "layout.tp=4", "must divide model.num_kv_heads=2"),
     (dict(pp=8), 8, "layout.pp=8", "exceeds model.num_layers=4"),
-    (dict(pp=3), 3, "layout.pp=3", "must divide model.num_layers=4"),
+    (dict(pp=3), 3, "layout.pp=3", None),  # valid: stages of uneven layer counts
     (dict(pp=2, vpp=4), 2, "layout.pp=2", "pp*vpp = 8 exceeds model.num_layers=4"),
     (dict(vpp=2), 1, "layout.vpp=2", "must be 1 when pp=1"),
     (dict(dp=2, tp=2), 8, "layout.dp=2", "must equal the world size 8"),

@@ -4,11 +4,12 @@ import pytest
 
 from rlfusion.model.config import get_preset
 from rlfusion.model.flops import attn_core_flops
+from rlfusion.partition import partition
 from rlfusion.sim import comm
 from rlfusion.sim.costs import check_param_total, model_layers
 from rlfusion.sim.hardware import get_cluster
 from rlfusion.sim.memory import COMM_BUFFER_GB, FRAGMENTATION, RESERVED_GB, stage_memory
-from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
+from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight
 from rlfusion.sim.step import estimate_step, link_busy_s
 
 
@@ -67,6 +68,44 @@ def test_partition_balances_contiguously():
     owner = partition([1, 1, 1, 1, 4], 2)
     assert owner == [0, 0, 0, 0, 1]
     assert partition([1.0] * 5, 5) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("costs, parts, sizes", [
+    # group sizes `sim.plan.partition` gave before it moved to `rlfusion.partition`
+    ([3.0] * 3 + [2.0] * 58 + [5.0], 32, [2, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2]
+     + [3] * 9 + [1]),
+    ([float(i % 7 + 1) for i in range(40)], 6, [7, 7, 7, 7, 7, 5]),
+    ([9216.0, 7936, 7936, 7936, 8480], 2, [2, 3]),
+    ([0.5, 2, 0.25, 8, 1, 1, 3], 4, [1, 2, 1, 3]),
+])
+def test_partition_gives_what_it_gave_before_it_moved(costs, parts, sizes):
+    owner = partition(costs, parts)
+    assert [owner.count(g) for g in range(parts)] == sizes
+    assert owner == sorted(owner)
+
+
+@pytest.mark.parametrize("preset, seq, batch, cluster, plan, sizes", [
+    # the planner's chunks (layers, then the head) before the partition moved: chunk c on stage c % PP
+    ("pangu-ultra-moe-718b", 8192, 1024, ("910b", 512), ParallelPlan(8, 16, 2, 32, 4, 1), [1, 1] + [2] * 30),
+    ("pangu-ultra-moe-718b", 8192, 1024, ("910b", 512), ParallelPlan(8, 8, 1, 64, 8, 1), [8] * 7 + [6]),
+    ("pangu-ultra-moe-718b", 4096, 512, ("cm384", 384), ParallelPlan(4, 12, 1, 32, 8, 1), [3, 3] + [6] * 9 + [2]),
+    ("tiny", 256, 16, ("cpu", 4), ParallelPlan(1, 4, 1, 1, 1, 1), [1, 1, 1, 2]),
+    ("tiny", 256, 16, ("cpu", 4), ParallelPlan(1, 2, 2, 1, 2, 1), [1, 1, 1, 2]),
+])
+def test_planner_stages_are_what_they_were(preset, seq, batch, cluster, plan, sizes):
+    from rlfusion.sim.step import _indexed_stages
+
+    stages = _indexed_stages(TrainJob(get_preset(preset), seq, batch), plan, get_cluster(*cluster))
+    runs = []  # (first item, items, stage) of each contiguous run of a stage's items: its chunks
+    for s, stage in enumerate(stages):
+        for i, _ in stage:
+            if runs and runs[-1][2] == s and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, s)
+            else:
+                runs.append((i, 1, s))
+    runs.sort()
+    assert [n for _, n, _ in runs] == sizes
+    assert [s for _, _, s in runs] == [c % plan.pp for c in range(plan.pp * plan.vpp)]
 
 
 def test_memory_formulas():

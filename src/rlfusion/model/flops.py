@@ -55,6 +55,14 @@ def routed_expert_flops(model: ModelConfig) -> float:
     return 2.0 * model.top_k * model.swiglu_params(model.expert_ffn_dim)
 
 
+def layer_matmul_flops(model: ModelConfig, layer: int) -> float:
+    """Forward matmul FLOPs per token of layer `layer`: a dense layer below
+    `num_dense_layers`, else an MoE layer with the `top_k` routed experts a token chose."""
+    if layer < model.num_dense_layers:
+        return dense_layer_matmul_flops(model)
+    return moe_layer_matmul_flops(model) + routed_expert_flops(model)
+
+
 def head_matmul_flops(model: ModelConfig) -> float:
     """Forward FLOPs per token of the LM head."""
     return 2.0 * model.d_model * model.vocab_size

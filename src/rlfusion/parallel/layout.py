@@ -11,7 +11,9 @@ Axes. The world is `pp × dp × tp` ranks, ordered with `tp` fastest, then `dp`,
 
 - `tp`: tensor parallel (attention heads, dense and shared-expert FFN columns).
 - `dp`: data parallel, sharded with FSDP2 (each dp rank sees its own rows of the batch).
-- `pp`: pipeline stages; `vpp` model chunks per pipeline rank (interleaved 1F1B).
+- `pp`: pipeline stages; `vpp` model chunks per pipeline rank (interleaved 1F1B). The
+  `pp*vpp` chunks hold contiguous layer ranges balanced by cost (`pipeline.stage_layers`), any
+  number of layers each but at least one, so `num_layers` need not be a multiple of `pp*vpp`.
 - `ep`: expert parallel, *carved out of dp × tp inside one pipeline stage*: the routed experts
   of a layer are split over `ep` consecutive ranks of the (dp, tp) grid. `ep` is the total
   expert-sharding degree and must be a multiple of `tp`, i.e. the TP ranks also split
@@ -117,10 +119,10 @@ class ParallelLayout:
     def _validate_pp(self, cfg: ModelConfig, need) -> None:
         need(self.vpp == 1 or self.pp > 1, "vpp", "must be 1 when pp=1 (chunks interleave "
              "across pipeline ranks)")
+        # stages may hold different numbers of layers (`pipeline.stage_layers`), but not none
         need(self.num_stages <= cfg.num_layers, "pp",
-             f"pp*vpp = {self.num_stages} exceeds model.num_layers={cfg.num_layers}")
-        need(cfg.num_layers % self.num_stages == 0, "pp",
-             f"pp*vpp = {self.num_stages} must divide model.num_layers={cfg.num_layers}")
+             f"pp*vpp = {self.num_stages} exceeds model.num_layers={cfg.num_layers} "
+             "(every pipeline stage needs at least one layer)")
         need(self.pp == 1 or not cfg.tie_embeddings, "pp",
              "must be 1 with model.tie_embeddings=True (embedding and head on different stages)")
         need(self.pp == 1 or cfg.aux_loss_coef == 0, "pp",

@@ -1,9 +1,10 @@
 """Pipeline parallelism: cutting the plain model into stage chunks and running them with
 1F1B (`vpp=1`) or interleaved 1F1B (`vpp>1`) from `torch.distributed.pipelining`.
 
-Owns the layer split (stage `s` holds layers `[s*L/S, (s+1)*L/S)` of `S = pp*vpp` stages;
-pipeline rank `p` holds stages `p, p+pp, p+2pp, ...`, the looped placement interleaving needs)
-and the `PipelineChunk` module that runs one stage. Chunks keep the plain model's parameter
+Owns the layer split (`stage_layers`: each of the `S = pp*vpp` stages holds a contiguous,
+non-empty range of layers, the ranges balanced by cost, so any `num_layers >= S` works; pipeline
+rank `p` holds stages `p, p+pp, p+2pp, ...`, the looped placement interleaving needs) and the
+`PipelineChunk` module that runs one stage. Chunks keep the plain model's parameter
 names (`layers.3.attn.wq.weight`), so state dicts merge back without renaming. It does not know
 about TP, EP or FSDP, which are applied to the chunks afterwards.
 
@@ -17,8 +18,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from rlfusion.model.config import ModelConfig
+from rlfusion.model.flops import head_matmul_flops, layer_matmul_flops
 from rlfusion.model.kv_cache import AttnContext
 from rlfusion.model.transformer import MoETransformer
+from rlfusion.partition import partition, ranges
 
 
 class PipelineChunk(nn.Module):
@@ -46,10 +50,30 @@ def stage_indices(pp: int, vpp: int, pp_index: int) -> list[int]:
     return [chunk * pp + pp_index for chunk in range(vpp)]
 
 
+def layer_costs(cfg: ModelConfig) -> list[float]:
+    """What each layer costs its stage, in forward matmul FLOPs per token (`model.flops`; the
+    backward is about twice the forward for every layer alike, so it changes no split): a dense
+    or an MoE layer (its shared experts, router and the `top_k` routed experts a token chose).
+    The last layer also carries the LM head (the loss over the vocabulary is a few FLOPs per
+    logit beside the head's `2 * d_model` per logit). The first layer carries the embedding, a
+    row lookup: no FLOPs. The attention core (the same in every layer) is left out, so the
+    split does not depend on the sequence length."""
+    costs = [layer_matmul_flops(cfg, i) for i in range(cfg.num_layers)]
+    costs[-1] += head_matmul_flops(cfg)
+    return costs
+
+
+def stage_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
+    """The layers of each pipeline stage: contiguous, non-empty ranges covering every layer once,
+    cut so the costliest stage (`layer_costs`) is as cheap as any cut makes it. The one rule of
+    the split: a config and a stage count always give the same ranges."""
+    return ranges(partition(layer_costs(cfg), num_stages))
+
+
 def split_model(model: MoETransformer, pp: int, vpp: int, pp_index: int) -> list[PipelineChunk]:
-    num_stages, num_layers = pp * vpp, model.config.num_layers
-    per_stage = num_layers // num_stages
-    return [PipelineChunk(model, s * per_stage, (s + 1) * per_stage, s == 0, s == num_stages - 1)
+    num_stages = pp * vpp
+    layers = stage_layers(model.config, num_stages)
+    return [PipelineChunk(model, layers[s].start, layers[s].stop, s == 0, s == num_stages - 1)
             for s in stage_indices(pp, vpp, pp_index)]
 
 

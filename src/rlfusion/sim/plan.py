@@ -6,8 +6,9 @@ Layout conventions (Megatron-style, with MoE "parallel folding"):
   expert-data-parallel size EDP = TP * DP / EP. Each rank holds `num_experts / EP` experts.
 - Rank order: TP fastest, then DP, then PP; EP groups are contiguous ranks, so an EP group
   spans `min(EP, chips_per_domain)` chips per fast domain.
-- Layers (and the LM head) are split into PP * VPP contiguous chunks that balance compute;
-  chunk c runs on stage c % PP.
+- Layers (and the LM head) are split into PP * VPP contiguous chunks that balance compute
+  (`rlfusion.partition`, the split training uses, fed simulated seconds here); chunk c runs on
+  stage c % PP.
 """
 
 from __future__ import annotations
@@ -76,34 +77,6 @@ class TrainJob:
             return 1.0
         per_rank = max(self.model.num_experts // ep, 1)
         return 1.0 + self.expert_load_cv / math.sqrt(per_rank) * math.sqrt(2 * math.log(ep))
-
-
-def partition(costs: list[float], parts: int) -> list[int]:
-    """Contiguous split of `costs` into `parts` non-empty groups minimizing the largest sum.
-    Returns the group index of each item (binary search on the bound, greedy fill)."""
-    assert 0 < parts <= len(costs)
-
-    def greedy(bound: float) -> list[list[int]]:
-        groups: list[list[int]] = [[]]
-        acc = 0.0
-        for i, cost in enumerate(costs):
-            if groups[-1] and acc + cost > bound:
-                groups.append([])
-                acc = 0.0
-            groups[-1].append(i)
-            acc += cost
-        return groups
-
-    lo, hi = max(costs), sum(costs)
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if len(greedy(mid)) > parts else (lo, mid)
-    groups = greedy(hi)
-    while len(groups) < parts:  # splitting a group never raises the largest sum
-        i = max(range(len(groups)), key=lambda g: len(groups[g]))
-        half = len(groups[i]) // 2
-        groups[i:i + 1] = [groups[i][:half], groups[i][half:]]
-    return [g for g, items in enumerate(groups) for _ in items]
 
 
 def in_flight(plan: ParallelPlan, stage: int, num_micro: int) -> float:

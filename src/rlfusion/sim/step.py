@@ -33,11 +33,12 @@ from pathlib import Path
 
 from rlfusion.memory_plan import MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.model.flops import attention_matmul_params
+from rlfusion.partition import partition
 from rlfusion.sim import comm
 from rlfusion.sim.costs import BF16, LayerCost, model_flops_per_token, model_layers, module_activations
 from rlfusion.sim.hardware import ClusterSpec
 from rlfusion.sim.memory import FRAGMENTATION, GRAD_BYTES, MemoryEstimate, stage_memory
-from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight, partition
+from rlfusion.sim.plan import ParallelPlan, TrainJob, in_flight
 
 OPTIMIZER_STEP_BYTES = 32  # bytes touched per locally-updated parameter by fused Adam
 EP_OVERLAP_FILE = Path(__file__).with_name("ep_overlap.json")
