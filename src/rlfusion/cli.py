@@ -60,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlfusion.config import parse_override
     from rlfusion.model.checkpoint import SHIPPED_BASE, default_base_path, resolve_base
     from rlfusion.runtime.report import finish_run
-    from rlfusion.runtime.deployment import DeploymentPlan
+    from rlfusion.runtime.deployment import DeploymentPlan, check_machine
     from rlfusion.runtime import run_state
     from rlfusion.runtime.base_fit import check_base
     from rlfusion.runtime.trainer import RLTrainer, resume, stalesync_overlaps, write_run_config
@@ -86,6 +86,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         trainer = resume(run_dir, overrides)
     else:
         cfg = _load_train_config(args)
+        check_machine(cfg.deploy)  # a config for another cluster is refused before anything starts
         base = resolve_base(cfg.base)
         if base is None:
             raise ValueError(f"no base model: none pretrained into {default_base_path()} and none shipped "

@@ -238,6 +238,8 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
 @pytest.mark.parametrize("layout, pick", [
     ({"deploy.train_tp": 2}, None),
     ({"deploy.train_ep": 2}, None),
+    # one device per node: the expert all-to-all goes node by node (hierarchical)
+    ({"deploy.train_ep": 2, "deploy.ranks_per_node": 1}, None),
     # the three longest samples in 64-token micro-batches: one data-parallel rank gets two
     # (two micro-batches), the other one, which joins the first's second expert all-to-alls
     # with a pass that contributes nothing
@@ -318,6 +320,8 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4 if per_update == 1 else 2e-3)
         if cfg.deploy.train_ep > 1:  # the update's expert all-to-all, measured
             assert got["ep_a2a_mb"] > 0 and got["ep_a2a_exposed_s"] >= 0
+            nodes = cfg.deploy.ranks_per_node > 0  # else one node: nothing crosses
+            assert got["ep_a2a_hierarchical"] == float(nodes) and (got["ep_a2a_internode_mb"] > 0) == nodes
         if cfg.optim.recompute != "none" and not cfg.deploy.train_pp > 1:
             assert got["activation_mb"] > 0
         if pick == "twice":

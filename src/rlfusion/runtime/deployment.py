@@ -26,6 +26,7 @@ places one Ray actor per device from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -88,6 +89,12 @@ class DeployConfig:
     # devices (FSDP2, ZeRO-3; the routed experts of an expert-parallel layout stay out of it)
     # instead of a full replica on each; every rollout still runs on a full replica per device
     train_fsdp: bool = False
+    # devices per node: consecutive devices share a node (fast links), nodes hold whole
+    # multiples of it; 0 = every device on one node. With a training layout whose
+    # expert-parallel group spans several nodes (train_ep > ranks_per_node), the update's expert
+    # all-to-all is hierarchical: each token crosses to a node once, whatever number of its
+    # experts sit there, then spreads inside the node (parallel/expert_parallel.py)
+    ranks_per_node: int = 0
     # a training layout's tensor-parallel group reads the update's rows from the queue once (its
     # first device) and broadcasts them to the others, instead of each device reading them
     hierarchical_reads: bool = True
@@ -112,6 +119,7 @@ class DeployConfig:
             "train_pp": (self.train_pp >= 1, "must be >= 1 (1 = no pipeline)"),
             "train_vpp": (self.train_vpp >= 1 and (self.train_vpp == 1 or self.train_pp > 1),
                           "must be >= 1, and 1 unless train_pp > 1 (model chunks per pipeline stage)"),
+            "ranks_per_node": (self.ranks_per_node >= 0, "must be >= 0 (0 = every device on one node)"),
             "queue_timeout_s": (self.queue_timeout_s > 0, "must be > 0 (seconds)"),
         }, self)
         if self.train_layout and self.backend != "ray":
@@ -157,6 +165,37 @@ class DeployConfig:
         return max(1, (os.cpu_count() or 1) // self.threads_per_device)
 
 
+# CPU devices are processes that may share this machine's cores (the tests run 4 one-thread
+# devices on 2 cores); beyond a few per core they only wait on each other's collectives
+CPU_DEVICES_PER_CORE = 4
+
+
+def check_machine(cfg: DeployConfig) -> None:
+    """Refuse, before anything starts, a deployment whose devices this machine cannot hold: with
+    a local cluster (no `ray_address`) every device runs here, one GPU each (`device` cuda, or
+    auto with GPUs) or CPU processes of `threads_per_device` threads. A cluster joined with
+    `ray_address` is checked once joined (`ray_devices`)."""
+    n = cfg.num_devices
+    if cfg.ray_address or n <= 1:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.device == "cuda" or (cfg.device == "auto" and gpus):
+        if n > gpus:
+            raise ValueError(f"deploy.num_devices={n} needs {n} GPUs (deploy.device={cfg.device}) and this "
+                             f"machine has {gpus}; run it on a cluster of that size (deploy.ray_address) or "
+                             "lower deploy.num_devices")
+        return
+    cores = os.cpu_count() or 1
+    most = max(1, CPU_DEVICES_PER_CORE * cores // cfg.threads_per_device)
+    if n > most:
+        raise ValueError(f"deploy.num_devices={n} needs {n} devices and this machine has {cores} CPU cores "
+                         f"{'and no GPU ' if not gpus else ''}(at most {most} CPU devices of "
+                         f"deploy.threads_per_device={cfg.threads_per_device}); run it on a cluster of "
+                         f"{n} devices (deploy.ray_address) or lower deploy.num_devices")
+
+
 @dataclass(frozen=True)
 class DeploymentPlan:
     """Device indices per role. `actor` devices hold trainable weights; in colocated and
@@ -174,6 +213,7 @@ class DeploymentPlan:
     train_fsdp: bool = False
     train_pp: int = 1
     train_vpp: int = 1
+    ranks_per_node: int = 0  # `deploy.ranks_per_node`: consecutive devices per node, 0 = one node
     device: str = "auto"  # `deploy.device`; the backend resolves "auto" (`on`) before the workers start
 
     @classmethod
@@ -196,16 +236,15 @@ class DeploymentPlan:
             on_train = cfg.scorers == "train" or (cfg.scorers == "auto" and overlap)
             scorers = devices[k:] if on_train else devices[:k]
             plan = cls(cfg.mode, n, rollout=devices[:k], train=devices[k:], reference=scorers, reward=scorers,
-                       train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
-                       train_pp=cfg.train_pp, train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks)
+                       **_layout_fields(cfg))
             return plan._checked(cfg)
         if cfg.mode == "hybrid":
             train = devices[(n + 1) // 2:]
-            return cls(cfg.mode, n, rollout=devices, train=train, reference=train, reward=train)._checked(cfg)
+            return cls(cfg.mode, n, rollout=devices, train=train, reference=train, reward=train,
+                       ranks_per_node=cfg.ranks_per_node)._checked(cfg)
         actor, scorers = (devices[:-1], devices[-1:]) if cfg.mode == "colocated" and n >= 3 else (devices, devices)
         plan = cls(cfg.mode, n, rollout=actor, train=actor, reference=scorers, reward=scorers,
-                   train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp,
-                   train_pp=cfg.train_pp, train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks)
+                   **_layout_fields(cfg))
         if cfg.train_layout and len(plan.train) != n:
             raise ValueError(f"{cfg.layout_name} is invalid with {n} devices in "
                              f"mode '{cfg.mode}': the training layout spans every device, so reference and reward may "
@@ -224,7 +263,28 @@ class DeploymentPlan:
             raise ValueError(f"deploy.train_fsdp=true is invalid with {train} train devices and "
                              f"train_tp={cfg.train_tp}: it shards over the data-parallel devices "
                              "(train devices / train_tp), which must be >= 2")
+        self._check_nodes(cfg)
         return self
+
+    def _check_nodes(self, cfg: DeployConfig) -> None:
+        """`ranks_per_node` cuts the devices into whole nodes with the train devices starting on
+        a node's first device, and an expert-parallel group lies inside one node or spans whole
+        nodes (what the hierarchical all-to-all's node and rail groups need)."""
+        rpn, first, ep = cfg.ranks_per_node, self.train[0], cfg.train_ep
+        if not rpn:
+            return
+        if self.num_devices % rpn or first % rpn:
+            span = math.gcd(self.num_devices, first)
+            where = f" and the index {first} of the first train device" if first else ""
+            raise ValueError(f"deploy.ranks_per_node={rpn} is invalid: must divide the {self.num_devices} "
+                             f"devices{where}, so the train devices fill whole nodes (allowed: 0, "
+                             f"{', '.join(str(d) for d in range(1, span + 1) if span % d == 0)})")
+        if ep > 1 and ep % rpn and rpn % ep:
+            allowed = sorted({d for d in range(1, ep + 1) if ep % d == 0}
+                             | {m for m in range(ep, len(self.train) + 1, ep) if len(self.train) % m == 0})
+            raise ValueError(f"deploy.ranks_per_node={rpn} is invalid with train_ep={ep}: an expert-parallel "
+                             "group lies inside one node or spans whole nodes, so it must divide train_ep or be "
+                             f"a multiple of it (allowed: 0, {', '.join(map(str, allowed))})")
 
     def dp_index(self, device: int) -> int:
         """The data-parallel rank of a train device. Train devices are ordered pipeline stage
@@ -248,7 +308,13 @@ class DeploymentPlan:
         from rlfusion.parallel.layout import ParallelLayout
 
         return ParallelLayout(dp=self.train_dp, tp=self.train_tp, pp=self.train_pp, vpp=self.train_vpp,
-                              ep=self.train_ep, a2a_chunks=self.train_a2a_chunks)
+                              ep=self.train_ep, a2a_chunks=self.train_a2a_chunks,
+                              ranks_per_node=self.ranks_per_node, hierarchical_a2a=self.hierarchical_a2a)
+
+    @property
+    def hierarchical_a2a(self) -> bool:
+        """The update's expert all-to-all goes node by node: its groups span several nodes."""
+        return self.train_ep > self.ranks_per_node > 0
 
     @property
     def train_layout(self) -> bool:
@@ -269,4 +335,12 @@ class DeploymentPlan:
             pp = (f"pp{self.train_pp}" + (f" (vpp{self.train_vpp})" if self.train_vpp > 1 else "") + " x "
                   if self.train_pp > 1 else "")
             out += f"; the actor trains as {pp}tp{self.train_tp} x ep{self.train_ep} x {dp}, generates on full replicas"
+            if self.hierarchical_a2a:
+                out += f"; hierarchical expert all-to-all over nodes of {self.ranks_per_node} device(s)"
         return out
+
+
+def _layout_fields(cfg: DeployConfig) -> dict:
+    """The `DeploymentPlan` fields of the actor's training layout, as `cfg` sets them."""
+    return dict(train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp, train_pp=cfg.train_pp,
+                train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks, ranks_per_node=cfg.ranks_per_node)

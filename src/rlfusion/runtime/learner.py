@@ -180,13 +180,17 @@ class Learner:
     def _expert_comm(self) -> dict[str, float]:
         """The update's expert all-to-all on the train devices (a collective over them): the
         longest any device waited on it (its exposed communication, `deploy.train_a2a_chunks`
-        hides it behind computation) and the megabytes the devices sent."""
+        hides it behind computation), the megabytes the devices sent, the part of them that
+        crossed to another node (`deploy.ranks_per_node`), and 1 when the experts dispatched
+        node by node (the hierarchical all-to-all), else 0."""
         c = self.pm.comm_counter()
-        waited, sent = torch.tensor([c.wait_s]), torch.tensor([float(c.sent_bytes)])
+        waited, sent = torch.tensor([c.wait_s]), torch.tensor([float(c.sent_bytes), float(c.internode_bytes)])
         if self.train_group is not None:
             dist.all_reduce(waited, op=dist.ReduceOp.MAX, group=self.train_group)
             dist.all_reduce(sent, group=self.train_group)
-        return {"ep_a2a_exposed_s": float(waited), "ep_a2a_mb": float(sent) / 1e6}
+        hierarchical = any(e.rail is not None for e in self.pm.experts)  # what their forward dispatches by
+        return {"ep_a2a_exposed_s": float(waited), "ep_a2a_mb": float(sent[0]) / 1e6,
+                "ep_a2a_internode_mb": float(sent[1]) / 1e6, "ep_a2a_hierarchical": float(hierarchical)}
 
     def sync_weights(self, sync_group: Any) -> int:
         """Separated mode: the first train device broadcasts the new weights to the rollout

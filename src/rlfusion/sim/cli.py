@@ -49,11 +49,17 @@ def register_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="also score this layout and show where it ranks: comma-separated tpN, ppN, "
                              "vppN, epN, mbN (micro-batch), recompute=none|selective|full|planned, swap; "
                              "DP is the chips left (e.g. tp8,pp16,ep32,vpp2)")
+    parser.add_argument("--emit-config", metavar="FILE", default=None,
+                        help="write the best plan (or the --layout one) as a run config for "
+                             "`rlfusion train FILE` (a new file: an existing one is refused)")
     parser.set_defaults(func=run_plan)
     return parser
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.emit_config and Path(args.emit_config).exists():  # before the search, not after it
+        raise ValueError(f"--emit-config {args.emit_config} already exists; pick another path (a config is "
+                         "never overwritten)")
     if args.measure_cpu:
         from rlfusion.sim.cpu_bench import measure_cpu
 
@@ -75,6 +81,10 @@ def run_plan(args: argparse.Namespace) -> int:
                              chip=cluster.chip))
     if named is not None:
         print("\n" + score_layout(job, named, cluster, result))
+    if args.emit_config:
+        from rlfusion.sim.emit_config import emit_plan_config
+
+        print("\n" + emit_plan_config(args.emit_config, job, cluster, args.model, result, named))
     return 0 if result.ranked else 1
 
 
