@@ -258,7 +258,7 @@ def main() -> None:
         print("smoke run: sizes cut to seconds; figures are not measurements")
     reps, repeats, steps = (1, 1, 1) if args.smoke else (2, 4, 2) if args.quick else (5, 4, 4)
     reduction = wire_bytes_section(64 if args.smoke else 512)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, configure_logging=False)
     try:
         flat, hier = requests_section(gets=1 if args.smoke else 4)
         throughput_section(reps, repeats, args.smoke)

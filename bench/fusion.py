@@ -124,7 +124,7 @@ def main() -> None:
     ceiling = two_process_ceiling(1, 20) if args.smoke else two_process_ceiling(5)
     print(f"two-process throughput ceiling on this machine: {ceiling:.2f}x (2.00 = two independent cores)", flush=True)
     # logical CPUs for one 2-device placement group per mode; only one mode runs at a time
-    ray.init(num_cpus=2 * len(modes), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2 * len(modes), include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {m: make_trainer(m, Path(tmp), SMOKE_ROLLOUT if args.smoke else ()) for m in modes}

@@ -124,7 +124,7 @@ def main() -> None:
     # updates: the first runs in the built placement, so >= 2
     rounds, updates = (1, 2) if args.smoke else (2, 4) if args.quick else (5, 8)
     modes = SMOKE_RECOMPUTE if args.smoke else RECOMPUTE
-    ray.init(num_cpus=2 * (len(modes) + 2), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2 * (len(modes) + 2), include_dashboard=False, log_to_driver=False, configure_logging=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         rc = recompute(out, rounds, modes)

@@ -358,7 +358,7 @@ def measured_cases(rounds: int, probes: Probes, workload: str = "task", smoke: b
         stale = {c: v for c, v in stale.items() if c in SMOKE_CASES}
     names = list(sync) + list(stale)
     # logical CPUs: a 2-device placement group per run and the 2 probe actors; one runs at a time
-    ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     steps: dict[str, list[MeasuredStep]] = {m: [] for m in names}
     stale_lengths = {}

@@ -462,7 +462,7 @@ def main() -> None:
         raise SystemExit(f"--updates={updates} --seeds={len(seeds)}: need >= 4 updates (the first two are not "
                          "timed) and >= 1 seed")
     # 2 CPUs per variant, and 2 for the contention probe that runs beside a seed's (idle) trainers
-    ray.init(num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2 * len(names) + 2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     sync_names = [n for n in names if not is_stalesync(n)]
     sync_spans: dict[str, list] = {n: [] for n in sync_names}  # their timed updates' device spans
     timed_spans: dict[str, list] = {n: [] for n in names}  # every variant's, for its steady tokens/s

@@ -74,7 +74,7 @@ def main() -> None:
     if args.smoke:
         print("smoke run: sizes cut to seconds; figures are not measurements")
     steps = 1 if args.smoke else 3 if args.quick else 6
-    ray.init(num_cpus=2 * len(WORKLOADS), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2 * len(WORKLOADS), include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows: dict[str, list[dict]] = {n: [] for n in WORKLOADS}
     lengths: dict[str, list[int]] = {n: [] for n in WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:

@@ -94,5 +94,5 @@ def ray_session(_ray_module):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray.get_runtime_context().gcs_address

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from hf_helpers import make_hf_model  # noqa: E402
 from rlfusion.config import load_config  # noqa: E402
 from rlfusion.obs.metrics import read_metrics  # noqa: E402
+from rlfusion.runtime.ray_devices import _start_ray  # noqa: E402
 from rlfusion.runtime.train_config import TrainConfig  # noqa: E402
 from rlfusion.runtime.trainer import RLTrainer  # noqa: E402
 
@@ -46,6 +47,13 @@ def test_two_node_ray_cluster_runs_a_short_rl_job(tmp_path):
         steps = [r for r in read_metrics(tmp_path / "cluster" / "metrics.jsonl") if "reward_mean" in r]
         assert [r["step"] for r in steps] == [1, 2]
         assert {"utilization_device0", "utilization_device1"} <= set(steps[-1])
+        trainer.close()
+        trainer = None
+        ray.shutdown()
+        # with this cluster still up (the machine's latest, as `ray start` leaves one), a run
+        # without deploy.ray_address starts a single-node cluster of its own instead of joining it
+        _start_ray(ray, "", 1)
+        assert ray.get_runtime_context().gcs_address != cluster.address
     finally:
         if trainer is not None:
             trainer.close()

@@ -710,7 +710,7 @@ def test_devices_that_cannot_be_placed_fail_fast_and_leave_nothing_behind(ray_se
     monkeypatch.setattr(rd, "PLACEMENT_TIMEOUT_S", 0.5)  # the bundles can never be placed: any wait shows it
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         cpus = int(ray.cluster_resources()["CPU"])
         cfg = _cfg(tmp_path, "colocated", **{"deploy.num_devices": cpus + 1})

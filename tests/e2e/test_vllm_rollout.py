@@ -47,7 +47,7 @@ def ray_with_fake_vllm():
         mp.setenv("PYTHONPATH", f"{FAKE_VLLM_DIR}:{FAKE_VLLM_DIR.parent}:{os.environ.get('PYTHONPATH', '')}")
         if ray.is_initialized():
             ray.shutdown()
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             yield
         finally:

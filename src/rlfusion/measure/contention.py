@@ -201,7 +201,7 @@ def measure_contention(setup: Setup) -> dict:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2 * setup.threads, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2 * setup.threads, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     workers = []
     try:

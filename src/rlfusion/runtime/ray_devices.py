@@ -189,7 +189,10 @@ def _start_ray(ray, address: str, num_cpus: int) -> None:
         _check_reachable(address)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=num_cpus)
+        # "local": a new single-node cluster even where `ray start` left one running on this machine
+        # (Ray would join that one, the last started, and refuse num_cpus)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 num_cpus=num_cpus)
 
 
 def check_attached(ray, address: str) -> None:
