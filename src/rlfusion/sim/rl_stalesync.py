@@ -121,6 +121,31 @@ class _Device:
         return rollout_stops(len(self.finished_groups), len(self.due - self.finished_groups), int(self.busy), 0,
                              quota=plan.quota, drop_overdue=plan.drop)
 
+    def pause(self, index: int, keep_rows: bool) -> int:
+        """The rollout stops on device `index`: what has not finished is aborted (a running
+        sample's cache row kept where `keep_rows`); returns the tokens its samples hold."""
+        running = {s.request_id for s in self.scheduler.running}
+        self.scheduler.abort(set(self.samples) - set(self.finished))
+        for rid, smp in self.samples.items():
+            if rid not in self.finished:
+                smp.paused_on = index
+                smp.kept = keep_rows and rid in running
+        return sum(len(smp.response_ids) for smp in self.samples.values())
+
+    def reports(self, index: int, held: dict[int, list[SimSample]], hands_over: bool) -> list[GroupReport]:
+        """What device `index` reports (`partial_rollout.PartialRollout`): a finished group's
+        samples go into the queue, scored there; a hybrid train device (`hands_over`) hands its
+        paused samples over (an early one resumes them), the others keep theirs."""
+        reports = []
+        for gid in dict.fromkeys(smp.group_id for smp in self.samples.values()):
+            tokens = sum(len(smp.response_ids) for smp in held[gid])
+            if gid in self.finished_groups:
+                versions = [min(smp.versions) for smp in held[gid] if smp.versions]
+                reports.append(GroupReport.finished_group(gid, tokens, (), versions))
+            else:
+                reports.append(GroupReport(gid, False, tokens, held_by=-1 if hands_over else index))
+        return reports
+
 
 class RuntimeStaleSync:
     """The runtime's `StalenessBook` and the trainer's step, on top of `SimState`'s costs and timeline."""
@@ -244,10 +269,18 @@ class RuntimeStaleSync:
         the devices are done (scoring included), their reports, the groups given up and the
         tokens generated. Hybrid, overlapped (`late_start`): the train devices' engines join at
         `late_start`, with the next weights."""
-        sim, version = self.sim, plan.version
-        devs = []
-        resumed = 0
-        for index, (eng, part) in enumerate(zip(sim.engines, parts)):
+        devs, resumed = self._load_parts(plan, parts, start, late_start)
+        end = self._run_until_stop(devs, plan)
+        self._step_stats.extend(devs)
+        reports, dropped, generated = self._stop_devices(devs, plan, end, late_start)
+        return max(e.clock for e in self.sim.engines), reports, dropped, generated - resumed
+
+    def _load_parts(self, plan: RolloutPlan, parts: list[list], start: float,
+                    late_start: float | None) -> tuple[list[_Device], int]:
+        """A device per rollout engine with its part's samples queued (a resumed sample on the
+        engine that saved its row starts from it); and the tokens the resumed samples held."""
+        version, devs, resumed = plan.version, [], 0
+        for index, (eng, part) in enumerate(zip(self.sim.engines, parts)):
             late = late_start is not None and eng.name in self.late_names
             dev = _Device(eng.name, max(late_start if late else start, eng.clock), Scheduler(self.scheduler_cfg),
                           version=version + 1 if late else version)
@@ -255,9 +288,9 @@ class RuntimeStaleSync:
                 gid = it.group_id
                 if it.resume:
                     samples = [smp for smp in self.held[gid] if not smp.done]
+                    resumed += sum(len(smp.response_ids) for smp in samples)
                 else:
                     samples = self.held[gid] = self._new_samples(gid, problem_prompts(self.sim.cfg, self.G, it.problem_id))
-                resumed += sum(len(smp.response_ids) for smp in samples) if it.resume else 0
                 for smp in samples:
                     kept = smp.kept and smp.paused_on == index  # its saved row is on this engine
                     dev.scheduler.add(smp.request, cached=smp.prompt_len + len(smp.response_ids) - 1 if kept else 0)
@@ -265,53 +298,46 @@ class RuntimeStaleSync:
                 dev.open_count[gid] = len(samples)
             dev.due = plan.due & {it.group_id for it in part}
             devs.append(dev)
+        return devs, resumed
+
+    def _run_until_stop(self, devs: list[_Device], plan: RolloutPlan) -> float:
+        """Engine steps until the stop rule holds (one device alone; hybrid's polled sums; else
+        the sums every device meets for every `stop_sync_every` steps or when idle); returns when."""
         if len(devs) == 1:
             dev = devs[0]
             while not dev.stops(plan):
                 self._engine_step(dev, dev.version)
-            end = dev.clock
-        elif self.hybrid:
-            end = self._polled(devs, plan)
-        else:  # the stop-rule sums: every device calls every `stop_sync_every` steps (or idle)
-            every = sim.cfg.stop_sync_every
-            t = self._meet(devs)
-            while not rollout_stops(sum(len(d.finished_groups) for d in devs),
-                                    sum(len(d.due - d.finished_groups) for d in devs),
-                                    sum(d.busy for d in devs), 0, quota=plan.quota, drop_overdue=plan.drop):
-                for d in devs:
-                    d.clock = t
-                    if d.busy:
+            return dev.clock
+        if self.hybrid:
+            return self._polled(devs, plan)
+        every = self.sim.cfg.stop_sync_every
+        t = self._meet(devs)
+        while not rollout_stops(sum(len(d.finished_groups) for d in devs),
+                                sum(len(d.due - d.finished_groups) for d in devs),
+                                sum(d.busy for d in devs), 0, quota=plan.quota, drop_overdue=plan.drop):
+            for d in devs:
+                d.clock = t
+                if d.busy:
+                    self._engine_step(d, d.version)
+                    while d.busy and d.steps % every:
                         self._engine_step(d, d.version)
-                        while d.busy and d.steps % every:
-                            self._engine_step(d, d.version)
-                t = self._meet(devs)
-            end = t
-        self._step_stats.extend(devs)
+            t = self._meet(devs)
+        return t
+
+    def _stop_devices(self, devs: list[_Device], plan: RolloutPlan, end: float,
+                      late_start: float | None) -> tuple[list[GroupReport], list[int], int]:
+        """Each device at `end`: its unfinished samples paused (their rows kept where
+        `resume_kv="keep"`), its reports, its overdue groups given up (`overdue="drop"`) and, where
+        the rollout devices score, its finished groups' reference pass; returns the reports, the
+        groups dropped and every token the samples hold."""
+        sim = self.sim
         # separated with scorers "train", and hybrid: the train devices score, in `learn`
         scorers_on_train = sim.cfg.mode == "hybrid" or (sim.cfg.mode == "separated" and sim.cfg.scorers == "train")
-        dropped, generated, reports = [], -resumed, []
+        dropped, generated, reports = [], 0, []
         for index, dev in enumerate(devs):
-            running = {s.request_id for s in dev.scheduler.running}
-            dev.scheduler.abort(set(dev.samples) - set(dev.finished))
-            for rid, smp in dev.samples.items():
-                if rid not in dev.finished:
-                    smp.paused_on = index
-                    smp.kept = sim.cfg.resume_kv == "keep" and rid in running
-                generated += len(smp.response_ids)
-            gone = sorted(dev.due - dev.finished_groups) if plan.drop else []
-            dropped += gone
-            # what the device reports (`partial_rollout.PartialRollout`): a finished group's
-            # samples go into the queue, scored there; a hybrid train device hands its paused
-            # samples over (an early one resumes them), the others keep theirs
-            hands_over = late_start is not None and dev.name in self.late_names
-            for gid in dict.fromkeys(smp.group_id for smp in dev.samples.values()):
-                samples = self.held[gid]
-                tokens = sum(len(smp.response_ids) for smp in samples)
-                if gid in dev.finished_groups:
-                    reports.append(GroupReport.finished_group(gid, tokens, (), [min(smp.versions) for smp in samples
-                                                                                  if smp.versions]))
-                else:
-                    reports.append(GroupReport(gid, False, tokens, held_by=-1 if hands_over else index))
+            generated += dev.pause(index, keep_rows=sim.cfg.resume_kv == "keep")
+            dropped += sorted(dev.due - dev.finished_groups) if plan.drop else []
+            reports += dev.reports(index, self.held, hands_over=late_start is not None and dev.name in self.late_names)
             dev.clock = end
             finished = [smp for gid in dev.finished_groups for smp in self.held[gid]]
             tokens = sum(smp.prompt_len + smp.length for smp in finished)
@@ -319,11 +345,11 @@ class RuntimeStaleSync:
             eng.clock = end
             if tokens and not scorers_on_train:  # the device scores its finished groups (reward is free; reference forward)
                 for role, seconds in sim.reference_phases(tokens, squared_lengths(finished)):
-                    sim.record(eng.name, role, eng.clock, eng.clock + seconds, version)
+                    sim.record(eng.name, role, eng.clock, eng.clock + seconds, plan.version)
                     eng.clock += seconds
         for gid in dropped:
             del self.held[gid]
-        return max(e.clock for e in sim.engines), reports, dropped, generated
+        return reports, dropped, generated
 
     def _polled(self, devs: list[_Device], plan: RolloutPlan) -> float:
         """Hybrid's stop-rule sums (`stop_sums.StopSums`, polled): no device waits for another while it
