@@ -71,6 +71,7 @@ co-located step's and the best (`--reach-only`: the calibration and this, ~4 min
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -590,6 +591,7 @@ def schedule_reach(cal: Calibration, train_fraction: float = 1.0, smoke: bool = 
     grid = {"max_staleness": (1,), "threshold": (0.75,), "max_num_seqs": (ro.max_num_seqs,),
             "mode": ("colocated",)} if smoke else REACH
 
+    @functools.lru_cache(maxsize=None)  # every configuration of a draw replays the same lengths
     def lengths(offset: int, groups: int) -> tuple[int, ...]:
         return tuple(replay_length(offset + g, i, ro.replay_median, ro.replay_sigma, ro.replay_between,
                                    ro.max_new_tokens) for g in range(groups) for i in range(G))
