@@ -95,6 +95,18 @@ class DeployConfig:
     # all-to-all is hierarchical: each token crosses to a node once, whatever number of its
     # experts sit there, then spreads inside the node (parallel/expert_parallel.py)
     ranks_per_node: int = 0
+    # the rollout's inference layout over the rollout devices: routed experts split over
+    # infer_ep devices (attention and dense weights whole on each, every device decoding its
+    # own rows; each MoE layer exchanges tokens with an all-to-all across the group, the group's
+    # engines stepping in lock-step), 1 = a full replica per rollout device. infer_tp: tensor
+    # parallel degree of the rollout engine, passed to vLLM (the native engine runs tp 1)
+    infer_ep: int = 1
+    infer_tp: int = 1
+    # each device's memory budget in MiB: the run refuses before its first step a layout whose
+    # phases cannot fit it, the rollout's KV cache takes what it leaves after the phase's
+    # resident tensors, and a phase that exceeds it stops the run (a checkpoint to resume
+    # from); 0 = the device's memory on CUDA, unlimited on CPU
+    device_memory_mb: float = 0.0
     # a training layout's tensor-parallel group reads the update's rows from the queue once (its
     # first device) and broadcasts them to the others, instead of each device reading them
     hierarchical_reads: bool = True
@@ -121,6 +133,10 @@ class DeployConfig:
                           "must be >= 1, and 1 unless train_pp > 1 (model chunks per pipeline stage)"),
             "ranks_per_node": (self.ranks_per_node >= 0, "must be >= 0 (0 = every device on one node)"),
             "queue_timeout_s": (self.queue_timeout_s > 0, "must be > 0 (seconds)"),
+            "infer_ep": (self.infer_ep >= 1, "must be >= 1 (1 = a full replica per rollout device)"),
+            "infer_tp": (self.infer_tp >= 1, "must be >= 1"),
+            "device_memory_mb": (self.device_memory_mb >= 0, "must be >= 0 (0 = the device's memory on CUDA, "
+                                 "unlimited on CPU)"),
         }, self)
         if self.train_layout and self.backend != "ray":
             raise ValueError(f"{self.layout_name} is invalid with backend '{self.backend}': a training "
@@ -214,6 +230,8 @@ class DeploymentPlan:
     train_pp: int = 1
     train_vpp: int = 1
     ranks_per_node: int = 0  # `deploy.ranks_per_node`: consecutive devices per node, 0 = one node
+    infer_ep: int = 1  # the rollout's inference layout (`deploy.infer_ep`, `infer_tp`)
+    infer_tp: int = 1
     device: str = "auto"  # `deploy.device`; the backend resolves "auto" (`on`) before the workers start
 
     @classmethod
