@@ -13,13 +13,22 @@ module). Version notes: written against vLLM's offline `LLM` API with `enable_sl
 `worker_extension_cls` + `collective_rpc` and `logprobs_mode="processed_logprobs"`, so logprobs
 are those of the temperature-scaled distribution like the native engine's (they also include
 top-k/top-p truncation, which the native engine leaves out: keep top_k=0, top_p=1 for RL).
+
+Inference layout (`VLLMLayout`, from `deploy.infer_ep` / `infer_tp`, vLLM >= 0.10.0): each engine
+is one vLLM data-parallel rank; the ranks of an expert-parallel group step in lock-step inside
+vLLM (an engine out of work runs empty passes while its peers decode), but vLLM's offline ranks
+start a round only once each has a request: every engine of a group must be given at least one
+request per rollout, or its peers wait in their first MoE all-to-all.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import tempfile
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +69,27 @@ class VLLMEngine:
 
     def __init__(self, hf_path: str | Path, native_config, family: str, *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "bfloat16", vllm_module: Any = None) -> None:
+                 max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "bfloat16", layout: VLLMLayout | None = None,
+                 vllm_module: Any = None) -> None:
+        """`layout`: this engine's place in the rollout's inference layout (`VLLMLayout`; None =
+        one GPU holding every expert). `ValueError` when the installed vLLM cannot take it, or
+        when this process sees fewer GPUs than its tensor-parallel degree."""
         from rlfusion.model.hf import HFNames
 
         self._vllm = vllm_module or _import_vllm()
+        self.layout = layout or VLLMLayout()
+        check_layout_support(self._vllm, self.layout)
+        if self.layout.infer_tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() < self.layout.infer_tp:
+            raise ValueError(f"deploy.infer_tp={self.layout.infer_tp} needs that many GPUs visible to each rollout "
+                             f"worker; this one sees {torch.cuda.device_count()}")
+        # read by vLLM while it builds the engine (and by its engine-core process, which inherits them)
+        os.environ.update(self.layout.environment())
         self.llm = self._vllm.LLM(
             model=str(hf_path), seed=seed, dtype=dtype, enable_sleep_mode=True,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len or native_config.max_seq_len, max_num_seqs=max_num_seqs,
             skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WeightLoaderExtension")
+            worker_extension_cls=f"{__name__}.WeightLoaderExtension", **self.layout.engine_kwargs())
         self.names = HFNames(native_config, family)
         self.policy_version = 0
         self.asleep = False
@@ -186,7 +206,9 @@ class VLLMEngine:
 
     def load_state(self, state: dict[str, torch.Tensor], bucket_bytes: int) -> int:
         """Load a native state dict (the policy's) in flat buckets of at most `bucket_bytes`;
-        returns the number of HF tensors loaded."""
+        returns the number of HF tensors loaded. Every engine gets every tensor whole, also in an
+        expert-parallel or tensor-parallel layout: vLLM's `load_weights` takes full checkpoint
+        tensors and keeps what its rank holds (its experts, its tensor-parallel slice)."""
         buckets = ((bucket, pack(bucket, state)) for bucket in plan_buckets(specs_of(state), bucket_bytes))
         return self.update_weights(buckets)
 
@@ -245,3 +267,102 @@ def _finish_reason(out) -> str:
         return "aborted"
     raise RuntimeError(f"vLLM finish_reason={reason!r} for request {out.request_id!r} is not one of "
                        f"stop, length, abort")
+
+
+# ---- the rollout's inference layout (`deploy.infer_ep`, `deploy.infer_tp`) ----
+
+LAYOUT_VLLM = "0.10.0"  # the oldest vLLM with every option below (and `logprobs_mode`, which the engine needs anyway)
+DP_ENV = ("VLLM_DP_SIZE", "VLLM_DP_RANK", "VLLM_DP_RANK_LOCAL", "VLLM_DP_MASTER_IP", "VLLM_DP_MASTER_PORT")
+
+
+def dp_ranks_per_group(infer_ep: int, infer_tp: int) -> int:
+    """How many vLLM engines (data-parallel ranks, one per rollout worker) form one expert-parallel
+    group: vLLM splits the routed experts over data_parallel_size x tensor_parallel_size GPUs, so
+    infer_ep / infer_tp; 1 without expert parallelism. `ValueError` for a layout vLLM cannot take."""
+    if infer_ep < 1 or infer_tp < 1:
+        raise ValueError(f"deploy.infer_ep={infer_ep} / infer_tp={infer_tp} is invalid: both must be >= 1")
+    if infer_ep > 1 and infer_ep % infer_tp:
+        allowed = ", ".join(str(d) for d in range(1, infer_ep + 1) if infer_ep % d == 0)
+        raise ValueError(f"deploy.infer_ep={infer_ep} / infer_tp={infer_tp} is invalid for rollout.backend=vllm: "
+                         f"vLLM splits the experts over data-parallel ranks x infer_tp GPUs, so infer_tp must "
+                         f"divide infer_ep (allowed infer_tp: {allowed})")
+    return infer_ep // infer_tp if infer_ep > 1 else 1
+
+
+@dataclass(frozen=True)
+class VLLMLayout:
+    """Where one vLLM engine sits in the rollout's inference layout. Each engine is one vLLM
+    data-parallel rank (attention and dense weights whole, its own requests) over `infer_tp`
+    GPUs; `dp_ranks_per_group` engines form one expert-parallel group whose MoE layers exchange
+    tokens with an all-to-all. vLLM's offline API starts a rank from its process environment
+    (`VLLM_DP_*`, as its multi-process data-parallel example does; `LLM(data_parallel_size>1)`
+    is refused outside torchrun's external launcher, which would reuse the device world this
+    process already joined), so a layout is engine arguments plus environment.
+
+    `rank`: this engine's data-parallel rank in its group, 0 .. group - 1. `master`: (host, port)
+    of the group's rendezvous, the same for every rank of one group and different between
+    groups; vLLM uses a few consecutive ports from `port` on. Unused with a group of one."""
+
+    infer_ep: int = 1
+    infer_tp: int = 1
+    rank: int = 0
+    master: tuple[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        group = dp_ranks_per_group(self.infer_ep, self.infer_tp)
+        if not 0 <= self.rank < group:
+            raise ValueError(f"vLLM data-parallel rank {self.rank} is invalid: a group of infer_ep={self.infer_ep} / "
+                             f"infer_tp={self.infer_tp} has ranks 0..{group - 1}")
+        if group > 1 and self.master is None:
+            raise ValueError(f"a vLLM expert-parallel group of {group} ranks needs its rendezvous master (host, port)")
+
+    @property
+    def dp_size(self) -> int:
+        return dp_ranks_per_group(self.infer_ep, self.infer_tp)
+
+    @property
+    def single(self) -> bool:
+        """One GPU, every expert: the plain engine."""
+        return self.infer_ep == 1 and self.infer_tp == 1
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """`vllm.LLM` arguments of this layout."""
+        if self.single:
+            return {}
+        return {"tensor_parallel_size": self.infer_tp, "enable_expert_parallel": self.infer_ep > 1}
+
+    def environment(self) -> dict[str, str]:
+        """`VLLM_DP_*` variables that make this process's engine rank `rank` of its group.
+        LOCAL rank 0: vLLM picks the engine's GPUs from the visible ones at that offset, and a
+        rollout worker sees only its own."""
+        if self.dp_size == 1:
+            return {}
+        host, port = self.master
+        return dict(zip(DP_ENV, (str(self.dp_size), str(self.rank), "0", host, str(port))))
+
+
+def check_layout_support(vllm: Any, layout: VLLMLayout) -> None:
+    """`ValueError` unless the installed vLLM takes `layout`'s options (read from `EngineArgs`'s
+    fields and the version string, not assumed)."""
+    if layout.single:
+        return
+    version = getattr(vllm, "__version__", "unknown")
+    engine_args = getattr(vllm, "EngineArgs", None)
+    fields = {f.name for f in dataclasses.fields(engine_args)} if dataclasses.is_dataclass(engine_args) else set()
+    missing = sorted((set(layout.engine_kwargs()) | {"logprobs_mode"}) - fields)
+    if missing or _older(version, LAYOUT_VLLM):
+        raise ValueError(f"deploy.infer_ep={layout.infer_ep} / infer_tp={layout.infer_tp} needs vLLM >= {LAYOUT_VLLM} "
+                         f"(installed: {version}{'; no ' + ', '.join(missing) if missing else ''})")
+
+
+def _older(version: str, than: str) -> bool:
+    """`version` parses and is older than `than` (dev and local suffixes ignored)."""
+    def parts(v: str) -> tuple[int, ...]:
+        out = []
+        for p in v.split("+")[0].split(".")[:3]:
+            if not p.isdigit():
+                break
+            out.append(int(p))
+        return tuple(out)
+    have = parts(version)
+    return bool(have) and have < parts(than)

@@ -9,8 +9,11 @@ backend (`engine/vllm_backend.py`) uses, run by rlfusion's native engine.
   every tensor has come, so a wrong name or layout in a weight update changes what it generates.
 - `sleep(level)`: the engine refuses to step while asleep; level 2 drops the weights (they turn
   to NaN, as vLLM discards them) until a full weight update arrives. `wake_up()`.
-- `LLM.events` records sleeps, wakes and completed weight loads; `INSTANCES` lists every `LLM`
-  built in this process.
+- `LLM.events` records sleeps, wakes and completed weight loads; `LLM.kwargs` the arguments it
+  was built with and `LLM.dp_env` the `VLLM_DP_*` variables set when it was built (a layout's);
+  `INSTANCES` lists every `LLM` built in this process.
+- `EngineArgs` has the fields the backend checks for (a dataclass, as vLLM's), and
+  `__version__` the release they came in.
 
 Tests put it in front of the real one: `sys.modules["vllm"]` in process, or this folder's
 parent on `PYTHONPATH` for Ray workers.
@@ -18,6 +21,7 @@ parent on `PYTHONPATH` for Ray workers.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -30,6 +34,15 @@ from rlfusion.model.hf import load_hf, state_from_hf, state_to_hf
 
 IS_FAKE = True
 INSTANCES: list["LLM"] = []
+__version__ = "0.10.0"
+
+
+@dataclass
+class EngineArgs:
+    model: str = ""
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass
@@ -114,6 +127,7 @@ class _EngineCore:
 class LLM:
     def __init__(self, model, **kwargs):
         self.kwargs = kwargs
+        self.dp_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DP_")}
         native, _, meta = load_hf(model)
         self.native = native
         module, _, name = kwargs["worker_extension_cls"].rpartition(".")
