@@ -5,9 +5,10 @@ phase, and what the device's memory ledger sees.
     colocated / fully shared, plain actor:
       grads freed, optimizer state → host pool             optimizer state ← host pool
       KV cache allocated                                   KV cache released (right after rollout)
-    colocated, actor in a training layout (TP / EP / FSDP):
-      grads freed, shards → full replica in buckets        replica freed, optimizer state back
-      (collective; optimizer state → host pool)
+    colocated, actor in a training layout (TP / EP / PP / FSDP):
+      grads freed, shards → replica in buckets             replica freed, shards back from host,
+      (collective; optimizer state → host pool,            optimizer state back before the update
+      then the shards → host pool)
     fully shared, reference role:
       reference weights live on host; they come in for the reference pass and go out after it
     separated (rollout devices ≠ train devices):
@@ -53,6 +54,7 @@ class DeviceSwitch:
         self.where = torch.device(where)
         self.ledger = _ledger(device, self.where)
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
+        self.weight_pool = HostPool()  # a training layout's shards while its replica generates
         self.pm: Any = None  # the actor's training layout (ParallelModel), when it has one
         self.optimizer: torch.optim.Optimizer | None = None
         self.critic: Any = None  # (model, optimizer) of PPO's value model: resident in every phase
@@ -111,6 +113,7 @@ class DeviceSwitch:
             self.ledger.set("buckets", stats.peak_extra_bytes)  # the largest bucket in flight
             self.account()
             self.ledger.set("buckets", 0)
+            self.weight_pool.offload(self.pm.parameters())  # the shards wait on host: the replica generates
         elif self.optimizer is not None and not self.optimizer_pool.entries:
             self.optimizer.zero_grad(set_to_none=True)  # stale after the step
             moved = self.optimizer_pool.offload(optimizer_tensors(self.optimizer))
@@ -129,8 +132,8 @@ class DeviceSwitch:
         level = 2 if self.engine.holds_weights and self.optimizer is not None else 1
         self.engine.sleep(level)
         self.stale_engine = self.stale_engine or (self.engine.holds_weights and level == 2)
-        if self.pm is not None:  # the replica never outlives the rollout
-            infer_to_train(self.pm, self.policy)
+        if self.pm is not None:  # the replica never outlives the rollout; the shards come back
+            infer_to_train(self.pm, self.policy, pool=self.weight_pool)
         self._return_memory()
         self.account()
 
@@ -212,6 +215,7 @@ class DeviceSwitch:
         train = list(self.pm.parameters() if self.pm is not None else self.train_model.parameters())
         if self.pm is not None:  # the actor's shards (its stages) in its training layout
             led.track("weights", train, name="train")
+            led.set("weights", self.weight_pool.host_bytes, location="host", name="train")
         if self.optimizer is not None:
             led.track("optimizer", optimizer_tensors(self.optimizer))
             led.track("grads", [p.grad for p in train if p.grad is not None])
