@@ -43,11 +43,13 @@ def read_json_file(path: str | Path) -> object:
 
 
 def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, on the CPU (callers copy them into a model).
-    `ValueError` naming the file for anything that is not one: a truncated download, a
-    `torch.save` pickle under the wrong name, a folder, a file we may not read."""
+    """The tensors of one safetensors file, on the CPU, each in memory of its own (the reader's
+    tensors map the file: a model that takes them as its weights could neither offload them to
+    host, whose storage must be resizable, nor outlive a rewrite of the file). `ValueError`
+    naming the file for anything that is not one: a truncated download, a `torch.save` pickle
+    under the wrong name, a folder, a file we may not read."""
     try:
-        return load_file(str(path))
+        return {name: t.clone() for name, t in load_file(str(path)).items()}
     except Exception as e:  # the Rust reader raises SafetensorError, OSError, ... by case
         raise ValueError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
 
