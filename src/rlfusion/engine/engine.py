@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.distributed as dist
+
 from rlfusion.engine.runner import ModelRunner
 from rlfusion.engine.scheduler import MAX_NUM_SEQS, Scheduler, SchedulerConfig, Sequence
 from rlfusion.engine.types import Completion, Request
@@ -41,6 +43,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed, config.compute_dtype)
         self.policy_version = 0  # stamped on every generated token
         self.num_steps = 0
+        # the expert-parallel group of a replica whose routed experts are split over devices
+        # (`deploy.infer_ep`): its members' engines step in lock-step (see `step`); None: alone
+        self.lockstep: dist.ProcessGroup | None = None
 
     holds_weights = False  # generates from the module it was given: nothing to load into it
 
@@ -81,7 +86,7 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache while the device does something else (the weights are the
         model's, not the engine's, so every level frees the same)."""
-        if self.has_unfinished():
+        if self.scheduler.has_unfinished():
             raise RuntimeError("cannot sleep with unfinished requests; abort them first")
         self.runner.cache.release()
 
@@ -103,14 +108,34 @@ class LLMEngine:
         self.runner.generator.set_state(state)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests left here — in lock-step, anywhere in the group (collective: every member
+        asks as often as the others, and all get the same answer)."""
+        if self.lockstep is None:
+            return self.scheduler.has_unfinished()
+        return bool(self._group_max([self.scheduler.has_unfinished()])[0])
+
+    def _group_max(self, flags: list[bool]) -> list[int]:
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.lockstep)
+        return t.tolist()
 
     def step(self) -> list[Completion]:
-        """Run one scheduling step; returns the requests that finished in it."""
+        """Run one scheduling step; returns the requests that finished in it.
+
+        In lock-step (`lockstep` set) every member of the group calls `step` together, busy or
+        not: the members agree which passes the step runs (a decode pass where any has running
+        rows, a prefill pass where any admits new ones), and one with no rows for a pass joins
+        it with an empty pass, since each MoE layer of the pass exchanges tokens across the group."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        passes = (False, False)
+        if self.lockstep is not None:
+            decode, prefill = self._group_max([bool(plan.decode), bool(plan.prefill)])
+            passes = (bool(decode), bool(prefill))
+            if not any(passes):
+                return []
+        elif plan.is_empty:
             return []
-        tokens, logprobs = self.runner.execute(plan)
+        tokens, logprobs = self.runner.execute(plan, passes)
         self.num_steps += 1
         finished = []
         for seq, token, logprob in zip(plan.decode + plan.prefill, tokens, logprobs):

@@ -43,8 +43,10 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`."""
+    def execute(self, plan: StepPlan, passes: tuple[bool, bool] = (False, False)) -> tuple[list[int], list[float]]:
+        """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`.
+        `passes` (lock-step engines): a decode / prefill pass the group runs although this plan
+        has no rows for it — this member joins it with an empty pass (`idle_pass`)."""
         for src, dst in plan.moves:
             self.cache.move_slot(src, dst)
         for seq, slot in plan.restores:
@@ -55,11 +57,29 @@ class ModelRunner:
             self.cache.permute_slots(plan.permutation, max(s.num_cached for s in plan.decode))
         logits, st = [], self.stats
         with autocast(self.device, self.compute_dtype):
+            if passes[0] and not plan.decode:
+                self.idle_pass()
             self._passes(plan, logits, st)
+            if passes[1] and not plan.prefill:
+                self.idle_pass()
         seqs = plan.decode + plan.prefill
+        if not seqs:
+            return [], []
         tokens_B, logprobs_B = sample(torch.cat(logits).float(), [s.request.params for s in seqs],
                                       self.generator)
         return tokens_B.tolist(), logprobs_B.tolist()
+
+    def idle_pass(self) -> None:
+        """A pass with no rows: each MoE layer's expert exchange, in layer order, with nothing of
+        this member's to send, so busy members of its expert-parallel group meet it in every
+        all-to-all and their tokens routed to its experts are computed here."""
+        t0 = time.perf_counter()
+        x_BTD = self.model.embed(torch.zeros(1, 0, dtype=torch.long, device=self.device))
+        for block in self.model.layers:
+            if block.is_moe:
+                block.mlp(block.mlp_norm(x_BTD))
+        self.stats["idle_passes"] += 1
+        self.stats["idle_s"] += time.perf_counter() - t0
 
     def save_rows(self, seqs: list[Sequence]) -> None:
         """Keep a host copy of each running sequence's cached keys and values (its slot must be
@@ -118,8 +138,8 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 def fresh_stats() -> dict[str, float]:
     """Zeroed pass counts and seconds: the keys every engine's `take_stats` reports
-    (`decode_context`: the positions the decode rows attended, summed; 0 where an engine does
-    not report it)."""
+    (`decode_context`: the positions the decode rows attended, summed; `idle_*`: a lock-step
+    engine's empty passes; 0 where an engine does not report it)."""
     return dict.fromkeys(("decode_passes", "decode_rows", "decode_context", "decode_s", "prefill_passes",
-                          "prefill_tokens", "prefill_s", "restored_tokens"), 0.0)
+                          "prefill_tokens", "prefill_s", "restored_tokens", "idle_passes", "idle_s"), 0.0)
 

@@ -126,24 +126,28 @@ class RolloutStage:
         model.eval()
         run = _GroupRun(self.engine, self._finish_reason)
         steps, error, peer_failed = 0, None, False
+        # an engine in lock-step with its expert-parallel group (`deploy.infer_ep`) steps whenever
+        # any rollout device is busy, so the sums are taken every step and every device waits for them
+        lockstep = getattr(self.engine, "lockstep", None) is not None
         try:
             run.add(groups, lambda problem: encode_prompt(self.tokenizer, problem.prompt), self.params_for,
                     self.cfg.group_size)
         except Exception as e:  # noqa: BLE001 — re-raised below, after the peers were told
             error = e
         while True:
-            busy = error is None and self.engine.has_unfinished()
-            if sync is None or not busy or steps % STOP_SYNC_EVERY == 0 or sync.pending:
+            busy = error is None and (self.engine.scheduler.has_unfinished() if lockstep
+                                      else self.engine.has_unfinished())
+            if sync is None or not busy or lockstep or steps % STOP_SYNC_EVERY == 0 or sync.pending:
                 counts = (len(run.finished_groups), len(must_finish - run.finished_groups), int(busy),
                           int(error is not None))
                 # a failing device keeps joining the sums with its error flag, so no peer is left
                 # waiting in a collective; everyone stops on the same call
                 if sync is not None:
-                    counts = sync(*counts, wait=not busy)
+                    counts = sync(*counts, wait=not busy or lockstep)
                 if counts is not None and rollout_stops(*counts, quota=quota, drop_overdue=drop_overdue):
                     peer_failed = bool(counts[3]) and error is None
                     break
-                if not busy:
+                if not busy and not lockstep:
                     continue
             steps += 1
             try:
