@@ -40,6 +40,8 @@ CASES = [
     ("pp2×dp2 → ep2", dict(pp=2, dp=2), 2, dict(dp=4, ep=2)),
     ("ep4", dict(dp=4, ep=4), 1, None),
     ("ep4 → ep2", dict(dp=4, ep=4), 1, dict(dp=4, ep=2)),
+    ("ep2 → ep4", dict(dp=4, ep=2), 1, dict(dp=4, ep=4)),  # to a larger EP degree (the seed's EP32 → EP64)
+    ("pp2×ep2 → ep4", dict(pp=2, dp=2, ep=2), 2, dict(dp=4, ep=4)),
 ]
 
 

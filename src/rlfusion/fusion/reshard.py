@@ -44,7 +44,7 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel.api import ParallelModel
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.layout import ParallelLayout
-from rlfusion.parallel.mesh import build_mesh
+from rlfusion.parallel.mesh import ParallelMesh, build_mesh
 from rlfusion.parallel.sharded import is_dtensor
 
 
@@ -82,23 +82,40 @@ class SwitchCounter:
 def build_inference_model(cfg: ModelConfig, layout: ParallelLayout | None = None,
                           device: torch.device | str = "cpu",
                           dtype: torch.dtype | None = None) -> MoETransformer:
-    """A rollout replica in eval mode: plain, or with routed experts over `layout.ep` ranks.
+    """A rollout replica in eval mode: plain, or with routed experts over `layout.ep` ranks of
+    the whole world (`split_experts`).
 
     The weights are placeholders until `train_to_infer` fills them. The inference layout must
     be pp1 × tp1 (dense weights replicated on every rank); `ep` may differ from training.
     """
-    if layout is not None and (layout.tp != 1 or layout.pp != 1):
-        raise ValueError(f"inference layout {layout.describe()} is invalid: tp and pp must be 1 "
-                         "(the replica keeps dense weights whole on every rank)")
     model = MoETransformer(cfg).to(device)
     if dtype is not None:
         model = model.to(dtype)
-    if layout is not None and layout.ep > 1:
-        mesh = build_mesh(layout, cfg, torch.device(device).type)
-        for block in model.layers:
-            if block.is_moe:
-                block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
+    if layout is not None:
+        split_experts(model, layout)
     return model.eval()
+
+
+def split_experts(model: MoETransformer, layout: ParallelLayout, ranks: list[int] | None = None
+                  ) -> ParallelMesh | None:
+    """Keep only this rank's routed experts of `model` (a replica, in place), split over
+    `layout.ep` of `ranks` (default: the whole world; the expert-parallel groups are runs of
+    `layout.ep` consecutive ones). Every rank of the world calls it, in the same order (process
+    groups are created collectively); one outside `ranks` keeps its model whole. Returns the
+    layout's groups on a rank whose experts were split, else None."""
+    if layout.tp != 1 or layout.pp != 1:
+        raise ValueError(f"inference layout {layout.describe()} is invalid: tp and pp must be 1 "
+                         "(the replica keeps dense weights whole on every rank)")
+    if layout.ep == 1:
+        return None
+    device = next(model.parameters()).device
+    mesh = build_mesh(layout, model.config, device.type, ranks=ranks)
+    if mesh is None:
+        return None
+    for block in model.layers:
+        if block.is_moe:
+            block.mlp.experts = ExpertParallelExperts(block.mlp.experts, mesh)
+    return mesh
 
 
 def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -218,11 +235,10 @@ def _gather_slot(out: torch.Tensor, t: torch.Tensor, experts: ExpertParallelExpe
         return 0, 0
     local_LDF = t.detach().to(out.dtype).contiguous()
     temp = local_LDF.nbytes if local_LDF.data_ptr() != t.data_ptr() else 0
-    if wants is not None:  # + the rows packed for sending
-        if experts.expert_to_slot_E is not None:
-            raise ValueError("experts migrated by expert balancing cannot be resharded to a replica that "
-                             "splits its experts too (the replica's rows are logical experts)")
+    if wants is not None and experts.expert_to_slot_E is None:  # + the rows packed for sending
         return _redistribute_experts(out, local_LDF, experts, wants), temp + local_LDF.nbytes
+    # (experts migrated by expert balancing sit in slot order: gathered whole, put back in logical
+    # order, and a replica that splits its experts keeps its rows of that)
     dist.all_gather_single(out, local_LDF, group=experts.ep.group)
     if experts.expert_to_slot_E is not None:  # slot order → the replica's logical expert order
         out.copy_(out[experts.expert_to_slot_E.to(out.device)])

@@ -150,19 +150,28 @@ class DeployConfig:
         if self.mode in ("separated", "hybrid") and self.devices < 2:
             raise ValueError(f"deploy.num_devices={self.devices} is invalid: mode '{self.mode}' "
                              "needs >= 2 (some devices train, the others only generate)")
-        if self.mode == "hybrid" and self.train_layout:
+        if self.mode == "hybrid" and (self.train_layout or self.infer_ep > 1):
             raise ValueError(f"{self.layout_name} is invalid with mode 'hybrid': its train devices "
-                             "train as full replicas (use mode 'colocated' or 'separated' for a layout)")
+                             "train as full replicas and join rollouts late, so no group of them generates "
+                             "in lock-step (use mode 'colocated' or 'separated' for a layout)")
+        if self.infer_tp > 1:
+            raise ValueError(f"deploy.infer_tp={self.infer_tp} is invalid: the rollout engines run tensor "
+                             "parallel 1 on these devices (one GPU or CPU process each); split a large "
+                             "model's experts with deploy.infer_ep instead")
 
     @property
     def train_layout(self) -> bool:
-        """The actor trains split over a layout instead of as full replicas."""
-        return self.train_tp > 1 or self.train_ep > 1 or self.train_pp > 1 or self.train_fsdp
+        """The actor trains split over a layout instead of as full replicas (co-located, an
+        inference layout needs one too: the rollout's replica is then filled from the
+        training layout's shards, a data-parallel one at least)."""
+        return (self.train_tp > 1 or self.train_ep > 1 or self.train_pp > 1 or self.train_fsdp
+                or (self.infer_ep > 1 and self.mode != "separated"))
 
     @property
     def layout_name(self) -> str:
         """The training layout's settings, as a user sets them (for error messages)."""
         return (f"deploy.train_tp={self.train_tp} / train_ep={self.train_ep}"
+                + (f" / infer_ep={self.infer_ep}" if self.infer_ep > 1 else "")
                 + (f" / train_pp={self.train_pp}" if self.train_pp > 1 else "")
                 + (f" / train_vpp={self.train_vpp}" if self.train_vpp > 1 else "")
                 + (" / train_fsdp=true" if self.train_fsdp else ""))
@@ -282,6 +291,10 @@ class DeploymentPlan:
                              f"train_tp={cfg.train_tp}: it shards over the data-parallel devices "
                              "(train devices / train_tp), which must be >= 2")
         self._check_nodes(cfg)
+        rollout = len(self.rollout)
+        if rollout % cfg.infer_ep:
+            raise ValueError(f"deploy.infer_ep={cfg.infer_ep} is invalid: it must divide the {rollout} rollout "
+                             f"devices (allowed: {', '.join(str(d) for d in range(1, rollout + 1) if rollout % d == 0)})")
         return self
 
     def _check_nodes(self, cfg: DeployConfig) -> None:
@@ -336,7 +349,21 @@ class DeploymentPlan:
 
     @property
     def train_layout(self) -> bool:
-        return self.train_tp > 1 or self.train_ep > 1 or self.train_pp > 1 or self.train_fsdp
+        return (self.train_tp > 1 or self.train_ep > 1 or self.train_pp > 1 or self.train_fsdp
+                or (self.infer_ep > 1 and not self.separated))
+
+    @property
+    def separated(self) -> bool:
+        return self.mode == "separated"
+
+    def inference_layout(self):
+        """The rollout replica's layout over the rollout devices (`parallel.ParallelLayout`):
+        routed experts over `infer_ep` consecutive rollout devices, the rest whole on each."""
+        from rlfusion.parallel.layout import ParallelLayout
+
+        n, rpn = len(self.rollout), self.ranks_per_node
+        return ParallelLayout(dp=n, ep=self.infer_ep, ranks_per_node=rpn if n % max(rpn, 1) == 0 else 0,
+                              hierarchical_a2a=self.infer_ep > rpn > 0)
 
     @property
     def colocated_actor(self) -> bool:
@@ -352,9 +379,13 @@ class DeploymentPlan:
             dp = f"fsdp{self.train_dp}" if self.train_fsdp else f"dp{self.train_dp}"
             pp = (f"pp{self.train_pp}" + (f" (vpp{self.train_vpp})" if self.train_vpp > 1 else "") + " x "
                   if self.train_pp > 1 else "")
-            out += f"; the actor trains as {pp}tp{self.train_tp} x ep{self.train_ep} x {dp}, generates on full replicas"
+            out += f"; the actor trains as {pp}tp{self.train_tp} x ep{self.train_ep} x {dp}"
             if self.hierarchical_a2a:
                 out += f"; hierarchical expert all-to-all over nodes of {self.ranks_per_node} device(s)"
+        if self.infer_ep > 1:
+            out += f"; generates with its routed experts split over groups of {self.infer_ep} devices (ep{self.infer_ep})"
+        elif self.train_layout:
+            out += ", generates on full replicas"
         return out
 
 

@@ -96,7 +96,8 @@ class Devices(ABC):
         step = row_runs(group_ids) if share else ()  # the step's groups, as runs of consecutive ids
         calls = [(dev, "generate", (part, version, self.score_here, step))
                  for dev, part in zip(plan.rollout, split(group_ids, len(plan.rollout)))
-                 if part or plan.train_layout or share]  # a layout's switch is collective: every device joins
+                 if part or plan.train_layout or plan.infer_ep > 1 or share]
+        # a layout's switch is collective, and a lock-step engine steps with its group: every device joins
         outs = self._run(calls)
         self.peer_scored = sum(o["peer_rows"] for o in outs)
         if not self.score_here:
@@ -173,7 +174,7 @@ class Devices(ABC):
         devices."""
         parts = split(indices, len(self.plan.rollout))
         calls = [(dev, "evaluate", (part, max_new_tokens)) for dev, part in zip(self.plan.rollout, parts)
-                 if part or self.plan.train_layout]
+                 if part or self.plan.train_layout or self.plan.infer_ep > 1]
         return [r for out in self._run(calls) for r in out]
 
     def reports(self) -> dict[int, dict[str, Any]]:

@@ -129,7 +129,8 @@ class Generator:
         device's rollout engine from the current policy."""
         heldout = self.task.heldout()
         problems = [heldout[i] for i in indices]
-        if not problems and self.ctx.switch.pm is None:  # (a layout's switch is collective: join it anyway)
+        if not problems and self.ctx.switch.pm is None and getattr(self.stage.engine, "lockstep", None) is None:
+            # (a layout's switch is collective, and so is a lock-step engine's stepping: join them anyway)
             return []
         model, engine = self.stage.model, self.stage.engine
         was_training = model.training

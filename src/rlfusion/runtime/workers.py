@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlfusion.fusion.reshard import build_inference_model, release
+from rlfusion.fusion.reshard import build_inference_model, release, split_experts
 from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
 from rlfusion.model.hf import is_hf_checkpoint
@@ -51,8 +51,8 @@ class DeviceWorker(StorageHost):
         hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
         stage = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base, dtype)
                  if "rollout" in roles else None)
-        if in_layout:
-            release(self.policy)  # resident only while generating
+        if in_layout and plan.infer_ep == 1:
+            release(self.policy)  # resident only while generating (split first with infer_ep: `connect`)
         spans = SpanLog()
         switch = DeviceSwitch(device, self.policy, model, stage.engine if stage is not None else None,
                               int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", spans.span, where)
@@ -94,6 +94,20 @@ class DeviceWorker(StorageHost):
         if self.device in plan.train:
             self.learner = Learner(self.ctx, self._model, self.policy, self.matmul_peak_flops, train_group)
         self._model = None
+        if plan.infer_ep > 1:
+            self._split_replica()
+
+    def _split_replica(self) -> None:
+        """The inference layout: the rollout replica keeps only this device's routed experts
+        (every device joins the group creation), and its engine steps in lock-step with the
+        other devices of its expert-parallel group."""
+        plan = self.plan
+        mesh = split_experts(self.policy, plan.inference_layout(), ranks=list(plan.rollout))
+        if mesh is not None and self.generator is not None:
+            self.generator.stage.engine.lockstep = mesh.ep.group
+        if plan.train_layout and self.device in plan.train:
+            release(self.policy)  # filled from the training shards for each rollout
+        self.ctx.switch.account()
 
     def settle(self) -> None:
         """Setup is over (after `connect`): full collections skip the imports, model and task (`heap.py`)."""
