@@ -101,7 +101,7 @@ def test_30b_base_is_refused_in_one_line_within_seconds_allocating_little(tmp_pa
     line = _one_line(err, "train")
     assert f"{base / 'config.json'}: 29.67B parameters, 110.5 GiB per float32 copy" in line
     assert "holds at least" in line and "in host memory" in line and "more than this" in line
-    assert "no training layout" in line and "use a smaller base" in line
+    assert "no layout" in line and "use a smaller base" in line
     assert seconds < 5, seconds
     assert peak_rss < GIB, peak_rss
 
@@ -178,7 +178,7 @@ def _refusal(monkeypatch, cfg: TrainConfig, host: int, gpu: int | None = None) -
 
 def _suggested(message: str) -> list[str]:
     """The keys a refusal says would make the run fit."""
-    _, _, keys = message.partition("; a training layout would fit: ")
+    _, _, keys = message.partition("; a layout would fit: ")
     assert keys, message
     return keys.split()
 
@@ -198,7 +198,7 @@ def test_refusal_names_a_layout_that_fits_and_it_does(monkeypatch):
 
 def test_refusal_without_a_layout_that_fits_says_why(monkeypatch):
     message = _refusal(monkeypatch, _cfg("deploy.backend=local"), host=_full(SMALL_MOE))
-    assert "no training layout (deploy.train_tp / train_ep / train_pp / train_fsdp) fits" in message
+    assert "no layout (deploy.train_tp / train_ep / train_pp / train_fsdp / infer_ep) fits" in message
 
 
 def test_gpu_memory_is_checked_per_device(monkeypatch):

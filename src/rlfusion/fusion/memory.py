@@ -11,6 +11,10 @@ On CPU the ledger counts tracked tensor bytes only. A tensor counts its whole st
 into a bucket costs the bucket), and a storage tracked under several names or categories counts
 once in the totals, so weights that live inside bucket buffers are not double counted. On CUDA
 the ledger can also record the caching allocator's peak per phase (`allocator_peaks`).
+
+A ledger may carry the device's budget (`budget_bytes`, `deploy.device_memory_mb`): `check_budget`
+raises `MemoryBudgetError` when the device total is above it. The ledger only compares; its owner
+(`fusion/switch.py`) decides when.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from rlfusion.errors import RunError
 
 CATEGORIES = ("weights", "grads", "optimizer", "kv_cache", "activations", "buckets")
 LOCATIONS = ("device", "host")  # host: tensors offloaded to CPU memory beside an accelerator
@@ -48,14 +54,23 @@ class ZeroRedundancyReport:
     excess_bytes: int  # switch peak above the limit; 0 when the rule holds
 
 
+class MemoryBudgetError(RunError):
+    """A device's tracked bytes went above its budget (`deploy.device_memory_mb`) during a phase;
+    the message names the device, the phase, the bytes by category and the budget."""
+
+
 class MemoryLedger:
     """Bytes held on one device (and in host memory on its behalf), with per-phase peaks.
 
     `phase()` blocks may nest; while several are open, every open phase's peak is updated.
+    `budget_bytes`: what the device may hold (0 = no budget), for `check_budget`.
     """
 
-    def __init__(self, device: str = "cpu:0", *, read_allocator: bool = False) -> None:
+    def __init__(self, device: str = "cpu:0", *, read_allocator: bool = False, budget_bytes: int = 0) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an int >= 0 (0 = no budget), got {budget_bytes!r}")
         self.device = device
+        self.budget_bytes = budget_bytes
         self._entries: dict[EntryKey, _Entry] = {}
         self._active: list[str] = []
         self._peaks: dict[str, int] = {}
@@ -129,6 +144,23 @@ class MemoryLedger:
     def peaks(self) -> dict[str, int]:
         """{phase: highest device total (tracked bytes) seen while it was open}."""
         return dict(self._peaks)
+
+    @property
+    def current_phase(self) -> str | None:
+        """The innermost open phase, or None outside every phase."""
+        return self._active[-1] if self._active else None
+
+    def check_budget(self, where: str = "") -> None:
+        """`MemoryBudgetError` if the device total is above `budget_bytes` (a no-op without one).
+        `where` names the device in the message (default: the ledger's `device`)."""
+        total = self.total("device")
+        if not self.budget_bytes or total <= self.budget_bytes:
+            return
+        held = ", ".join(f"{cat} {_mib(n)}" for cat, n in self.snapshot()["device"].items() if n)
+        raise MemoryBudgetError(
+            f"{where or self.device}: the {self.current_phase or 'setup'} phase holds {_mib(total)} on the device "
+            f"({held}), more than its budget deploy.device_memory_mb={self.budget_bytes / 2**20:g} "
+            f"({_mib(self.budget_bytes)})")
 
     def allocator_peaks(self) -> dict[str, int]:
         """{phase: torch.cuda.max_memory_allocated inside it}; empty unless reading CUDA."""
@@ -254,6 +286,10 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[StorageKey, int]:
         if storage.nbytes() > 0:
             out[(str(t.device), storage.data_ptr())] = storage.nbytes()
     return out
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _key(category: str, location: str, name: str) -> EntryKey:

@@ -44,15 +44,18 @@ class DeviceSwitch:
     in buckets whenever they changed, and sleeps at level 2 (weights dropped too) on a device
     whose actor trains, level 1 elsewhere. `where` is the device's torch device: on CUDA the
     ledger also reads the allocator's peaks and every switch hands freed blocks back to the
-    driver (`torch.cuda.empty_cache`). `span(phase)` records a span of the device's timeline."""
+    driver (`torch.cuda.empty_cache`). `span(phase)` records a span of the device's timeline.
+    `budget_bytes`: the device's memory budget (`deploy.device_memory_mb`, resolved by
+    `runtime.base_fit.device_budget`; 0 = none): every `account()` that finds the ledger's device
+    total above it raises `MemoryBudgetError`, which stops the run."""
 
     def __init__(self, device: int, policy: torch.nn.Module, train_model: torch.nn.Module, engine: Any,
                  bucket_bytes: int, fully_shared: bool, span: Callable[[str], Any],
-                 where: torch.device = torch.device("cpu")):
-        self.policy, self.train_model, self.engine = policy, train_model, engine
+                 where: torch.device = torch.device("cpu"), budget_bytes: int = 0):
+        self.device, self.policy, self.train_model, self.engine = device, policy, train_model, engine
         self.bucket_bytes, self.fully_shared, self.span = bucket_bytes, fully_shared, span
         self.where = torch.device(where)
-        self.ledger = _ledger(device, self.where)
+        self.ledger = _ledger(device, self.where, budget_bytes)
         self.optimizer_pool, self.reference_pool = HostPool(), HostPool()
         self.weight_pool = HostPool()  # a training layout's shards while its replica generates
         self.pm: Any = None  # the actor's training layout (ParallelModel), when it has one
@@ -209,7 +212,7 @@ class DeviceSwitch:
 
     def account(self) -> None:
         """Tracked tensor bytes per category (CPU has no allocator to ask; activations are not
-        counted)."""
+        counted); `MemoryBudgetError` if the device now holds more than its budget."""
         led = self.ledger
         led.track("weights", list(self.policy.parameters()))
         train = list(self.pm.parameters() if self.pm is not None else self.train_model.parameters())
@@ -230,10 +233,11 @@ class DeviceSwitch:
         if self.reference is not None:
             led.track("weights", list(self.reference.parameters()), name="reference")
             led.set("weights", self.reference_pool.host_bytes, location="host", name="reference")
+        led.check_budget(f"device {self.device}")
 
     def memory(self) -> dict[str, Any]:
         """Per-phase peaks (bytes) since the last call ("peaks/PHASE", and the allocator's
-        "allocator_peaks/PHASE"), the zero-redundancy check (one bucket allowed: a training
+        "allocator_peaks/PHASE"), the device's budget ("budget_bytes", 0 = none), the zero-redundancy check (one bucket allowed: a training
         layout's reshard fills the replica through one) and how often the optimizer state went to
         host and came back, since the last call."""
         peaks = self.ledger.peaks()
@@ -244,20 +248,20 @@ class DeviceSwitch:
         self.ledger = _fresh_ledger(self.ledger)
         out = {**{f"peaks/{phase}": v for phase, v in peaks.items()},
                **{f"allocator_peaks/{phase}": v for phase, v in allocator.items()},
-               "zero_redundancy": ok, "offloads": self.offloads, "restores": self.restores, "engine_loads": self.loads}
+               "budget_bytes": self.ledger.budget_bytes, "zero_redundancy": ok, "offloads": self.offloads, "restores": self.restores, "engine_loads": self.loads}
         self.offloads = self.restores = self.loads = 0
         return out
 
 
-def _ledger(device: int, where: torch.device) -> MemoryLedger:
+def _ledger(device: int, where: torch.device, budget_bytes: int) -> MemoryLedger:
     if where.type == "cuda":  # the allocator's peaks per phase beside the tracked tensors
-        return MemoryLedger(f"cuda:{where.index or 0}", read_allocator=True)
-    return MemoryLedger(f"device{device}")
+        return MemoryLedger(f"cuda:{where.index or 0}", read_allocator=True, budget_bytes=budget_bytes)
+    return MemoryLedger(f"device{device}", budget_bytes=budget_bytes)
 
 
 def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
     """A ledger with the same current bytes and no phase peaks yet (peaks are per step)."""
-    new = MemoryLedger(old.device, read_allocator=old.reads_allocator)
+    new = MemoryLedger(old.device, read_allocator=old.reads_allocator, budget_bytes=old.budget_bytes)
     for location, cats in old.snapshot().items():
         for category, nbytes in cats.items():
             if nbytes:

@@ -392,4 +392,5 @@ class DeploymentPlan:
 def _layout_fields(cfg: DeployConfig) -> dict:
     """The `DeploymentPlan` fields of the actor's training layout, as `cfg` sets them."""
     return dict(train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp, train_pp=cfg.train_pp,
-                train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks, ranks_per_node=cfg.ranks_per_node)
+                train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks, ranks_per_node=cfg.ranks_per_node,
+                infer_ep=cfg.infer_ep, infer_tp=cfg.infer_tp)

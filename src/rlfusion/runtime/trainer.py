@@ -77,7 +77,7 @@ class RLTrainer:
         self.tokenizer, self.model = tokenizer, model  # the controller's copy: checkpoints are written from it
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
-        if plan.train_layout:
+        if plan.train_layout or plan.infer_ep > 1:
             _check_train_layout(cfg, plan, model.config)
         if cfg.rollout.backend == "vllm":
             check_vllm_rollout(cfg, model, base_path)
@@ -333,9 +333,13 @@ def _check_train_layout(cfg: TrainConfig, plan: DeploymentPlan, model_cfg) -> No
                          "train_ep=1 and train_fsdp=false, or a group advantage such as grpo)")
     try:
         plan.parallel_layout().validate(len(plan.train), model_cfg)
+        plan.inference_layout().validate(len(plan.rollout), model_cfg)
     except ValueError as e:
         raise ValueError(f"{cfg.deploy.layout_name} does not fit the model: "
                          f"{e}") from None
+    if plan.infer_ep > 1 and cfg.rollout.backend != "native":
+        raise ValueError(f"deploy.infer_ep={plan.infer_ep} is invalid with rollout.backend={cfg.rollout.backend}: "
+                         "an expert-parallel rollout runs on the native engine here (allowed: native)")
 
 
 def check_vllm_rollout(cfg: TrainConfig, model, base_path: Path) -> None:
