@@ -207,6 +207,17 @@ def _destinations(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice | Non
     return out
 
 
+@torch.no_grad()
+def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a whole state dict (a checkpoint's) into a replica, which keeps only its experts'
+    rows of an expert tensor where its experts are split (`split_experts`)."""
+    dst = _destinations(model)
+    if set(dst) != set(state):
+        raise ValueError(f"state dict does not match the replica: {sorted(set(dst) ^ set(state))[:3]}")
+    for name, (t, rows) in dst.items():
+        t.copy_(state[name] if rows is None else state[name][rows])
+
+
 def plan_switch(cfg: ModelConfig, infer_model: nn.Module, bucket_bytes: int) -> list[Bucket]:
     """Buckets over the plain model's state dict (full shapes), in the replica's dtypes."""
     with torch.device("meta"):

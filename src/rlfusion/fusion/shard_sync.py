@@ -181,9 +181,10 @@ def _expert_held(name: str, t: torch.Tensor, m: ExpertParallelExperts) -> list[H
 
 
 def held_by(pm: Any) -> tuple[list[Held], dict[str, torch.Tensor]]:
-    """A ParallelModel's blocks (its shards and stages) and its local tensors by name."""
+    """A ParallelModel's blocks (its shards and stages), or a whole model's (a train rank that
+    trains a full replica), and its local tensors by name."""
     held, local = [], {}
-    for chunk in pm.chunks:
+    for chunk in _chunks(pm):
         owner = {id(p): m for m in chunk.modules() if isinstance(m, ExpertParallelExperts)
                  for p in m.parameters(recurse=False)}
         for name, t in chunk.state_dict(keep_vars=True).items():
@@ -197,6 +198,15 @@ def held_by(pm: Any) -> tuple[list[Held], dict[str, torch.Tensor]]:
                 held.append(Held(name, tuple(t.shape), _whole(t.shape), (0,) * t.dim()))
                 local[name] = t.detach()
     return held, local
+
+
+def _chunks(trained: Any) -> list[nn.Module]:
+    """The modules a train rank holds: a ParallelModel's chunks, or the model itself."""
+    return list(trained.chunks) if hasattr(trained, "chunks") else [trained]
+
+
+def _device(trained: Any) -> torch.device:
+    return trained.device if hasattr(trained, "chunks") else next(trained.parameters()).device
 
 
 def wanted_by(replica: nn.Module) -> tuple[list[Wanted], dict[str, tuple[torch.Tensor, tuple]]]:
@@ -343,7 +353,9 @@ class ShardSync:
     rank's bytes in flight per round); then every member calls `sync` as often as the others:
     train ranks `sync(pm)` with their `ParallelModel`, rollout ranks `sync(replica=model)` with
     their resident replica (`reshard.build_inference_model`). The train and rollout ranks must
-    be disjoint; other ranks of the world never call it."""
+    be disjoint; other ranks of the world never call it. A train rank that trains a full replica
+    passes the model itself as `pm` (every train rank then holds every tensor, and they share
+    the sending)."""
 
     def __init__(self, train_ranks: list[int], rollout_ranks: list[int], bucket_bytes: int):
         train, rollout = list(train_ranks), list(rollout_ranks)
@@ -379,13 +391,14 @@ class ShardSync:
         dest: dict[str, tuple[torch.Tensor, tuple]] = {}
         if me in self.train:
             if pm is None or replica is not None:
-                raise ValueError(f"train rank {me} must call sync(pm) with its ParallelModel only")
+                raise ValueError(f"train rank {me} must call sync(pm) with its ParallelModel (or its whole "
+                                 "model) only")
             meta |= {"role": "train", "config": pm.config}
             try:
                 meta["pieces"], local = held_by(pm)
             except ValueError as e:
                 meta["error"] = str(e)
-            return meta, local, dest, pm.device
+            return meta, local, dest, _device(pm)
         if me not in self.rollout:
             raise ValueError(f"rank {me} is not a member of this ShardSync (train {self.train}, "
                              f"rollout {self.rollout}); only members call sync")

@@ -90,7 +90,7 @@ def check_base(cfg: TrainConfig, base_path: str | Path, overlap: bool) -> None:
 
 def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, config: Path, overlap: bool) -> None:
     """`ValueError` naming the bytes, the memory or budget and a layout that fits, if the run cannot."""
-    plan = _build_plan(cfg.deploy, overlap)
+    plan = DeploymentPlan.build(cfg.deploy, overlap=overlap)
     on_gpu = _on_gpu(cfg)
     short = _shortfall(cfg, plan, model_cfg, on_gpu)
     if short is None:
@@ -138,12 +138,6 @@ def kv_row_bytes(model_cfg: ModelConfig) -> int:
     else:
         per_token = 2 * model_cfg.num_kv_heads * model_cfg.head_dim
     return FP32_BYTES * model_cfg.num_layers * per_token * model_cfg.max_seq_len
-
-
-def _build_plan(deploy: DeployConfig, overlap: bool) -> DeploymentPlan:
-    """The run's plan with its rollout's inference layout (`deploy.infer_ep` / `infer_tp`)."""
-    plan = DeploymentPlan.build(deploy, overlap=overlap)
-    return dataclasses.replace(plan, infer_ep=deploy.infer_ep, infer_tp=deploy.infer_tp)
 
 
 def _on_gpu(cfg: TrainConfig) -> bool:
@@ -231,7 +225,7 @@ def _device_phases(device: int, cfg: TrainConfig, plan: DeploymentPlan, model_cf
         ledger.set("weights", full * (2 + ADAM_MOMENTS), name="critic")  # its weights, grads, moments
     if generates or not trains:
         replica = FP32_BYTES * _replica_params(model_cfg, plan) if generates else full  # (a scorer's: what it loaded)
-        if not trains or plan.train_layout or plan.infer_ep > 1:  # a replica beside what trains
+        if not trains or plan.train_layout:  # a replica of its own (co-located infer_ep > 1: a layout)
             ledger.set("weights", replica, name="replica")
         if trains:  # the moments wait on the host; a full replica's weights are the model that trains
             ledger.set("optimizer", ADAM_MOMENTS * shard, location="host")
@@ -368,11 +362,12 @@ def _keys(deploy: DeployConfig, layout: dict) -> str:
 
 def _plan(cfg: TrainConfig, model_cfg: ModelConfig, overlap: bool, layout: dict) -> DeploymentPlan | None:
     """The plan of `cfg.deploy` with `layout`, or None where the layout is not valid there."""
+    if layout["infer_ep"] > 1 and cfg.rollout.backend != "native":
+        return None  # an expert-parallel rollout runs on the native engine (`trainer._check_train_layout`)
     try:
-        plan = _build_plan(dataclasses.replace(cfg.deploy, **layout), overlap)
+        plan = DeploymentPlan.build(dataclasses.replace(cfg.deploy, **layout), overlap=overlap)
         plan.parallel_layout().validate(len(plan.train), model_cfg)
+        plan.inference_layout().validate(len(plan.rollout), model_cfg)
     except ValueError:
         return None
-    if len(plan.rollout) % plan.infer_ep or model_cfg.num_experts % plan.infer_ep:
-        return None  # the rollout devices split into whole groups, each holding whole experts
     return plan

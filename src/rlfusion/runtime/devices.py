@@ -164,8 +164,8 @@ class Devices(ABC):
         """The new weights to the rollout devices that do not train (bucketed broadcast)."""
         if not self.plan.colocated_actor:
             start = time.perf_counter()
-            # in a training layout every train device takes part (the weights are gathered first)
-            group = sorted({*(self.plan.train if self.plan.train_layout else self.plan.train[:1]), *self.plan.rollout})
+            # separated: every train device sends its shards' pieces; hybrid: the first broadcasts
+            group = sorted({*(self.plan.train if self.plan.separated else self.plan.train[:1]), *self.plan.rollout})
             self.weight_sync_bytes = self._run([(dev, "sync_weights", ()) for dev in group])[0]
             self.last_sync_s = time.perf_counter() - start
 

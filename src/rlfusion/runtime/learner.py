@@ -192,20 +192,20 @@ class Learner:
         return {"ep_a2a_exposed_s": float(waited), "ep_a2a_mb": float(sent[0]) / 1e6,
                 "ep_a2a_internode_mb": float(sent[1]) / 1e6, "ep_a2a_hierarchical": float(hierarchical)}
 
+    @property
+    def trained(self) -> Any:
+        """What this device trains: its part of the training layout, or the whole model."""
+        return self.pm if self.pm is not None else self.policy
+
     def sync_weights(self, sync_group: Any) -> int:
-        """Separated mode: the first train device broadcasts the new weights to the rollout
-        devices over `sync_group` (`DeviceSwitch.broadcast_weights`). In a training layout the
-        train devices first gather the whole weights from their shards and stages onto the first
-        (collective over the train devices). Returns bytes sent or received."""
+        """Hybrid mode (full replicas; train devices also generate): the first train device
+        broadcasts the new weights to the rollout devices over `sync_group`
+        (`DeviceSwitch.broadcast_weights`). Returns bytes sent or received. (Separated mode
+        syncs shard to shard instead: `DeviceWorker.sync_weights`.)"""
         plan = self.ctx.plan
         lead = self.ctx.device == plan.train[0]
-        state = None
-        if self.pm is not None:
-            whole = self.pm.full_state_dict(keep=lead)
-            if lead:  # in the order the rollout devices' replicas list them
-                state = {name: whole[name] for name in self.policy.state_dict()}
         joins = self.ctx.device in plan.rollout or lead
-        return self.ctx.switch.broadcast_weights(plan.train[0], sync_group, joins, state)
+        return self.ctx.switch.broadcast_weights(plan.train[0], sync_group, joins)
 
     # ---- the trained state ----
 

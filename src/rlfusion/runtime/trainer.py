@@ -179,10 +179,16 @@ class RLTrainer:
                                   for r in reports.values() if r["engine"]], self.model.config)}
         memory = [r["memory"] for r in reports.values()]
         out["zero_redundancy_ok"] = float(all(m["zero_redundancy"] for m in memory))
+        budgets = [m.get("budget_bytes", 0) for m in memory]  # deploy.device_memory_mb (0 = none)
+        if any(budgets):
+            out["memory_budget_mb"] = max(budgets) / 2**20
         for phase in ("train", "rollout", "switch"):
             peaks = [m["peaks"][phase] for m in memory if phase in m["peaks"]]
             if peaks:
                 out[f"memory_peak_{phase}_mb"] = max(peaks) / 2**20
+            used = [m["peaks"][phase] / b for m, b in zip(memory, budgets) if b and phase in m["peaks"]]
+            if used:  # the fullest device's peak as a share of its budget
+                out[f"memory_budget_used_{phase}"] = max(used)
             held = [m["allocator_peaks"][phase] for m in memory if phase in m.get("allocator_peaks", {})]
             if held:  # on CUDA: what the caching allocator really held, activations included
                 out[f"memory_allocated_peak_{phase}_mb"] = max(held) / 2**20

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from rlfusion.fusion.reshard import build_inference_model, release, split_experts
+from rlfusion.fusion.reshard import build_inference_model, load_whole, release, split_experts
+from rlfusion.fusion.shard_sync import ShardSync
 from rlfusion.fusion.switch import DeviceSwitch
 from rlfusion.model.checkpoint import load_base
 from rlfusion.model.hf import is_hf_checkpoint
@@ -63,7 +65,10 @@ class DeviceWorker(StorageHost):
         self.generator = Generator(self.ctx, stage, task, tokenizer, self.scorer) if stage is not None else None
         self.learner: Learner | None = None  # a train device's, built in `connect`
         self._model = model  # the learner's to train, until `connect`
-        self.sync_group: Any = None  # the first train device and the rollout devices: the weight broadcast
+        self.sync_group: Any = None  # hybrid: the first train device and the rollout devices (the weight broadcast)
+        # separated: the weight sync, shard to shard
+        self.shard_sync = (ShardSync(list(plan.train), list(plan.rollout), int(cfg.deploy.bucket_mb * 2**20))
+                           if plan.separated else None)
         self._store = None  # device 0: the rendezvous store of the device world
         self._packer = NumberPacker()  # the report recurs every step
 
@@ -141,14 +146,26 @@ class DeviceWorker(StorageHost):
         if self.learner is not None:
             self.learner.load_state(state)
         else:
-            self.policy.load_state_dict(state["model"])
+            load_whole(self.policy, state["model"])
             self.ctx.switch.policy_changed()
 
     def sync_weights(self) -> int:
-        """Separated mode: the new weights from the first train device to the rollout devices
-        (`Learner.sync_weights`); a rollout device receives them. Bytes sent or received."""
-        return (self.learner.sync_weights(self.sync_group) if self.learner is not None else
-                self.ctx.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins=True))
+        """The new weights to the rollout devices that do not train. Separated: shard to shard
+        (`fusion.shard_sync`: every train device sends each rollout device the pieces of its
+        shards that device's replica keeps); hybrid: the first train device broadcasts the full
+        replica's weights (`Learner.sync_weights`). Bytes this device sent or received."""
+        if self.shard_sync is None:
+            return (self.learner.sync_weights(self.sync_group) if self.learner is not None else
+                    self.ctx.switch.broadcast_weights(self.plan.train[0], self.sync_group, joins=True))
+        # meet first, outside the span: with StaleSync's overlap the train devices get here while the
+        # rollout devices are still generating, and waiting is idle time (separated: the world is both)
+        dist.barrier()
+        with self.ctx.spans.span("transfer"):
+            if self.learner is not None:
+                return self.shard_sync.sync(self.learner.trained).sent_bytes
+            stats = self.shard_sync.sync(replica=self.policy)
+            self.ctx.switch.policy_changed()
+            return stats.recv_bytes
 
     def report(self) -> tuple[Any, Any]:
         """Since the last call: spans, the engine's counts (with the stop-rule sums), the memory
