@@ -21,6 +21,7 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import base_fit
 from rlfusion.runtime.actor import ActorStage
+from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig, TrainConfig
 
 MIB = 2**20
@@ -39,7 +40,7 @@ def _refusal(cfg: TrainConfig, model_cfg=TINY) -> str:
 
 
 def _rows(cfg: TrainConfig, model_cfg=TINY) -> int:
-    return base_fit.rollout_kv_rows(cfg, model_cfg, base_fit._build_plan(cfg.deploy, overlap=False))
+    return base_fit.rollout_kv_rows(cfg, model_cfg, DeploymentPlan.build(cfg.deploy))
 
 
 # ---- the estimate ---------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def test_expert_parallel_replica_and_shards_per_phase():
     counts = TINY.param_counts()
     full, experts = 4 * counts["total"], 4 * counts["routed_experts"]
     phases = lambda *o: base_fit._device_phases(0, _cfg("algo.kl_coef=0", *o),  # noqa: E731
-                                                base_fit._build_plan(_cfg(*o).deploy, False), TINY)
+                                                DeploymentPlan.build(_cfg(*o).deploy), TINY)
     replica = phases()
     assert (replica["rollout"].device, replica["rollout"].host) == (full, 2 * full)  # the moments wait on host
     assert replica["train"].device == 4 * full
