@@ -665,3 +665,31 @@ def test_ray_modes_run_under_the_bound(ray_session, tmp_path, monkeypatch):
             assert train and joined and roll
             # device 0 decodes while device 1 updates
             assert any(r.start_s < t.end_s and t.start_s < r.end_s for t in train for r in roll)
+
+
+@pytest.mark.parametrize("mode, devices", [("colocated", 2), ("separated", 4)])
+def test_stalesync_with_training_and_inference_layouts(ray_session, tmp_path, mode, devices):
+    """StaleSync s = 1 with the actor training its routed experts over 2 devices and generating
+    with them split over 2 (`deploy.train_ep=2 deploy.infer_ep=2`): the bound holds and the
+    weights reach the rollout replicas — co-located resharded from the shards, separated shard
+    to shard, each rollout device receiving exactly its replica (the dense weights and half the
+    experts), never the whole model."""
+    cfg = _cfg(tmp_path, f"deploy.mode={mode}", f"deploy.num_devices={devices}", "deploy.train_ep=2",
+               "deploy.infer_ep=2", "stalesync.enabled=true", "stalesync.max_staleness=1", "algo.kl_coef=0.0",
+               "stalesync.rollout_finish_threshold=0.5", backend="ray")
+    trainer = RLTrainer(cfg, tmp_path / mode, find_base())
+    try:
+        ms = [trainer.train_step() for _ in range(3)]
+        synced = trainer.devices.weight_sync_bytes
+    finally:
+        trainer.close()
+    assert all(m["staleness_max"] <= 1 for m in ms) and max(m["staleness_max"] for m in ms) == 1
+    assert all(m["zero_redundancy_ok"] == 1 for m in ms if "zero_redundancy_ok" in m)
+    assert all(m["engine_idle_passes"] >= 0 for m in ms)
+    if mode == "separated":
+        with torch.device("meta"):
+            from rlfusion.model.transformer import MoETransformer
+            whole = MoETransformer(trainer.model.config).state_dict()
+        experts = sum(t.nbytes for k, t in whole.items() if ".experts." in k)
+        total = sum(t.nbytes for t in whole.values())
+        assert synced == total - experts // 2  # device 0's replica, received piece by piece

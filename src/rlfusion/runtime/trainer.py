@@ -422,6 +422,9 @@ def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float
             **({"engine_decode_peak_share": rate / peak} if peak else {}),
             "engine_decode_passes": passes, "engine_prefill_passes": busiest["prefill_passes"],
             "engine_decode_rows_mean": busiest["decode_rows"] / passes if passes else 0.0,
+            # a lock-step engine (`deploy.infer_ep`) with no rows of its own joins its group's passes empty
+            "engine_idle_passes": max(e.get("idle_passes", 0.0) for e in stats),
+            "time_idle_pass_s": max(e.get("idle_s", 0.0) for e in stats),
             # StaleSync's stop-rule sums on the busiest engine: the time it waited for the others
             "time_stop_sync_s": busiest.get("stop_sync_s", 0.0),
             "stop_sync_calls": busiest.get("stop_sync_calls", 0.0)}
