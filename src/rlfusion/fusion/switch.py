@@ -113,6 +113,9 @@ class DeviceSwitch:
                                    optimizer=self.optimizer if offload else None,
                                    pool=self.optimizer_pool if offload else None)
             self.offloads += offload and bool(self.optimizer_pool.entries)
+            # the state before the bucket: the optimizer state and grads went to host before the
+            # first bucket came (else the peak would count them and the bucket at once)
+            self.account()
             self.ledger.set("buckets", stats.peak_extra_bytes)  # the largest bucket in flight
             self.account()
             self.ledger.set("buckets", 0)
