@@ -146,9 +146,9 @@ class Generator:
 
     def take_stats(self) -> dict[str, float]:
         """The engine's pass counts and seconds, with the partial rollouts' stop-rule sums, since
-        the last call."""
+        the last call, and the sequences its KV cache holds (`kv_rows`)."""
         stats, self._stop_sync = {**self.stage.engine.take_stats(), **self._stop_sync}, no_stop_sync()
-        return stats
+        return {**stats, "kv_rows": float(self.stage.cfg.max_num_seqs)}
 
     # ---- what the engine keeps between rollouts (checkpoints) ----
 

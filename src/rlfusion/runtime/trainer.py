@@ -425,6 +425,8 @@ def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float
             # a lock-step engine (`deploy.infer_ep`) with no rows of its own joins its group's passes empty
             "engine_idle_passes": max(e.get("idle_passes", 0.0) for e in stats),
             "time_idle_pass_s": max(e.get("idle_s", 0.0) for e in stats),
+            # sequences the smallest KV cache holds (what a memory budget leaves it)
+            "engine_kv_rows": min(e.get("kv_rows", 0.0) for e in stats),
             # StaleSync's stop-rule sums on the busiest engine: the time it waited for the others
             "time_stop_sync_s": busiest.get("stop_sync_s", 0.0),
             "stop_sync_calls": busiest.get("stop_sync_calls", 0.0)}

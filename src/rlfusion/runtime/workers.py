@@ -7,6 +7,7 @@ loads the base, builds the roles, joins the device world, holds the device's que
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from rlfusion.obs.peak import matmul_peak_flops
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.queue.shard_host import StorageHost
 from rlfusion.rl.tasks import make_task
+from rlfusion.runtime.base_fit import rollout_kv_rows
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.device_binding import bind_device, join_world, listening_store, on_host
 from rlfusion.runtime.generator import Generator
@@ -51,8 +53,11 @@ class DeviceWorker(StorageHost):
         dtype = COMPUTE_DTYPES[cfg.deploy.precision]
         self.matmul_peak_flops = matmul_peak_flops(repeats=3, device=where, dtype=dtype)  # rates' yardstick
         hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
-        stage = (RolloutStage(self.policy, tokenizer, cfg.rollout, cfg.seed + 1000 * device, hf_base, dtype)
-                 if "rollout" in roles else None)
+        stage = None
+        if "rollout" in roles:  # its KV cache takes what the device's memory budget leaves (`deploy.device_memory_mb`)
+            rows = rollout_kv_rows(cfg, model.config, plan, device)
+            stage = RolloutStage(self.policy, tokenizer, dataclasses.replace(cfg.rollout, max_num_seqs=rows),
+                                 cfg.seed + 1000 * device, hf_base, dtype)
         if in_layout and plan.infer_ep == 1:
             release(self.policy)  # resident only while generating (split first with infer_ep: `connect`)
         spans = SpanLog()
