@@ -23,7 +23,7 @@ from rlfusion.obs.peak import matmul_peak_flops
 from rlfusion.obs.timeline import pack_spans
 from rlfusion.queue.shard_host import StorageHost
 from rlfusion.rl.tasks import make_task
-from rlfusion.runtime.base_fit import rollout_kv_rows
+from rlfusion.runtime.base_fit import device_budget, rollout_kv_rows
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.device_binding import bind_device, join_world, listening_store, on_host
 from rlfusion.runtime.generator import Generator
@@ -62,7 +62,8 @@ class DeviceWorker(StorageHost):
             release(self.policy)  # resident only while generating (split first with infer_ep: `connect`)
         spans = SpanLog()
         switch = DeviceSwitch(device, self.policy, model, stage.engine if stage is not None else None,
-                              int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", spans.span, where)
+                              int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", spans.span, where,
+                              budget_bytes=device_budget(cfg))
         self.ctx = RoleContext(device, plan, cfg, where, dtype, switch, queue, spans)
         task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         scores = {"reward", "reference"} & set(roles)
