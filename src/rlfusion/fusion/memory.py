@@ -74,6 +74,7 @@ class MemoryLedger:
         self._entries: dict[EntryKey, _Entry] = {}
         self._active: list[str] = []
         self._peaks: dict[str, int] = {}
+        self._part_peaks: dict[str, dict[tuple[str, str], int]] = {}  # phase -> (category, name) -> device bytes
         self._alloc_peaks: dict[str, int] = {}
         self._cuda_index = _cuda_index(device) if read_allocator else None
         self.reads_allocator = read_allocator
@@ -141,6 +142,10 @@ class MemoryLedger:
         if name is not None:
             self._enter(name)
 
+    def part_peaks(self, category: str, name: str = "") -> dict[str, int]:
+        """Per phase, the most device bytes the part `name` of `category` held in it."""
+        return {phase: parts.get((category, name), 0) for phase, parts in self._part_peaks.items()}
+
     def peaks(self) -> dict[str, int]:
         """{phase: highest device total (tracked bytes) seen while it was open}."""
         return dict(self._peaks)
@@ -190,8 +195,12 @@ class MemoryLedger:
         if not self._active:
             return
         total = self.total("device")
+        parts = {(k[0], k[2]): e.nbytes + sum(e.storages.values()) for k, e in self._entries.items() if k[1] == "device"}
         for name in set(self._active):
             self._peaks[name] = max(self._peaks.get(name, 0), total)
+            peak = self._part_peaks.setdefault(name, {})
+            for part, nbytes in parts.items():
+                peak[part] = max(peak.get(part, 0), nbytes)
 
     def _enter(self, name: str) -> None:
         if not isinstance(name, str) or not name:

@@ -240,7 +240,8 @@ class DeviceSwitch:
 
     def memory(self) -> dict[str, Any]:
         """Per-phase peaks (bytes) since the last call ("peaks/PHASE", and the allocator's
-        "allocator_peaks/PHASE"), the device's budget ("budget_bytes", 0 = none), the zero-redundancy check (one bucket allowed: a training
+        "allocator_peaks/PHASE"; "actor_weight_peaks/PHASE": the actor's weights alone, the most
+        of the policy or replica plus the most of its training shards), the device's budget ("budget_bytes", 0 = none), the zero-redundancy check (one bucket allowed: a training
         layout's reshard fills the replica through one) and how often the optimizer state went to
         host and came back, since the last call."""
         peaks = self.ledger.peaks()
@@ -248,8 +249,12 @@ class DeviceSwitch:
         if {"switch", "train", "rollout"} <= set(peaks):
             ok, _ = self.ledger.check_zero_redundancy(bucket_bytes=self.bucket_bytes if self.pm is not None else 0)
         allocator = self.ledger.allocator_peaks()
+        # the actor's weights on the device per phase: the policy (or its rollout replica) and a
+        # training layout's shards (the reference's and critic's copies not counted)
+        policy, shards = self.ledger.part_peaks("weights"), self.ledger.part_peaks("weights", "train")
         self.ledger = _fresh_ledger(self.ledger)
         out = {**{f"peaks/{phase}": v for phase, v in peaks.items()},
+               **{f"actor_weight_peaks/{phase}": v + shards.get(phase, 0) for phase, v in policy.items()},
                **{f"allocator_peaks/{phase}": v for phase, v in allocator.items()},
                "budget_bytes": self.ledger.budget_bytes, "zero_redundancy": ok, "offloads": self.offloads, "restores": self.restores, "engine_loads": self.loads}
         self.offloads = self.restores = self.loads = 0

@@ -189,6 +189,9 @@ class RLTrainer:
             used = [m["peaks"][phase] / b for m, b in zip(memory, budgets) if b and phase in m["peaks"]]
             if used:  # the fullest device's peak as a share of its budget
                 out[f"memory_budget_used_{phase}"] = max(used)
+            actor = [m["actor_weight_peaks"][phase] for m in memory if phase in m.get("actor_weight_peaks", {})]
+            if actor:  # the actor's weights on the fullest device (a split replica holds part of them)
+                out[f"memory_actor_weights_{phase}_mb"] = max(actor) / 2**20
             held = [m["allocator_peaks"][phase] for m in memory if phase in m.get("allocator_peaks", {})]
             if held:  # on CUDA: what the caching allocator really held, activations included
                 out[f"memory_allocated_peak_{phase}_mb"] = max(held) / 2**20
