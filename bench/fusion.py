@@ -10,12 +10,18 @@ the colocated modes the engine generates from the very tensors the optimizer upd
 weights move: the switch offloads the optimizer state and allocates the KV cache (and back).
 Switch time counts both kinds (transfer and switch spans, the busier device).
 
-Four more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
+Five more colocated runs train the actor in a parallel layout (`deploy.train_tp=2`: TP shards;
 `deploy.train_ep=2`: routed experts split over the two devices; `deploy.train_fsdp=true`:
 parameters, gradients and optimizer state sharded over them, FSDP2; `deploy.train_pp=2`: two
 pipeline stages, 1F1B over padded micro-batches of `optim.microbatch_tokens`): their switch gathers the
 shards into a full replica per device in buckets before every rollout (fusion/reshard.py) and
-frees it after. They run after the three modes in each round and take no part in the targets.
+frees it after; the fifth (`deploy.train_ep=2 deploy.infer_ep=2`) generates with its routed
+experts split over the two devices too (each decodes its own rows, every MoE layer exchanges
+tokens between them), filled from the expert shards with no whole copy on either. They run after
+the three modes in each round; the last has its own targets: the actor's weights on a device
+while it generates over the model's weights (the routed experts are 68% of the shipped base, so
+ep2 leaves ~0.66), its rollout tokens/s against the same training layout's replica rollout (EP
+decode pays three all-to-alls per MoE layer on a CPU; reported as it is), and its switch's share.
 Every mode's tracked memory peak per device (weights, gradients, optimizer state, KV cache; the
 larger device) is printed for the train and rollout phases, and the bytes per step that crossed
 the controller (commands, answers, per-device reports, the advantage stage's per-row numbers)
@@ -48,10 +54,13 @@ from rlfusion.runtime.train_config import TrainConfig
 from rlfusion.runtime.trainer import RLTrainer
 
 DEPLOY_MODES = ("separated", "colocated", "fully_shared")
-MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2", "colocated_fsdp2", "colocated_pp2")
+MODES = DEPLOY_MODES + ("colocated_tp2", "colocated_ep2", "colocated_fsdp2", "colocated_pp2", "colocated_ep2_infer_ep2")
 LAYOUTS = {"colocated_tp2": ("colocated", ["deploy.train_tp=2"]), "colocated_ep2": ("colocated", ["deploy.train_ep=2"]),
            "colocated_fsdp2": ("colocated", ["deploy.train_fsdp=true"]),
-           "colocated_pp2": ("colocated", ["deploy.train_pp=2"])}
+           "colocated_pp2": ("colocated", ["deploy.train_pp=2"]),
+           "colocated_ep2_infer_ep2": ("colocated", ["deploy.train_ep=2", "deploy.infer_ep=2"])}
+# the inference layout's targets compare its rollout with the same training layout's replica rollout
+INFER_EP2, REPLICA = "colocated_ep2_infer_ep2", "colocated_ep2"
 PHASES = ("rollout", "reference", "reward", "train", "switch", "transfer")
 # --smoke: the smallest step each mode can run (1 prompt group per device); responses this short
 # rarely score, so dynamic sampling would drop every group and skip the update the bench reports on
@@ -59,7 +68,7 @@ SMOKE_ROLLOUT = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.
                  "algo.dynamic_sampling=false"]
 # --smoke runs the two modes the targets compare: every mode's trainer starts 2 Ray workers (~3 s
 # each on 2 cores), and the others differ from these only in the config the library runs
-SMOKE_MODES = ("separated", "colocated")
+SMOKE_MODES = ("separated", "colocated", REPLICA, INFER_EP2)
 
 
 def make_trainer(mode: str, out: Path, overrides: list[str] | tuple[str, ...] = ()) -> RLTrainer:
@@ -144,6 +153,10 @@ def main() -> None:
                                 "util0": metrics["utilization_device0"], "util1": metrics["utilization_device1"],
                                 "step_s": metrics["time_step_s"], "switch_s": switch,
                                 "tokens": metrics["generated_tokens"],
+                                "rollout_tok_s": metrics["rollout_tokens_per_s"],
+                                # the actor's weights on the fullest device while it generates
+                                "actor_rollout_mb": metrics["memory_actor_weights_rollout_mb"],
+                                "kv_rows": metrics["engine_kv_rows"],
                                 "train_mb": metrics["memory_peak_train_mb"],
                                 "rollout_mb": metrics["memory_peak_rollout_mb"],
                                 # samples scored by a device other than the one that generated them
@@ -154,6 +167,7 @@ def main() -> None:
                                 **{f"{d}/{ph}": sum(s.duration_s for s in new if s.device == d and s.phase == ph)
                                    for d in ("device0", "device1") for ph in PHASES}})
             print(f"round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['tok_s']:.0f} tok/s" for m in modes), flush=True)
+        model_mb = sum(t.nbytes for t in trainers["colocated"].model.state_dict().values()) / 2**20
         for t in trainers.values():
             t.close()
     ray.shutdown()
@@ -208,6 +222,17 @@ def main() -> None:
           f"math verifier on {samples} GSM8K solutions {math_s * 1e3:.1f} ms in one process "
           f"({math_s / med['colocated']['step_s']:.1%} of the colocated step)")
     print(f"target reward_scoring_share_of_step: {reward_s / med['colocated']['step_s']:.3f} (goal <= 0.05)")
+    # the inference layout: routed experts split over both devices while they generate
+    ep2, replica = med[INFER_EP2], med[REPLICA]
+    speed = [a["rollout_tok_s"] / b["rollout_tok_s"] for a, b in zip(rows[INFER_EP2], rows[REPLICA])]
+    print(f"\ninference layout ep2 (train_ep=2): the actor's weights on the fullest device while generating "
+          f"{ep2['actor_rollout_mb']:.2f} MB of the model's {model_mb:.2f} MB (a replica: {replica['actor_rollout_mb']:.2f} MB); "
+          f"rollout tokens/s {ep2['rollout_tok_s']:.0f} vs the replica's {replica['rollout_tok_s']:.0f} "
+          f"(per round: {', '.join(f'{r:.2f}' for r in speed)}); switch {ep2['switch_s']:.3f} s of a "
+          f"{ep2['step_s']:.2f} s step")
+    print(f"target max_device_weight_bytes_over_model_weight_bytes: {ep2['actor_rollout_mb'] / model_mb:.2f} (goal <= 0.70)")
+    print(f"target rollout_ep2_vs_replica_tokens_per_s: {statistics.median(speed):.2f} (goal >= 0)")
+    print(f"target switch_share_of_step_infer_ep2: {ep2['switch_s'] / ep2['step_s']:.3f} (goal <= 0.05)")
 
 
 def math_verifier_seconds(samples: int, passes: int = 3) -> float:
