@@ -75,6 +75,12 @@ def test_a_config_for_another_cluster_is_refused_before_anything(tmp_path, capsy
                  "--layout", "tp8,pp16,ep32,vpp2", "--top", "1", "--emit-config", str(path)]) == 0
     cfg = load_config(TrainConfig, path)
     assert (cfg.deploy.num_devices, cfg.deploy.train_ep, cfg.deploy.ranks_per_node) == (6144, 32, 8)
+    # the rollout's inference layout too: the replica (dense whole, experts over infer_ep devices, bf16)
+    # within 3/4 of a 64 GB chip, and both layouts valid for the 718B model on these devices
+    assert cfg.deploy.infer_ep == 128
+    plan = DeploymentPlan.build(cfg.deploy)
+    plan.parallel_layout().validate(len(plan.train), get_preset("pangu-ultra-moe-718b"))
+    plan.inference_layout().validate(len(plan.rollout), get_preset("pangu-ultra-moe-718b"))
     capsys.readouterr()
     assert main(["train", str(path), f"out_dir={tmp_path / 'runs'}"]) == 2
     err = _one_error_line(capsys)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlfusion.sim.costs import model_layers
 from rlfusion.sim.hardware import ClusterSpec
 from rlfusion.sim.plan import ParallelPlan, TrainJob
 from rlfusion.sim.search import SearchResult
@@ -20,6 +21,8 @@ from rlfusion.sim.step import estimate_step, plan_problem
 GPU_KINDS = ("h100", "h200", "h20")  # cluster kinds whose chips the run drives as deploy.device=cuda
 RUN_RECOMPUTE = ("none", "selective", "full")  # the planner's choices optim.recompute has as well
 MIN_MICROBATCH_TOKENS = 64  # optim.microbatch_tokens' smallest allowed value
+REPLICA_SHARE = 0.75  # of a chip's memory the rollout replica may take (the rest: KV cache, activations)
+BF16_BYTES = 2
 
 
 def ranks_per_node(plan: ParallelPlan, cluster: ClusterSpec) -> tuple[int, str]:
@@ -58,8 +61,36 @@ def plan_config(plan: ParallelPlan, job: TrainJob, cluster: ClusterSpec, model: 
                   "# gradients too (the routed experts of an expert-parallel layout stay whole)",
                   "train_fsdp = true"]
     lines.append(f"ranks_per_node = {rpn}" + (f"  # {no_rpn}" if no_rpn else ""))
+    lines += _inference_lines(plan, job, cluster)
     lines += ["", "[optim]"] + _optim_lines(plan, job)
     return "\n".join(lines) + "\n"
+
+
+def inference_ep(job: TrainJob, num_devices: int, chip_bytes: float) -> tuple[int, float]:
+    """The rollout's expert-parallel degree (`deploy.infer_ep`): the smallest that divides the
+    routed experts and the devices and leaves the replica (bf16: the dense weights whole, the
+    routed experts split) within `REPLICA_SHARE` of a chip, the rest for the KV cache; with its
+    replica bytes. (0, bytes at the largest degree) where none does."""
+    layers = model_layers(job.model, job.seq_len)
+    dense = sum(x.dense_params for x in layers) + job.model.vocab_size * job.model.d_model
+    experts = sum(x.expert_params for x in layers)
+    degrees = [e for e in range(1, num_devices + 1)
+               if num_devices % e == 0 and (job.model.num_experts % e == 0 or not experts)]
+    for ep in degrees:
+        replica = BF16_BYTES * (dense + experts / ep)
+        if replica <= REPLICA_SHARE * chip_bytes:
+            return ep, replica
+    return 0, BF16_BYTES * (dense + experts / degrees[-1])
+
+
+def _inference_lines(plan: ParallelPlan, job: TrainJob, cluster: ClusterSpec) -> list[str]:
+    chip = cluster.chip.memory_GB * 1e9
+    ep, replica = inference_ep(job, plan.num_devices, chip)
+    if not ep:
+        return [f"# no inference layout keeps the rollout replica within {REPLICA_SHARE:.0%} of a chip "
+                f"({replica / 1e9:.1f} GB at the largest expert-parallel degree): infer_ep left at 1"]
+    return [f"infer_ep = {ep}  # the rollout replica: dense weights whole, routed experts over {ep} devices, "
+            f"{replica / 1e9:.1f} GB in bf16 of the chip's {cluster.chip.memory_GB:.0f} GB"]
 
 
 def _optim_lines(plan: ParallelPlan, job: TrainJob) -> list[str]:
