@@ -12,6 +12,9 @@ phase, and what the device's memory ledger sees.
     fully shared, reference role:
       reference weights live on host; they come in for the reference pass and go out after it
     separated (rollout devices ≠ train devices):
+      after each update every train device sends each rollout device the pieces of its shards
+      that device's replica keeps (`shard_sync.ShardSync`, called by the device worker)
+    hybrid (full replicas; the train devices generate too):
       after each update the first train device broadcasts every parameter and persistent
       buffer to the rollout devices in buckets of `bucket_bytes` (`buckets.plan_buckets`)
 
@@ -186,23 +189,23 @@ class DeviceSwitch:
 
     # ---- separated: the new weights go from the train devices to the rollout devices ----
 
-    def broadcast_weights(self, src: int, group: Any, joins: bool, state: dict | None = None) -> int:
-        """Every parameter and persistent buffer (the routers' expert biases) from global rank
-        `src` to the other members of `group`, packed into buckets of `bucket_bytes`; returns
-        bytes sent or received (0 on a device that is not a member: `joins` False). `state`:
-        what `src` sends instead of its policy's weights (a training layout's, gathered)."""
+    def broadcast_weights(self, src: int, group: Any, joins: bool) -> int:
+        """Hybrid mode (full replicas): every parameter and persistent buffer (the routers'
+        expert biases) from global rank `src` to the other members of `group`, packed into
+        buckets of `bucket_bytes`; returns bytes sent or received (0 on a device that is not a
+        member: `joins` False)."""
         if not joins:
             return 0
         # meet first, outside the span: with StaleSync's overlap the train device gets here while
         # the rollout device is still generating, and waiting is idle time, not transfer
         dist.barrier(group=group)
         with self.span("transfer"):
-            state = state if state is not None else self.policy.state_dict()
+            state = self.policy.state_dict()
             moved = 0
             with torch.no_grad():
                 for bucket in plan_buckets(specs_of(state), self.bucket_bytes):
-                    # on this device on every member (a layout's gathered state is in host memory,
-                    # and on GPUs the sender's bucket must travel where the receivers' wait: NCCL)
+                    # on this device on every member (on GPUs the sender's bucket must travel
+                    # where the receivers' wait: NCCL)
                     flat = pack(bucket, state).to(self.where)
                     dist.broadcast(flat, src=src, group=group)
                     for name, view in unpack(bucket, flat).items():
