@@ -5,8 +5,8 @@ a rank with nothing left (here rank 3 has no requests at all) joins every pass e
 
 Checked against a full replica on the same rank (the same weights): greedy tokens equal and
 per-token logprobs within LOGPROB_ATOL (the split experts sum in another order), with continuous
-batching (3 slots for up to 5 requests: admissions while others decode), for ep2 (two groups)
-and ep4; and an abort after a few steps, resumed (with and without the kept cache rows), equals
+batching (3 slots for up to 5 requests: admissions while others decode), for ep2 (two groups),
+ep4 and ep4 hierarchical over two nodes; and an abort after a few steps, resumed (with and without the kept cache rows), equals
 the uninterrupted run.
 """
 
@@ -28,6 +28,10 @@ SLOTS = 3
 NEW_TOKENS = 6
 ABORT_AFTER = 3  # engine steps before the abort
 EP_DEGREES = (2, 4)
+# ep4 over 2 nodes of 2 ranks: each MoE layer's exchange hierarchical (one copy per token and node
+# over the rail group, then inside the node)
+LAYOUTS = {2: dict(dp=4, ep=2), 4: dict(dp=4, ep=4), "4 hierarchical": dict(dp=4, ep=4, ranks_per_node=2,
+                                                                                hierarchical_a2a=True)}
 
 
 def _requests(rank: int, vocab: int) -> list[Request]:
@@ -65,9 +69,10 @@ def ep_engines() -> dict:
     rank = torch.distributed.get_rank()
     requests = _requests(rank, cfg.vocab_size)
     out = {"full": _run(LLMEngine(model, EngineConfig(max_num_seqs=SLOTS)), requests)}
-    for ep in EP_DEGREES:
+    for ep, layout in LAYOUTS.items():
         replica = copy.deepcopy(model)
-        mesh = split_experts(replica, ParallelLayout(dp=4, ep=ep))
+        mesh = split_experts(replica, ParallelLayout(**layout))
+        assert (mesh.rail is not None) == ("hierarchical" in str(ep))
         kept = replica.layers[-1].mlp.experts.w_gate_EDF.shape[0]
         engine = LLMEngine(replica, EngineConfig(max_num_seqs=SLOTS))
         engine.lockstep = mesh.ep.group
@@ -86,10 +91,10 @@ def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= LOGPROB_ATOL for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("ep", EP_DEGREES)
+@pytest.mark.parametrize("ep", list(LAYOUTS))
 def test_ep_engine_generates_the_full_replicas_greedy_tokens_and_logprobs(world, ep):
     for rank, out in enumerate(world):
-        assert out[f"ep{ep} experts here"] == small_config().num_experts // ep
+        assert out[f"ep{ep} experts here"] == small_config().num_experts // LAYOUTS[ep]["ep"]
         assert set(out[f"ep{ep}"]) == set(out["full"]) and len(out["full"]) == REQUESTS_PER_RANK[rank]
         for rid, (tokens, logprobs) in out["full"].items():
             got_tokens, got_logprobs = out[f"ep{ep}"][rid]
@@ -97,7 +102,7 @@ def test_ep_engine_generates_the_full_replicas_greedy_tokens_and_logprobs(world,
             assert _close(got_logprobs, logprobs), (rank, rid, got_logprobs, logprobs)
 
 
-@pytest.mark.parametrize("ep", EP_DEGREES)
+@pytest.mark.parametrize("ep", list(LAYOUTS))
 @pytest.mark.parametrize("keep", [False, True])
 def test_an_abort_resumed_in_an_ep_engine_equals_the_uninterrupted_run(world, ep, keep):
     for out in world:
