@@ -14,13 +14,14 @@ from rlfusion.config import check_fields
 from rlfusion.engine.scheduler import MAX_NUM_SEQS
 from rlfusion.rl.datasets import DataConfig
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
-from rlfusion.runtime.deployment import DeployConfig
+from rlfusion.runtime.deployment import PRECISIONS, DeployConfig
 from rlfusion.stalesync.rules import StaleSyncConfig
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
 LOSS_AGGS = ("token", "seq")
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
+ROUTING_REPLAY = ("none", "rollout")
 ROLLOUT_BACKENDS = ("native", "vllm")
 
 
@@ -50,6 +51,11 @@ class RolloutConfig:
     # also trains it sleeps (KV cache and weights freed) while the actor trains
     backend: str = "native"
     gpu_memory_utilization: float = 0.5  # vllm: the share of its GPU's memory it may take
+    # the rollout engine's compute precision apart from training's: "" = deploy.precision (one
+    # precision everywhere), "fp32" or "bf16" (autocast: matmuls in bf16, as an accelerator's
+    # rollout kernels run); a precision other than training's makes the rollout's logprobs and
+    # router choices differ from the trainer's (the train-inference mismatch the metrics report)
+    precision: str = ""
 
     def __post_init__(self) -> None:
         check_fields("rollout", {
@@ -70,6 +76,7 @@ class RolloutConfig:
             "replay_between": (0 <= self.replay_between <= 1, "must be in [0, 1]"),
             "backend": (self.backend in ROLLOUT_BACKENDS, f"allowed: {', '.join(ROLLOUT_BACKENDS)}"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            "precision": (self.precision in ("", *PRECISIONS), f"allowed: '' (deploy.precision), {', '.join(PRECISIONS)}"),
         }, self)
 
 
@@ -95,6 +102,12 @@ class AlgoConfig:
     lam: float = 0.95
     value_clip: float = 0.2
     critic_lr: float = 1e-3
+    # MoE routing replay (R3): "rollout" = the actor's forward routes each token to the experts
+    # the rollout engine chose for it (recorded per MoE layer, carried through the queue); the
+    # gate weights are still the current router's over those experts, so the router learns.
+    # "none" = the trainer routes by its own router
+    routing_replay: str = "none"
+    routing_replay_reference: bool = False  # the reference's forward replays them too
 
     def __post_init__(self) -> None:
         check_fields("algo", {
@@ -114,6 +127,7 @@ class AlgoConfig:
             "lam": (0 <= self.lam <= 1, "must be in [0, 1]"),
             "value_clip": (self.value_clip > 0, "must be > 0"),
             "critic_lr": (self.critic_lr > 0, "must be > 0"),
+            "routing_replay": (self.routing_replay in ROUTING_REPLAY, f"allowed: {', '.join(ROUTING_REPLAY)}"),
         }, self)
 
 

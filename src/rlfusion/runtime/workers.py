@@ -57,7 +57,8 @@ class DeviceWorker(StorageHost):
         if "rollout" in roles:  # its KV cache takes what the device's memory budget leaves (`deploy.device_memory_mb`)
             rows = rollout_kv_rows(cfg, model.config, plan, device)
             stage = RolloutStage(self.policy, tokenizer, dataclasses.replace(cfg.rollout, max_num_seqs=rows),
-                                 cfg.seed + 1000 * device, hf_base, dtype)
+                                 cfg.seed + 1000 * device, hf_base,
+                                 COMPUTE_DTYPES[cfg.rollout.precision or cfg.deploy.precision])
         if in_layout and plan.infer_ep == 1:
             release(self.policy)  # resident only while generating (split first with infer_ep: `connect`)
         spans = SpanLog()
