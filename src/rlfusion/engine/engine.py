@@ -29,6 +29,9 @@ class EngineConfig:
     min_prefill_batch: int = 1  # see SchedulerConfig
     seed: int = 0
     compute_dtype: torch.dtype | None = None  # autocast the passes to it (see ModelRunner)
+    # keep each fed token's routed experts per MoE layer on its request (`Request.routes`), for
+    # routing replay in training and the mismatch metrics
+    record_routes: bool = False
 
 
 class LLMEngine:
@@ -40,7 +43,8 @@ class LLMEngine:
         self.config = config
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    max_len, config.min_prefill_batch))
-        self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed, config.compute_dtype)
+        self.runner = ModelRunner(model, config.max_num_seqs, max_len, config.seed, config.compute_dtype,
+                                  config.record_routes)
         self.policy_version = 0  # stamped on every generated token
         self.num_steps = 0
         # the expert-parallel group of a replica whose routed experts are split over devices
@@ -190,4 +194,4 @@ def finish_reason(seq: Sequence, token: int, max_seq_len: int) -> str | None:
 def _completion(seq: Sequence, reason: str) -> Completion:
     r = seq.request
     return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), list(r.logprobs),
-                      list(r.versions), reason, r.params)
+                      list(r.versions), reason, r.params, r.routes)

@@ -19,15 +19,19 @@ import torch
 from rlfusion.engine.sampling import sample
 from rlfusion.engine.scheduler import Sequence, StepPlan
 from rlfusion.model.kv_cache import CacheBatch, PackedSeqs
+from rlfusion.model.routes import Routes, route_dtype
 from rlfusion.model.transformer import MoETransformer
 
 
 class ModelRunner:
     def __init__(self, model: MoETransformer, num_slots: int, max_seq_len: int, seed: int = 0,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, record_routes: bool = False):
         """`compute_dtype`: run the model's passes under autocast to it (bf16: matmuls in bf16,
-        the weights and the sampling's logits in fp32); None: the weights' dtype."""
+        the weights and the sampling's logits in fp32); None: the weights' dtype.
+        `record_routes`: append each fed token's routed experts to its request (`Request.routes`)."""
         self.model = model
+        self.record_routes = record_routes and model.config.num_moe_layers > 0
+        self.route_dtype = route_dtype(model.config.num_experts)
         self.device = next(model.parameters()).device
         self.compute_dtype = compute_dtype
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
@@ -109,10 +113,26 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         tokens_B1 = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         start_B = torch.tensor([s.num_cached for s in seqs], device=self.device)
-        logits_B1V = self.model(tokens_B1, CacheBatch(self.cache, 0, start_B))
+        routes = Routes(record=True) if self.record_routes else None
+        logits_B1V = self.model(tokens_B1, CacheBatch(self.cache, 0, start_B), routes=routes)
+        if routes is not None:
+            self._keep_routes(seqs, routes, [1] * len(seqs))
         for s in seqs:
             s.num_cached += 1
         return logits_B1V[:, -1]
+
+    def _keep_routes(self, seqs: list[Sequence], routes: Routes, lengths: list[int]) -> None:
+        """Append what the pass routed to each sequence's request: its tokens' positions after
+        those it already has routes for (a resumed request re-prefilled keeps the routes its
+        earlier tokens were sampled with)."""
+        chosen_NX = routes.recorded_NLK().to("cpu", self.route_dtype).flatten(1)
+        for s, part in zip(seqs, chosen_NX.split(lengths)):
+            r = s.request
+            have = 0 if r.routes is None else len(r.routes)
+            start = have - s.num_cached  # positions of this pass's tokens already held
+            if start < len(part):
+                new = part[max(start, 0):]
+                r.routes = new if r.routes is None else torch.cat([r.routes, new])
 
     def _prefill(self, seqs: list[Sequence], slot_start: int) -> torch.Tensor:
         # Packed, no padding: the sequences concatenated, each attending only to itself and
@@ -121,8 +141,13 @@ class ModelRunner:
         lengths = [s.num_tokens for s in seqs]
         tokens_1N = torch.tensor([[t for s in seqs for t in s.token_ids]], device=self.device)
         start_B = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        routes = Routes(record=True) if self.record_routes else None
         logits_1NV = self.model(tokens_1N, CacheBatch(self.cache, slot_start, start_B),
-                                packed=PackedSeqs.from_lengths(lengths))
+                                packed=PackedSeqs.from_lengths(lengths), routes=routes)
+        for s in seqs:
+            s.num_cached = 0  # (a re-prefilled request: its earlier cache is gone)
+        if routes is not None:
+            self._keep_routes(seqs, routes, lengths)
         for s, n in zip(seqs, lengths):
             s.num_cached = n
         last_B = torch.tensor(lengths, device=self.device).cumsum(0) - 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 FINISH_REASONS = ("stop", "length", "aborted")
 
 
@@ -42,6 +44,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # with an engine that records routes: the routed experts of each token fed so far, per MoE
+    # layer (`[positions, L * K]`, the first positions first; `model.routes`), kept across an
+    # abort so a resumed request keeps the routes its tokens were sampled with
+    routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -54,7 +60,8 @@ class Request:
     def resume(cls, completion: "Completion") -> "Request":
         """Continue an aborted completion."""
         return cls(completion.request_id, list(completion.prompt_ids), completion.params,
-                   list(completion.output_ids), list(completion.logprobs), list(completion.versions))
+                   list(completion.output_ids), list(completion.logprobs), list(completion.versions),
+                   completion.routes)
 
 
 @dataclass
@@ -69,3 +76,4 @@ class Completion:
     versions: list[int]
     finish_reason: str  # one of FINISH_REASONS
     params: SamplingParams = field(default_factory=SamplingParams)
+    routes: torch.Tensor | None = None  # `Request.routes` (the engine recorded them)

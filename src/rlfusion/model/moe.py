@@ -15,6 +15,7 @@ from torch import nn
 
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.layers import SwiGLU
+from rlfusion.model.routes import NO_ROUTE, Routes
 
 
 class Router(nn.Module):
@@ -30,14 +31,21 @@ class Router(nn.Module):
         # Tokens routed to each expert since the last bias update (training only).
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns `(topk_ids_NK, topk_weights_NK, aux_loss)`."""
+    def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns `(topk_ids_NK, topk_weights_NK, aux_loss)`. `replay_NK`: experts to route each
+        token to instead of its own top-k (rows of `NO_ROUTE`: its own); the weights are this
+        router's scores of the experts routed to, so its gradient flows either way. The top-k
+        it chose by itself is kept as `own_NK` (until the next call)."""
         logits_NE = F.linear(x_ND.float(), self.weight.float())
         scores_NE = logits_NE.softmax(-1) if self.score_func == "softmax" else logits_NE.sigmoid()
         choice_NE = scores_NE + self.expert_bias
         if self.num_groups > 1:
             choice_NE = self._best_groups_only(choice_NE)
-        topk_ids_NK = torch.topk(choice_NE, self.top_k, dim=-1).indices
+        topk_ids_NK = self.own_NK = torch.topk(choice_NE, self.top_k, dim=-1).indices
+        if replay_NK is not None:
+            replay_NK = replay_NK.to(topk_ids_NK.device, torch.long)
+            topk_ids_NK = torch.where((replay_NK[:, :1] != NO_ROUTE), replay_NK, topk_ids_NK)
         weights_NK = scores_NE.gather(-1, topk_ids_NK)
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True).clamp_min(1e-20)
@@ -145,9 +153,13 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.aux_loss = torch.zeros(())
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, routes: Routes | None = None, layer: int = 0) -> torch.Tensor:
+        """`routes`: this pass's replayed / recorded routes; `layer`: this MoE layer's index among
+        the model's MoE layers (what `routes` is indexed by)."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        topk_ids, weights, self.aux_loss = self.router(x_ND)
+        topk_ids, weights, self.aux_loss = self.router(x_ND, routes.replayed(layer) if routes is not None else None)
+        if routes is not None:
+            routes.observe(layer, self.router.own_NK, topk_ids)
         y_ND = self.experts(x_ND, topk_ids, weights, self.shared_output if self.shared is not None else None)
         return y_ND.view_as(x_BTD)
 

@@ -18,6 +18,7 @@ from rlfusion.model.attention import build_attention
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.kv_cache import AttnContext, CacheBatch, KVCache, PackedSeqs
 from rlfusion.model.layers import RMSNorm, Rotary, SwiGLU
+from rlfusion.model.routes import Routes
 from rlfusion.model.moe import MoE, Router
 
 
@@ -28,10 +29,13 @@ class Block(nn.Module):
         self.attn = build_attention(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = layer_idx >= cfg.num_dense_layers
+        self.moe_index = layer_idx - cfg.num_dense_layers  # among the MoE layers (what `Routes` index)
         self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_ffn_dim)
 
-    def forward(self, x_BTD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, ctx: AttnContext, routes: Routes | None = None) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), ctx)
+        if self.is_moe:
+            return x_BTD + self.mlp(self.mlp_norm(x_BTD), routes, self.moe_index)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
@@ -46,18 +50,19 @@ class MoETransformer(nn.Module):
         self.reset_parameters()
 
     def forward(self, tokens_BT: torch.Tensor, batch: CacheBatch | None = None,
-                packed: PackedSeqs | None = None) -> torch.Tensor:
+                packed: PackedSeqs | None = None, routes: Routes | None = None) -> torch.Tensor:
         """Logits `[B, T, V]`.
 
         Default: causal attention over each row of `tokens_BT`. With `batch`: rows continue
         sequences in the KV cache. With `packed`: `tokens_BT` is `[1, N]`, several sequences
-        concatenated without padding, each attending only to itself.
+        concatenated without padding, each attending only to itself. `routes`: the MoE routes
+        to replay or record over the `B * T` tokens in row order (`model.routes`).
         """
         ctx = AttnContext.build(tokens_BT.shape[0], tokens_BT.shape[1], batch, tokens_BT.device,
                                 packed)
         x_BTD = self.embed(tokens_BT)
         for layer in self.layers:
-            x_BTD = layer(x_BTD, ctx)
+            x_BTD = layer(x_BTD, ctx, routes)
         x_BTD = self.norm(x_BTD)
         if self.lm_head is None:
             return x_BTD @ self.embed.weight.T

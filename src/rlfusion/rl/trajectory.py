@@ -7,10 +7,12 @@ Legend: N packed tokens, S sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rlfusion.model.kv_cache import PackedSeqs
+from rlfusion.model.routes import NO_ROUTE, Routes
 from rlfusion.rl.problem import Problem
 
 
@@ -42,6 +44,9 @@ class Trajectory:
     kl: float = 0.0  # summed per-token KL estimate against the reference policy
     train: bool = True  # kept for the update (dynamic sampling may drop its group)
     row_id: int = -1  # its DistQueue row, once it has one
+    # the rollout's routed experts of every token it fed (all but the last), per MoE layer:
+    # `[num_tokens - 1, L * K]` from the engine, flat from the queue (`model.routes`); None: not recorded
+    routes: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +69,9 @@ class PackedBatch:
     behaviour_logprobs_N: torch.Tensor  # float32, 0 off the response
     ref_logprobs_N: torch.Tensor | None  # float32, 0 off the response; None without a reference
     packed: PackedSeqs
+    # the rollout's routes per position, `[N, L * K]` int64 (`NO_ROUTE` rows: none recorded, as
+    # at each sequence's last position); None when no trajectory has them
+    routes_NX: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -91,7 +99,38 @@ def pack(trajs: list[Trajectory], device: torch.device | str | None = None) -> P
         tokens_N=i64(tokens), targets_N=i64(targets), loss_mask_N=f32(mask),
         seq_idx_N=i64(seq_idx), advantages_N=f32(adv), behaviour_logprobs_N=f32(behaviour),
         ref_logprobs_N=f32(ref) if has_ref else None,
-        packed=PackedSeqs.from_lengths([t.num_tokens for t in trajs]))
+        packed=PackedSeqs.from_lengths([t.num_tokens for t in trajs]),
+        routes_NX=packed_routes(trajs, device))
+
+
+def has_routes(t: Trajectory) -> bool:
+    return t.routes is not None and len(t.routes) > 0
+
+
+def packed_routes(trajs: list[Trajectory], device: torch.device | str | None = None) -> torch.Tensor | None:
+    """Each trajectory's routes per position, concatenated like its tokens (`PackedBatch.routes_NX`),
+    or None when none has any."""
+    widths = {torch.as_tensor(t.routes).numel() // (t.num_tokens - 1) for t in trajs if has_routes(t)}
+    if not widths:
+        return None
+    if len(widths) > 1:
+        raise ValueError(f"trajectories carry routes of different widths {sorted(widths)} (MoE layers x top-k)")
+    width = widths.pop()
+    rows = []
+    for t in trajs:
+        fed = (torch.as_tensor(t.routes).to(torch.int64).reshape(t.num_tokens - 1, width) if has_routes(t)
+               else torch.full((t.num_tokens - 1, width), NO_ROUTE, dtype=torch.int64))
+        rows += [fed, torch.full((1, width), NO_ROUTE, dtype=torch.int64)]  # the last token was never fed
+    return torch.cat(rows).to(device)
+
+
+def batch_routes(batch: PackedBatch, top_k: int, replay: bool) -> Routes | None:
+    """The routes of a forward over `batch`: its recorded ones, replayed or only compared with
+    the router's own choice; None when the batch has none."""
+    if batch.routes_NX is None:
+        return None
+    N = len(batch.tokens_N)
+    return Routes(batch.routes_NX.view(N, -1, top_k), replay=replay)
 
 
 def split_by_token_budget(items: list, max_tokens: int, size=lambda t: t.num_tokens) -> list[list]:
@@ -120,10 +159,12 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def token_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model, batch: PackedBatch, temperature: float = 1.0,
+                   routes: Routes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of `targets_N` under `model` (temperature-scaled like the sampler),
-    and the logits they came from: `(logprobs_N, logits_NV)`."""
-    logits_NV = model(batch.tokens_N.unsqueeze(0), packed=batch.packed)[0].float()
+    and the logits they came from: `(logprobs_N, logits_NV)`. `routes`: the pass's MoE routes
+    (`batch_routes`: replayed and compared with the batch's recorded ones)."""
+    logits_NV = model(batch.tokens_N.unsqueeze(0), packed=batch.packed, routes=routes)[0].float()
     if temperature != 1.0:
         logits_NV = logits_NV / temperature
     logprobs_N = logits_NV.log_softmax(-1).gather(-1, batch.targets_N.unsqueeze(-1)).squeeze(-1)

@@ -18,7 +18,7 @@ from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.replay import replay_length
-from rlfusion.rl.trajectory import Trajectory
+from rlfusion.rl.trajectory import Trajectory, has_routes
 from rlfusion.runtime.train_config import RolloutConfig
 from rlfusion.stalesync.rules import STOP_SYNC_EVERY, rollout_stops
 
@@ -28,11 +28,13 @@ class RolloutStage:
     """`group_size` sampled responses per prompt from the policy the engine currently holds."""
 
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int,
-                 hf_path: str | None = None, compute_dtype: torch.dtype | None = None):
+                 hf_path: str | None = None, compute_dtype: torch.dtype | None = None,
+                 record_routes: bool = False):
         """`model` is the policy; with `rollout.backend=vllm` the engine serves a copy of it
         (from `hf_path`, the run's base when that is an HF folder, else an export of `model`).
         `compute_dtype`: the precision of the native engine's passes (`deploy.precision`; None =
-        fp32); vLLM computes in bf16, its kernels' dtype, whatever the setting."""
+        fp32); vLLM computes in bf16, its kernels' dtype, whatever the setting. `record_routes`:
+        each sample carries its tokens' routed experts (`Trajectory.routes`; native engine)."""
         self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         if cfg.backend == "vllm":
             from rlfusion.engine.vllm_backend import VLLMEngine
@@ -42,7 +44,7 @@ class RolloutStage:
         else:
             self.engine = LLMEngine(model, EngineConfig(max_num_seqs=cfg.max_num_seqs, seed=seed,
                                                         min_prefill_batch=cfg.min_prefill_batch,
-                                                        compute_dtype=compute_dtype))
+                                                        compute_dtype=compute_dtype, record_routes=record_routes))
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
 
@@ -87,7 +89,7 @@ class RolloutStage:
                 for c in self.engine.step():
                     k = index[c.request_id]
                     t = Trajectory(group_ids[k // G], problems[k // G], c.prompt_ids, c.output_ids,
-                                   c.logprobs, c.versions, self._finish_reason(c))
+                                   c.logprobs, c.versions, self._finish_reason(c), routes=c.routes)
                     t.sample = k % G
                     done[k] = t
                     if on_finish is not None:
@@ -201,7 +203,8 @@ class _GroupRun:
         for gid, problem, partial in groups:
             if partial:
                 requests = [Request(f"{gid}/{t.sample}", list(t.prompt_ids), params_for(gid, t.sample),
-                                    list(t.response_ids), list(t.behaviour_logprobs), list(t.versions))
+                                    list(t.response_ids), list(t.behaviour_logprobs), list(t.versions),
+                                    _routes(t))
                             for t in partial]
                 self.resumed_tokens += sum(len(t.response_ids) for t in partial)
             else:
@@ -229,8 +232,17 @@ class _GroupRun:
         for rid in self.order:
             c = self.done.get(rid) or aborted[rid]
             gid, problem, i = self.owner[rid]
-            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, self.finish_reason(c))
+            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, self.finish_reason(c),
+                           routes=c.routes)
             t.sample = i
             generated += len(c.output_ids)
             (finished if rid in self.done else unfinished).append(t)
         return {"finished": finished, "unfinished": unfinished, "generated_tokens": generated}
+
+
+def _routes(t: Trajectory) -> torch.Tensor | None:
+    """A paused sample's routes as its resumed request carries them (`[positions, L * K]`; one
+    handed over through the queue arrives flat)."""
+    if not has_routes(t):
+        return None
+    return torch.as_tensor(t.routes).reshape(len(t.prompt_ids) + len(t.response_ids) - 1, -1)
