@@ -14,10 +14,12 @@ from rlfusion.runtime.train_config import TrainConfig
 @pytest.mark.parametrize("advantage", ["grpo", "gae"])
 @pytest.mark.parametrize("kl", ["algo.kl_coef=0", "algo.kl_mode=loss", "algo.kl_mode=reward"])
 @pytest.mark.parametrize("scored_on_device", [True, False])
-def test_a_column_is_written_only_when_a_stage_reads_it(advantage, kl, scored_on_device):
-    cfg = load_config(TrainConfig, None, [f"algo.advantage={advantage}", kl])
+@pytest.mark.parametrize("routes", ["algo.routing_replay=none", "algo.routing_replay=rollout"])
+def test_a_column_is_written_only_when_a_stage_reads_it(advantage, kl, scored_on_device, routes):
+    cfg = load_config(TrainConfig, None, [f"algo.advantage={advantage}", kl, routes])
     reference = bool(cfg.algo.kl_coef)
-    written = set(dataflow.rollout_writes(scored=scored_on_device)) | set(dataflow.REWARD.writes)
+    written = (set(dataflow.rollout_writes(scored_on_device, dataflow.records_routes(cfg)))
+               | set(dataflow.REWARD.writes))
     written |= set(dataflow.reference_writes(cfg)) if reference else set()
     read = set(dataflow.advantage_reads(cfg)) | set(dataflow.actor_reads(cfg))
     if not scored_on_device:  # the scorers read the rows from the queue
@@ -26,9 +28,10 @@ def test_a_column_is_written_only_when_a_stage_reads_it(advantage, kl, scored_on
     # the advantage stage's results ride its split, never the queue
     assert not dataflow.ADVANTAGE.writes and {"advantage", "shaped_reward", "train"}.isdisjoint(
         c.name for c in dataflow.TRAJECTORY_COLUMNS)
-    # what is left unread is the finished sample's record: which policy version made each token
-    # and why it ended (the handover of paused samples reads those columns)
-    assert written - read == {"versions", "finish_reason"}
+    # what is left unread is the finished sample's record: why it ended (the handover of paused
+    # samples reads it; the update reads each token's policy version, for the mismatch by lag)
+    assert written - read == {"finish_reason"}
+    assert ("routes" in written) == (cfg.algo.routing_replay == "rollout")
 
 
 def test_the_split_carries_each_rows_advantage_and_shaped_reward():

@@ -124,6 +124,18 @@ def packed_routes(trajs: list[Trajectory], device: torch.device | str | None = N
     return torch.cat(rows).to(device)
 
 
+def stale_positions(trajs: list[Trajectory], version: int) -> torch.Tensor:
+    """Per packed position (`pack`'s order), whether the token it feeds the model was sampled
+    by a policy older than `version`: a response target by its own version, a prompt position
+    by the first response token's (the version that prefilled it); False at each last position."""
+    out: list[bool] = []
+    for t in trajs:
+        old = [v < version for v in t.versions]
+        out += [bool(old[:1] and old[0])] * (len(t.prompt_ids) - 1) + old + [False]
+        out += [False] * (t.num_tokens - len(t.prompt_ids) - len(old))  # (no versions: none stale)
+    return torch.tensor(out, dtype=torch.bool)
+
+
 def batch_routes(batch: PackedBatch, top_k: int, replay: bool) -> Routes | None:
     """The routes of a forward over `batch`: its recorded ones, replayed or only compared with
     the router's own choice; None when the batch has none."""

@@ -24,7 +24,9 @@ from rlfusion.parallel.data_parallel import (clip_grad_norm, filler_pass, group_
 from rlfusion.parallel.recompute import HostPool, SavedTensorMeter, apply_plan, fixed_plan, measured_plan
 from rlfusion.rl.kl import kl_loss
 from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
-from rlfusion.rl.trajectory import Trajectory, pack, split_by_token_budget, token_logprobs
+from rlfusion.rl.mismatch import MismatchMeter
+from rlfusion.rl.trajectory import (Trajectory, batch_routes, pack, split_by_token_budget, stale_positions,
+                                    token_logprobs)
 from rlfusion.runtime.actor_pipeline import pipeline_pass
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
 
@@ -79,6 +81,11 @@ class ActorStage:
         # expert load prediction + migration (`optim.expert_balance`)
         self.balancer = (ExpertBalancer(layout, BalanceConfig(margin=optim.expert_balance_margin))
                          if optim.expert_balance else None)
+        # routing replay (`algo.routing_replay`) and the rollout-vs-trainer mismatch of each update
+        self.replay = algo.routing_replay == "rollout"
+        self.top_k = (layout.config if layout is not None else model.config).top_k
+        self.num_moe_layers = (layout.config if layout is not None else model.config).num_moe_layers
+        self.meter = MismatchMeter()
 
     def routers(self) -> list:
         return self.pm.routers() if self.pipeline else self.model.routers()
@@ -89,6 +96,7 @@ class ActorStage:
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One or more optimizer steps on `trajs`; returns averaged metrics."""
         self.train()
+        self.meter = MismatchMeter()
         on_policy = self.algo.ppo_epochs == 1 and self.algo.minibatches == 1
         if not on_policy:
             self._set_proximal(trajs)
@@ -104,8 +112,10 @@ class ActorStage:
                 for k, v in step_metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 num_updates += 1
+        if self.dp_group is not None:
+            self.meter.reduce(self.dp_group, self.num_moe_layers)
         self.version += 1
-        return {k: v / max(num_updates, 1) for k, v in totals.items()}
+        return {**{k: v / max(num_updates, 1) for k, v in totals.items()}, **self.meter.metrics()}
 
     def skip_update(self) -> None:
         """No sample carried signal this step: the policy is unchanged, its version moves on
@@ -122,7 +132,7 @@ class ActorStage:
                 filler_pass(self.model, backward=False)
                 continue
             batch = pack(micro, self.device)
-            logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
+            logprobs_N, _ = self._forward(micro, batch)
             per_seq = logprobs_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in micro])
             for t, lp in zip(micro, per_seq):
                 t.proximal_logprobs = lp.tolist()
@@ -279,9 +289,21 @@ class ActorStage:
         self.plan = plan
         apply_plan(self.model, plan, self.pool)
 
+    def _forward(self, micro: list[Trajectory], batch, measure: bool = True):
+        """The policy's logprobs and logits over `batch` (the trajectories `micro`), its MoE
+        routed by the rollout's recorded experts with `algo.routing_replay=rollout`; `measure`:
+        this is the policy before the update, whose gap to the rollout the meter records."""
+        routes = batch_routes(batch, self.top_k, self.replay)
+        logprobs_N, logits_NV = token_logprobs(self.model, batch, self.temperature, routes)
+        if measure:
+            stale_N = stale_positions(micro, self.version).to(logprobs_N.device)
+            self.meter.add_tokens(logprobs_N, batch.behaviour_logprobs_N, batch.loss_mask_N, stale_N)
+            self.meter.add_routes(routes, self.top_k, stale_N.to(routes.given_NLK.device) if routes else stale_N)
+        return logprobs_N, logits_NV
+
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):
         batch = pack(micro, self.device)
-        logprobs_N, logits_NV = token_logprobs(self.model, batch, self.temperature)
+        logprobs_N, logits_NV = self._forward(micro, batch, measure=on_policy)
         mask = batch.loss_mask_N
         if on_policy:
             proximal = logprobs_N.detach()
@@ -301,7 +323,9 @@ class ActorStage:
             logprobs_N, proximal_N, behaviour_N, advantages_N, mask_N,
             seq_idx_N, clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
             agg=self.algo.loss_agg, behaviour_weight_cap=self.algo.behaviour_weight_cap,
-            num_tokens=num_tokens, num_seqs=num_seqs)
+            num_tokens=num_tokens, num_seqs=num_seqs, is_correction=self.algo.is_correction,
+            is_mask=(self.algo.is_mask_low, self.algo.is_mask_high),
+            seq_mask_threshold=self.algo.seq_mask_threshold)
         if self.algo.kl_coef and self.algo.kl_mode == "loss" and ref_N is not None:
             kl, m = kl_loss(logprobs_N, ref_N, mask_N, self.algo.kl_coef,
                             self.algo.kl_kind, num_tokens=num_tokens)

@@ -11,17 +11,19 @@ a stage adds, and which columns each stage reads and writes.
                                          response_len truncated [kl]) ─► the split (`RankRows`:
                                          row ids, advantages, shaped rewards), broadcast to the
                                          train devices
-    actor      (device)  get_rows(prompt_ids response_ids behaviour_logprobs [ref_logprobs]) of its
-                                  rank's rows ─► update; the first train device then retires the rows
+    actor      (device)  get_rows(prompt_ids response_ids behaviour_logprobs versions [ref_logprobs]
+                                  [routes]) of its rank's rows ─► update; the first train device then
+                                  retires the rows (`routes`: the rollout's routed experts per MoE
+                                  layer, written where it records them, `records_routes`)
     handover   (device)  hybrid placement: a late device's paused samples, put and read back with
                                   the rollout's columns
 
 The controller reads and writes no row: every stage runs on the devices. A stage reads only the
 columns it needs, and a column is written only when a stage of this run reads it: what the
 advantage stage computes rides the split it broadcasts anyway, not the queue. The exception is
-a finished row's `versions` and `finish_reason`, which the handover reads of paused rows: they
-stay with every row as the sample's record (which policy version made each token; packed, a
-byte or two per token).
+a finished row's `finish_reason`, which the handover reads of paused rows: it stays with every
+row as the sample's record (the update reads each token's policy version, `versions`, to split
+the mismatch metrics by lag; packed, a byte or two per token).
 `Trajectory` is the stages' working form of a row: `to_trajectories` and `trajectory_columns`
 translate.
 """
@@ -33,6 +35,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from rlfusion.queue import Batch, ColumnSpec, QueueConfig
 from rlfusion.rl.problem import Problem
@@ -54,6 +58,9 @@ TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
     ColumnSpec("reward_failed", "int8"),  # 1 = the user's reward failed for it (reward 0)
     ColumnSpec("ref_logprobs", "float32", variable_length=True),
     ColumnSpec("kl", "float64"),  # the sample's summed KL estimate against the reference
+    # the rollout's routed experts of each fed token per MoE layer, flat (`Trajectory.routes`;
+    # empty when not recorded); on the wire in the narrowest int type, int8 up to 127 experts
+    ColumnSpec("routes", "int16", variable_length=True),
 )
 
 
@@ -75,10 +82,12 @@ ADVANTAGE = Stage("advantage", ("reward", "correct", "reward_failed", "sample", 
                                 "truncated"), ())
 
 
-def rollout_writes(scored: bool) -> tuple[str, ...]:
+def rollout_writes(scored: bool, routes: bool = False) -> tuple[str, ...]:
     """The columns of new rows from a rollout: the problem only when the rows go in unscored
-    (the reward stage reads it then; scored here, nothing does)."""
-    return tuple(c for c in ROLLOUT.writes if c != "problem") if scored else ROLLOUT.writes
+    (the reward stage reads it then; scored here, nothing does); the routes where the rollout
+    records them (`records_routes`: the actor reads them then)."""
+    cols = tuple(c for c in ROLLOUT.writes if c != "problem") if scored else ROLLOUT.writes
+    return cols + (("routes",) if routes else ())
 
 
 def reference_writes(cfg: Any) -> tuple[str, ...]:
@@ -95,10 +104,17 @@ def advantage_reads(cfg: Any) -> tuple[str, ...]:
 def actor_reads(cfg: Any) -> list[str]:
     """The columns an update reads (its rows' advantages and shaped rewards come with the split,
     `RankRows`)."""
-    cols = ["prompt_ids", "response_ids", "behaviour_logprobs"]
+    cols = ["prompt_ids", "response_ids", "behaviour_logprobs", "versions"]  # versions: the mismatch by lag
     if cfg.algo.kl_coef and cfg.algo.kl_mode == "loss":
         cols.append("ref_logprobs")
+    if records_routes(cfg):
+        cols.append("routes")
     return cols
+
+
+def records_routes(cfg: Any) -> bool:
+    """The rollout records its routes (`rollout.record_routes`, or routing replay needs them)."""
+    return cfg.rollout.record_routes or cfg.algo.routing_replay != "none"
 
 
 def queue_config(group_size: int, capacity: int | None = None) -> QueueConfig:
@@ -167,6 +183,7 @@ class RankRows:
 
 
 _GETTERS: dict[str, Callable[[Any], Any]] = {
+    "routes": lambda t: [] if t.routes is None else torch.as_tensor(t.routes).reshape(-1),
     "response_len": lambda t: len(t.response_ids),
     "truncated": lambda t: int(t.finish_reason == "length"),
     "reward_failed": lambda t: int(t.reward_failed),

@@ -49,8 +49,9 @@ class Generator:
         self.ctx, self.stage, self.task, self.tokenizer, self.scorer = ctx, stage, task, tokenizer, scorer
         self.rollout_group: Any = None
         # StaleSync: the held samples of unfinished groups
+        self.routes = dataflow.records_routes(ctx.cfg)  # the samples carry their routes into the queue
         self.partial = PartialRollout(ctx.plan.rollout.index(ctx.device), ctx.queue, self.problem,
-                                      ctx.cfg.deploy.queue_timeout_s)
+                                      ctx.cfg.deploy.queue_timeout_s, dataflow.rollout_writes(False, self.routes))
         self._stop_sync = no_stop_sync()  # the partial rollouts' stop-rule sums since the last report
 
     def problem(self, problem_id: int) -> Problem:
@@ -98,7 +99,7 @@ class Generator:
         """The samples as new queue rows (scored: with this device's scoring columns); their row ids."""
         if scored:
             return self.scorer.put_scored(trajs)
-        return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=False))
+        return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=False, routes=self.routes))
 
     def rollout_groups(self, items: tuple[list[int], ...], version: int, quota: int, must_finish: set[int],
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:

@@ -28,8 +28,11 @@ class PartialRollout:
     partial rollouts. `queue`: the run's queue client; `problem_of(problem_id)`: a group's
     problem."""
 
-    def __init__(self, index: int, queue: Any, problem_of: Callable[[int], Problem], timeout_s: float):
+    def __init__(self, index: int, queue: Any, problem_of: Callable[[int], Problem], timeout_s: float,
+                 columns: tuple[str, ...] = dataflow.ROLLOUT.writes):
+        """`columns`: what a handed-over sample carries (the rollout's columns)."""
         self.index, self.queue, self.problem_of, self.timeout_s = index, queue, problem_of, timeout_s
+        self.columns = columns
         self.held: dict[int, list[Trajectory]] = {}  # group id -> its samples here (finished and paused)
 
     def run(self, items: list[GroupItem], run_groups: RunGroups, put: Callable[[list[Trajectory]], list[int]],
@@ -89,7 +92,7 @@ class PartialRollout:
         return groups
 
     def _read(self, rows: list[int]) -> list[Trajectory]:
-        batch = self.queue.get_rows("handover", rows, dataflow.ROLLOUT.writes, timeout=self.timeout_s)
+        batch = self.queue.get_rows("handover", rows, self.columns, timeout=self.timeout_s)
         self.queue.retire(rows)
         out = dataflow.to_trajectories(batch)
         for t, g in zip(out, batch.group_ids):
@@ -103,7 +106,7 @@ class PartialRollout:
             return []
         groups = list(self.held.items())
         samples = [t for _, s in groups for t in s]
-        cols = dataflow.trajectory_columns(samples, dataflow.ROLLOUT.writes)
+        cols = dataflow.trajectory_columns(samples, self.columns)
         rows = iter(self.queue.put(cols, group_ids=[handover_group(t.group_id) for t in samples],
                                    versions=[min(t.versions, default=0) for t in samples]))
         self.held = {}

@@ -107,7 +107,7 @@ class Scorer:
     def put_scored(self, trajs: list[Trajectory]) -> list[int]:
         """Samples scored here as new queue rows (the rollout's columns and this device's
         scoring columns); their row ids."""
-        return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=True) + self.writes)
+        return self.ctx.put_new(trajs, dataflow.rollout_writes(True, dataflow.records_routes(self.ctx.cfg)) + self.writes)
 
     # ---- shared scoring of a synchronous rollout ----
 

@@ -56,6 +56,9 @@ class RolloutConfig:
     # rollout kernels run); a precision other than training's makes the rollout's logprobs and
     # router choices differ from the trainer's (the train-inference mismatch the metrics report)
     precision: str = ""
+    # record each token's routed experts per MoE layer (native engine) for the mismatch metrics
+    # (router agreement); algo.routing_replay=rollout records them whatever this says
+    record_routes: bool = False
 
     def __post_init__(self) -> None:
         check_fields("rollout", {
@@ -88,6 +91,17 @@ class AlgoConfig:
     clip_high: float = 0.2  # > clip_low = DAPO clip-higher
     loss_agg: str = "token"
     behaviour_weight_cap: float = 2.0  # truncated importance weight for stale samples
+    # the train-inference mismatch correction of the behaviour weight w = pi_proximal /
+    # pi_behaviour (docs/usage.md): "tis" truncates w at behaviour_weight_cap; "mis" gives tokens
+    # whose w lies outside [is_mask_low, is_mask_high] no loss; "seq_mask" drops sequences whose
+    # geometric-mean w lies outside [1/seq_mask_threshold, seq_mask_threshold] and truncates the
+    # rest; "none" is w = 1. The bands are the TIS cap's factor of 2 either way: a bf16 rollout
+    # moves a token's log w by ~0.002 on average (measured), so they drop only tokens (sequences)
+    # the engine sampled from a clearly different distribution, not the usual numerical noise
+    is_correction: str = "tis"
+    is_mask_low: float = 0.5
+    is_mask_high: float = 2.0
+    seq_mask_threshold: float = 2.0
     kl_coef: float = 0.001
     kl_kind: str = "k3"
     kl_mode: str = "loss"  # "loss": KL term in the loss; "reward": penalty on the reward
@@ -116,6 +130,11 @@ class AlgoConfig:
             "clip_high": (self.clip_high > 0, "must be > 0"),
             "loss_agg": (self.loss_agg in LOSS_AGGS, f"allowed: {', '.join(LOSS_AGGS)}"),
             "behaviour_weight_cap": (self.behaviour_weight_cap >= 1, "must be >= 1"),
+            "is_correction": (self.is_correction in ("none", "tis", "mis", "seq_mask"),
+                              "allowed: none, tis, mis, seq_mask"),
+            "is_mask_low": (0 <= self.is_mask_low <= 1, "must be in [0, 1] (a fresh sample's weight, 1, stays in)"),
+            "is_mask_high": (self.is_mask_high >= 1, "must be >= 1 (a fresh sample's weight, 1, stays in)"),
+            "seq_mask_threshold": (self.seq_mask_threshold >= 1, "must be >= 1 (the band is [1/t, t])"),
             "kl_coef": (self.kl_coef >= 0, "must be >= 0"),
             "kl_kind": (self.kl_kind in KL_KINDS, f"allowed: {', '.join(KL_KINDS)}"),
             "kl_mode": (self.kl_mode in KL_MODES, f"allowed: {', '.join(KL_MODES)}"),

@@ -24,6 +24,7 @@ from rlfusion.obs.timeline import pack_spans
 from rlfusion.queue.shard_host import StorageHost
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime.base_fit import device_budget, rollout_kv_rows
+from rlfusion.runtime.dataflow import records_routes
 from rlfusion.runtime.deployment import DeploymentPlan
 from rlfusion.runtime.device_binding import bind_device, join_world, listening_store, on_host
 from rlfusion.runtime.generator import Generator
@@ -58,7 +59,7 @@ class DeviceWorker(StorageHost):
             rows = rollout_kv_rows(cfg, model.config, plan, device)
             stage = RolloutStage(self.policy, tokenizer, dataclasses.replace(cfg.rollout, max_num_seqs=rows),
                                  cfg.seed + 1000 * device, hf_base,
-                                 COMPUTE_DTYPES[cfg.rollout.precision or cfg.deploy.precision])
+                                 COMPUTE_DTYPES[cfg.rollout.precision or cfg.deploy.precision], records_routes(cfg))
         if in_layout and plan.infer_ep == 1:
             release(self.policy)  # resident only while generating (split first with infer_ep: `connect`)
         spans = SpanLog()
