@@ -68,5 +68,6 @@ class Routes:
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
-    """The narrowest signed integer type holding every expert id and `NO_ROUTE`."""
-    return torch.int8 if num_experts <= 127 else torch.int16
+    """The narrowest integer type a recorded route is kept in: one byte per expert id up to 256
+    experts (a recorded route is always an expert; `NO_ROUTE` exists only in packed batches)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16

@@ -59,7 +59,7 @@ TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
     ColumnSpec("ref_logprobs", "float32", variable_length=True),
     ColumnSpec("kl", "float64"),  # the sample's summed KL estimate against the reference
     # the rollout's routed experts of each fed token per MoE layer, flat (`Trajectory.routes`;
-    # empty when not recorded); on the wire in the narrowest int type, int8 up to 127 experts
+    # empty when not recorded); on the wire in the narrowest signed int type (int8 while every id is below 128)
     ColumnSpec("routes", "int16", variable_length=True),
 )
 
