@@ -44,7 +44,10 @@ class Routes:
         return self.given_NLK[:, layer]
 
     def observe(self, layer: int, own_NK: torch.Tensor, used_NK: torch.Tensor) -> None:
-        """What MoE layer `layer` chose by itself (`own_NK`) and routed to (`used_NK`)."""
+        """What MoE layer `layer` chose by itself (`own_NK`) and routed to (`used_NK`); once per
+        layer (a recomputed layer, in backward, routes the same tokens again)."""
+        if layer in self.overlap or (self.record and len(self.chosen) > layer):
+            return
         if self.record:
             self.chosen.append(used_NK.detach())
         if self.given_NLK is None:

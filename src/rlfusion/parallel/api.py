@@ -93,15 +93,18 @@ class ParallelModel:
         return float(local) / self.layout.dp
 
     def pipeline_pass(self, tokens_BT: torch.Tensor, side_BTK: torch.Tensor, loss_fn: Callable,
-                      n_microbatches: int, valid_BT: torch.Tensor, backward: bool = True) -> None:
+                      n_microbatches: int, valid_BT: torch.Tensor, backward: bool = True,
+                      routes_BTX: torch.Tensor | None = None) -> None:
         """One pass of the pipeline schedule over this data-parallel rank's rows, padded to one
         shape: `tokens_BT` enter the first stage; `side_BTK` (the per-token inputs the loss
         reads: targets, masks, advantages, old logprobs...) is split into micro-batches like
         the rows and reaches `loss_fn(logits_bTV, side_bTK)` on the last stage, whose losses are
         summed, not averaged (a loss normalized by the global batch); with `backward`
         gradients accumulate (1F1B or interleaved 1F1B), else the pass is forward only.
-        `valid_BT` marks real tokens: only they count in the routers' load. Every rank of the
-        pipeline passes the same shapes (the first and last stage read the tensors)."""
+        `valid_BT` marks real tokens: only they count in the routers' load. `routes_BTX`: MoE
+        routes to replay (`PipelineChunk.forward`), split into micro-batches like the rows and
+        given to every stage. Every rank of the pipeline passes the same shapes (the first and
+        last stage read the tensors)."""
         self._ensure_schedule(tokens_BT.shape, n_microbatches)
         self._loss_now = loss_fn
         self.routing.set_valid(list(valid_BT.tensor_split(n_microbatches)))
@@ -110,8 +113,9 @@ class ParallelModel:
         args = (tokens_BT,) if pp_index == 0 else ()
         target = side_BTK if pp_index == pp - 1 else None
         run = self._schedule.step if backward else self._schedule.eval
+        kwargs = {"routes": routes_BTX} if routes_BTX is not None else {}
         try:
-            run(*args, target=target, return_outputs=False)
+            run(*args, target=target, return_outputs=False, **kwargs)
         finally:
             self.routing.set_valid(None)
             self._loss_now = self.loss_fn

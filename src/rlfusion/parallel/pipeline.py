@@ -21,6 +21,7 @@ from torch import nn
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.flops import head_matmul_flops, layer_matmul_flops
 from rlfusion.model.kv_cache import AttnContext
+from rlfusion.model.routes import Routes
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.partition import partition, ranges
 
@@ -34,13 +35,23 @@ class PipelineChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, last)})
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
+        self.top_k = model.config.top_k
+        self.replay = False  # route by the given routes (else only compare with them)
+        self.observed: list[Routes] = []  # this pass's routes, per micro-batch (the mismatch metrics)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens `[B, T]` (first stage) or hidden `[B, T, D]` → hidden, or logits `[B, T, V]`."""
+    def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens `[B, T]` (first stage) or hidden `[B, T, D]` → hidden, or logits `[B, T, V]`.
+        `routes` `[B, T, L * K]`: the rollout's experts per token and MoE layer, replayed with
+        `replay` else compared (`model.routes`; every stage gets the micro-batch's, each uses its
+        own layers')."""
         x_BTD = self.embed(x) if self.embed is not None else x
         ctx = AttnContext.build(x_BTD.shape[0], x_BTD.shape[1], None, x_BTD.device)
+        given = None
+        if routes is not None:
+            given = Routes(routes.flatten(0, 1).view(x_BTD.shape[0] * x_BTD.shape[1], -1, self.top_k), self.replay)
+            self.observed.append(given)
         for layer in self.layers.values():
-            x_BTD = layer(x_BTD, ctx)
+            x_BTD = layer(x_BTD, ctx, given)
         if self.norm is None:
             return x_BTD
         return self.lm_head(self.norm(x_BTD))

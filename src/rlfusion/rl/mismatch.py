@@ -63,6 +63,17 @@ class MismatchMeter:
             self.sums[f"differs{name}"] += float((differs & keep).sum())
             self.sums[f"fed{name}"] += float(keep.sum())
 
+    def add_layer_overlap(self, routes: Routes) -> None:
+        """One pipeline stage's comparison over its own MoE layers (the share of tokens routed
+        differently needs every layer of a token at once, which no stage has)."""
+        for layer, (shared, tokens) in routes.overlap.items():
+            self.sums[f"shared{layer}"] += shared
+            self.sums[f"compared{layer}"] += tokens * self.top_k(routes)
+
+    @staticmethod
+    def top_k(routes: Routes) -> int:
+        return routes.given_NLK.shape[-1]
+
     def reduce(self, group, num_layers: int) -> None:
         """Sum the sums over a data-parallel `group` (collective; every rank calls it)."""
         import torch.distributed as dist

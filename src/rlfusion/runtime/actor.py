@@ -112,8 +112,9 @@ class ActorStage:
                 for k, v in step_metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 num_updates += 1
-        if self.dp_group is not None:
-            self.meter.reduce(self.dp_group, self.num_moe_layers)
+        for group in (self.dp_group, self.stage_group):  # (a pipeline's stages each saw their own layers)
+            if group is not None:
+                self.meter.reduce(group, self.num_moe_layers)
         self.version += 1
         return {**{k: v / max(num_updates, 1) for k, v in totals.items()}, **self.meter.metrics()}
 
@@ -339,9 +340,11 @@ class ActorStage:
     # ---- the pipeline: padded micro-batches, the loss on the last stage (`actor_pipeline.py`) ----
 
     def _pipeline_pass(self, trajs, on_policy, num_tokens, num_seqs, backward: bool):
+        measure = on_policy or not backward  # the policy before the update: the mismatch meter's
         return pipeline_pass(self.pm, trajs, self._loss, temperature=self.temperature,
                              microbatch_tokens=self.optim_cfg.microbatch_tokens, dp_group=self.dp_group,
-                             on_policy=on_policy, num_tokens=num_tokens, num_seqs=num_seqs, backward=backward)
+                             on_policy=on_policy, num_tokens=num_tokens, num_seqs=num_seqs, backward=backward,
+                             replay=self.replay, meter=self.meter if measure else None, version=self.version)
 
 
 def _chunks(items: list, n: int) -> list[list]:
