@@ -116,3 +116,30 @@ def test_routes_compare_only_where_recorded():
     routes.observe(0, torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 2], [3, 4]]))
     assert routes.agreement(2) == {0: 0.5}  # one token compared, one of its two experts shared
     assert routes.differs_N.tolist() == [True, False]
+
+
+def test_the_reference_replays_the_rollouts_routes_when_asked(base):
+    from rlfusion.runtime.reference_stage import ReferenceStage
+
+    model, tokenizer = base
+    trajs = _trajs(_generate(model, _requests(tokenizer, n=32, temperature=1.0), dtype=torch.bfloat16))
+    _, _, replayed_N = _forward(model, trajs, replay=True)
+    _, _, own_N = _forward(model, trajs, replay=False)
+    batch = pack(trajs)
+    for replay, want_N in ((True, replayed_N), (False, own_N)):
+        ReferenceStage(copy.deepcopy(model), 1.0, 1 << 20, replay=replay).logprobs(trajs)
+        got = torch.tensor([x for t in trajs for x in t.ref_logprobs])
+        assert torch.allclose(got, want_N[batch.loss_mask_N.bool()].detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("items, match", [
+    (["algo.routing_replay_reference=true"], "reference replays the routes the actor replays"),
+    (["algo.routing_replay=rollout", "rollout.backend=vllm"], "recorded by the native engine"),
+    (["algo.routing_replay=sometimes"], "allowed: none, rollout"),
+])
+def test_bad_replay_settings_are_one_line(items, match):
+    from rlfusion.config import load_config
+    from rlfusion.runtime.train_config import TrainConfig
+
+    with pytest.raises(ValueError, match=match):
+        load_config(TrainConfig, None, items)

@@ -96,6 +96,11 @@ def reference_writes(cfg: Any) -> tuple[str, ...]:
     return ("ref_logprobs",) if cfg.algo.kl_mode == "loss" else ("kl",)
 
 
+def reference_reads(cfg: Any) -> tuple[str, ...]:
+    """What the reference stage reads: with `algo.routing_replay_reference` also the routes."""
+    return REFERENCE.reads + (("routes",) if cfg.algo.routing_replay_reference else ())
+
+
 def advantage_reads(cfg: Any) -> tuple[str, ...]:
     """What the advantage stage reads: with KL reward shaping also each row's KL."""
     return ADVANTAGE.reads + (("kl",) if cfg.algo.kl_coef and cfg.algo.kl_mode == "reward" else ())

@@ -8,21 +8,23 @@ import torch
 
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.kl import kl_estimate
-from rlfusion.rl.trajectory import Trajectory, device_of, pack, split_by_token_budget, token_logprobs
+from rlfusion.rl.trajectory import Trajectory, batch_routes, device_of, pack, split_by_token_budget, token_logprobs
 
 
 class ReferenceStage:
     """Log-probabilities of each response under the frozen reference (base) model."""
 
-    def __init__(self, model: MoETransformer, temperature: float, microbatch_tokens: int):
+    def __init__(self, model: MoETransformer, temperature: float, microbatch_tokens: int, replay: bool = False):
+        """`replay`: route each token by the rollout's recorded experts (`algo.routing_replay_reference`)."""
         self.model = model.eval().requires_grad_(False)
-        self.temperature, self.microbatch_tokens = temperature, microbatch_tokens
+        self.temperature, self.microbatch_tokens, self.replay = temperature, microbatch_tokens, replay
 
     @torch.no_grad()
     def logprobs(self, trajs: list[Trajectory]) -> None:
         for micro in split_by_token_budget(trajs, self.microbatch_tokens):
             batch = pack(micro, device_of(self.model))
-            logprobs_N, _ = token_logprobs(self.model, batch, self.temperature)
+            routes = batch_routes(batch, self.model.config.top_k, replay=True) if self.replay else None
+            logprobs_N, _ = token_logprobs(self.model, batch, self.temperature, routes)
             mask = batch.loss_mask_N.bool()
             per_seq = logprobs_N[mask].split([len(t.response_ids) for t in micro])
             for t, lp in zip(micro, per_seq):

@@ -59,7 +59,8 @@ class Scorer:
             reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens, name=cfg.reward,
                                  timeout_s=cfg.reward_timeout_s, reward_range=(cfg.reward_min, cfg.reward_max),
                                  failure_limit=cfg.reward_failure_limit)
-        reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens)
+        reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens,
+                                    replay=cfg.algo.routing_replay_reference)
                      if "reference" in roles and cfg.algo.kl_coef else None)
         return cls(ctx, reward, reference)
 
@@ -76,18 +77,19 @@ class Scorer:
         (StaleSync's batch) — and write those columns back. Each role reads as its own
         consumer, so a row is scored by exactly one device per role."""
         ctx = self.ctx
-        reference = (dataflow.REFERENCE, reference_rows, dataflow.reference_writes(ctx.cfg), self._reference)
-        for stage, rows, writes, run in ((dataflow.REWARD, reward_rows, dataflow.REWARD.writes, self._reward),
-                                         reference):
+        reference = (dataflow.REFERENCE.name, dataflow.reference_reads(ctx.cfg), reference_rows,
+                     dataflow.reference_writes(ctx.cfg), self._reference)
+        for name, reads, rows, writes, run in ((dataflow.REWARD.name, dataflow.REWARD.reads, reward_rows,
+                                                dataflow.REWARD.writes, self._reward), reference):
             if not rows:
                 continue
             timeout = ctx.cfg.deploy.queue_timeout_s
             rows = rows if isinstance(rows, int) else runs_rows(rows)  # ids cross as runs (`row_runs`)
             count = rows if isinstance(rows, int) else len(rows)
             with ctx.spans.span("queue"):
-                batch = dataflow.read_rows(ctx.queue, stage.name, stage.reads, rows, timeout)
+                batch = dataflow.read_rows(ctx.queue, name, reads, rows, timeout)
             if len(batch) != count:
-                raise RunError(f"stage {stage.name!r} on device {ctx.device} waited {timeout:g} s for "
+                raise RunError(f"stage {name!r} on device {ctx.device} waited {timeout:g} s for "
                                f"{count} rows and got {len(batch)} (deploy.queue_timeout_s)")
             trajs = dataflow.to_trajectories(batch)
             run(trajs)
@@ -120,7 +122,7 @@ class Scorer:
         two finish together. Returns the rows scored here and how many of them are not of `mine`
         (this device's groups)."""
         ctx, cfg = self.ctx, self.ctx.cfg
-        reads = tuple(dict.fromkeys(dataflow.REWARD.reads + (dataflow.REFERENCE.reads if self.reference else ())))
+        reads = tuple(dict.fromkeys(dataflow.REWARD.reads + (dataflow.reference_reads(cfg) if self.reference else ())))
         total = len(groups) * cfg.rollout.group_size
         chunk = max(SHARE_CHUNK_ROWS, -(-total // SHARE_TAKES))
         own = sorted(mine)

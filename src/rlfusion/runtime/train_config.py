@@ -285,6 +285,14 @@ class TrainConfig:
 
     def _check_training_options(self) -> None:
         """Options of the actor's update that need a particular training layout."""
+        if self.algo.routing_replay_reference and self.algo.routing_replay == "none":
+            raise ValueError("algo.routing_replay_reference=true is invalid with algo.routing_replay=none: the "
+                             "reference replays the routes the actor replays (set algo.routing_replay=rollout)")
+        if (self.algo.routing_replay != "none" or self.rollout.record_routes) and self.rollout.backend != "native":
+            raise ValueError(f"algo.routing_replay={self.algo.routing_replay} / rollout.record_routes="
+                             f"{str(self.rollout.record_routes).lower()} is invalid with rollout.backend="
+                             f"{self.rollout.backend}: the routes are recorded by the native engine (vLLM's "
+                             "offline API here returns no routed experts; allowed: native)")
         if self.optim.expert_balance and self.deploy.train_ep < 2:
             raise ValueError(f"optim.expert_balance=true is invalid with deploy.train_ep={self.deploy.train_ep}: "
                              "it migrates experts between expert-parallel devices (set deploy.train_ep >= 2)")

@@ -79,6 +79,9 @@ class RLTrainer:
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
         if plan.train_layout or plan.infer_ep > 1:
             _check_train_layout(cfg, plan, model.config)
+        if (cfg.algo.routing_replay != "none" or cfg.rollout.record_routes) and not model.config.num_moe_layers:
+            raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} / rollout.record_routes is invalid with "
+                             f"the base {base_path}: it has no MoE layer, so there are no routes to record or replay")
         if cfg.rollout.backend == "vllm":
             check_vllm_rollout(cfg, model, base_path)
         if cfg.reward != "task":  # a bad spec is named here, not as a device that failed to start
