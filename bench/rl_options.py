@@ -14,7 +14,9 @@ and what expert balancing does to a skewed router.
    the measured max/mean routed-token load per device in the placement the update ran with
    (`expert_load_max_over_mean`), with balancing on and off (off: margin 0.99, so the load is
    measured but no layer ever migrates); the first update runs in the built placement either
-   way, later ones, with balancing, in the migrated one.
+   way, later ones, with balancing, in the migrated one. A third run predicts the load from the
+   experts the rollout engine recorded for the update's tokens (`optim.expert_balance_source=
+   rollout`) instead of the trainer's own counts.
 
     python bench/rl_options.py           # 5 rounds, 8 balancing updates (~6 min)
     python bench/rl_options.py --quick   # 2 rounds, 4 updates
@@ -89,13 +91,17 @@ def recompute(out: Path, rounds: int, modes: tuple[str, ...] = RECOMPUTE) -> dic
     return out_rows
 
 
-def balancing(out: Path, updates: int) -> dict[bool, list[float]]:
+BALANCING = (False, True, "rollout")  # off, on with the trainer's counts, on with the rollout's routes
+
+
+def balancing(out: Path, updates: int) -> dict:
     base = skewed_base(out)
-    loads: dict[bool, list[float]] = {}
-    for on in (False, True):
+    loads: dict = {}
+    for on in BALANCING:
         # off: the balancer measures and predicts but never migrates (no improvement reaches the margin)
+        source = ["optim.expert_balance_source=rollout"] if on == "rollout" else []
         t = trainer(out, f"balance_{on}", base, "deploy.train_ep=2", "optim.expert_balance=true",
-                    f"optim.expert_balance_margin={0.05 if on else 0.99}")
+                    f"optim.expert_balance_margin={0.05 if on else 0.99}", *source)
         try:
             loads[on] = []
             for _ in range(updates):
@@ -124,7 +130,7 @@ def main() -> None:
     # updates: the first runs in the built placement, so >= 2
     rounds, updates = (1, 2) if args.smoke else (2, 4) if args.quick else (5, 8)
     modes = SMOKE_RECOMPUTE if args.smoke else RECOMPUTE
-    ray.init(address="local", num_cpus=2 * (len(modes) + 2), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2 * (len(modes) + 3), include_dashboard=False, log_to_driver=False, configure_logging=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         rc = recompute(out, rounds, modes)
@@ -138,12 +144,14 @@ def main() -> None:
         x = rc[m]
         print(f"| {m} | {x['act']:.1f} | {x['host']:.1f} | {x['saving']:.0%} | {x['cost']:.2f}x |")
     print(f"\n## expert balancing, deploy.train_ep=2, experts 0-3 hot (bias +{HOT_BIAS}), {updates} updates")
-    for on in (False, True):
-        print(f"expert_balance={str(on).lower()}: first update {loads[on][0]:.2f}, later median "
+    for on in BALANCING:
+        name = "true, the rollout's routes" if on == "rollout" else str(on).lower()
+        print(f"expert_balance={name}: first update {loads[on][0]:.2f}, later median "
               f"{measured_imbalance(loads[on]):.2f}")
     print()
     print(f"target recompute_full_activation_saving: {rc['full']['saving']:.2f} (goal >= 0.70)")
     print(f"target expert_balance_max_over_mean: {measured_imbalance(loads[True]):.2f} (goal <= 1.10)")
+    print(f"target expert_balance_rollout_source_max_over_mean: {measured_imbalance(loads['rollout']):.2f} (goal <= 1.10)")
 
 
 if __name__ == "__main__":

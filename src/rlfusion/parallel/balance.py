@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rlfusion.model.moe import MoE, Router
+from rlfusion.model.routes import NO_ROUTE
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.recompute import is_recomputing
 
@@ -266,6 +267,10 @@ class ExpertBalancer:
         if not pairs:
             raise ValueError("ExpertBalancer needs a model parallelized with layout.ep > 1")
         self.cfg, self.experts = cfg, [e for _, e in pairs]
+        # each balanced layer's index among the model's MoE layers (`Block.moe_index`)
+        self.moe_layers = [int(name.split(".")[1]) - pm.config.num_dense_layers for c in pm.chunks
+                           for name, m in c.named_modules() if isinstance(m, MoE) and isinstance(m.experts, ExpertParallelExperts)]
+        self.num_moe_layers = pm.config.num_moe_layers
         routing = getattr(pm, "routing", None)  # a pipeline's padded micro-batches
         self.tracker = ExpertLoadTracker([r for r, _ in pairs], routing.valid_of if routing else None)
         dp_group = pm.mesh.group("dp") if pm.layout.dp > 1 else None
@@ -273,8 +278,23 @@ class ExpertBalancer:
         num_experts = pairs[0][0].num_experts
         self.placements = [list(range(num_experts)) for _ in pairs]
 
-    def step(self, optimizer=None) -> BalanceReport:
-        pred_ME = self.predictor.update(self.tracker.take())
+    def load_of(self, routes_NX: torch.Tensor | None) -> torch.Tensor:
+        """Per balanced layer, the tokens routed to each expert by recorded routes (`[N, L * K]`,
+        `NO_ROUTE` rows not counted; None: no tokens)."""
+        E = len(self.placements[0])
+        counts_ME = torch.zeros(len(self.moe_layers), E, dtype=torch.float64)
+        if routes_NX is not None:
+            ids_NLK = routes_NX.view(len(routes_NX), -1, len(routes_NX[0]) // self.num_moe_layers)
+            for m, layer in enumerate(self.moe_layers):
+                fed_NK = ids_NLK[:, layer][ids_NLK[:, layer, 0] != NO_ROUTE]
+                counts_ME[m] = torch.bincount(fed_NK.flatten(), minlength=E).double()
+        return counts_ME
+
+    def step(self, optimizer=None, counts_ME: torch.Tensor | None = None) -> BalanceReport:
+        """`counts_ME`: this interval's per-layer expert load from elsewhere (the rollout's
+        recorded routes) instead of what this rank's routers counted."""
+        counted_ME = self.tracker.take()
+        pred_ME = self.predictor.update(counted_ME if counts_ME is None else counts_ME.double())
         report = BalanceReport()
         for m, module in enumerate(self.experts):
             P, current = module.ep.size, self.placements[m]

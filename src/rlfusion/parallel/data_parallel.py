@@ -221,3 +221,23 @@ def filler_pass(model: nn.Module, backward: bool) -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds this rank's data (the local shard of a DTensor)."""
     return t._local_tensor if is_dtensor(t) else t
+
+
+def any_rank(flag: bool, groups) -> bool:
+    """Whether any rank of the given groups (None: no group) raised `flag` (collective)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def sum_router_loads(routers: list, group: Any) -> None:
+    """Each router's `tokens_per_expert` summed over the data-parallel `group` (every replica
+    then sees the load of the whole batch)."""
+    if not routers:
+        return
+    flat = torch.cat([r.tokens_per_expert for r in routers])
+    dist.all_reduce(flat, group=group)
+    for r, load in zip(routers, flat.split([r.tokens_per_expert.numel() for r in routers])):
+        r.tokens_per_expert.copy_(load)

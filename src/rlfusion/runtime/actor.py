@@ -19,13 +19,13 @@ from torch import nn
 from rlfusion.errors import RunError
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel.balance import BalanceConfig, ExpertBalancer
-from rlfusion.parallel.data_parallel import (clip_grad_norm, filler_pass, group_sum, lockstep_count,
-                                             sum_over_replicas)
+from rlfusion.parallel.data_parallel import (any_rank, clip_grad_norm, filler_pass, group_sum, lockstep_count,
+                                             sum_over_replicas, sum_router_loads)
 from rlfusion.parallel.recompute import HostPool, SavedTensorMeter, apply_plan, fixed_plan, measured_plan
 from rlfusion.rl.kl import kl_loss
 from rlfusion.rl.policy_loss import entropy_bonus, entropy_from_logits, ppo_policy_loss
 from rlfusion.rl.mismatch import MismatchMeter
-from rlfusion.rl.trajectory import (Trajectory, batch_routes, pack, split_by_token_budget, stale_positions,
+from rlfusion.rl.trajectory import (Trajectory, batch_routes, pack, packed_routes, split_by_token_budget, stale_positions,
                                     token_logprobs)
 from rlfusion.runtime.actor_pipeline import pipeline_pass
 from rlfusion.runtime.train_config import AlgoConfig, OptimConfig
@@ -164,7 +164,7 @@ class ActorStage:
         for p in self.params:
             if p.grad is None and id(p) in self.expert_params:
                 p.grad = torch.zeros_like(p)
-        if self._any_rank(bad_loss is not None) and bad_loss is None:
+        if any_rank(bad_loss is not None, (self.dp_group, self.stage_group)) and bad_loss is None:
             bad_loss = float("nan")  # another rank's loss
         if bad_loss is not None:
             raise NonFiniteLossError(f"loss became {bad_loss} at policy version {self.version}")
@@ -180,7 +180,8 @@ class ActorStage:
             raise NonFiniteLossError(f"gradient norm became {grad_norm.item()} at policy version {self.version}")
         self.optimizer.step()
         if self.balancer is not None:  # the load this update measured → migrate for the next one
-            report = self.balancer.step(self.optimizer)
+            rollout = self.optim_cfg.expert_balance_source == "rollout"  # its recorded routes' load, else the trainer's
+            report = self.balancer.step(self.optimizer, self.balancer.load_of(packed_routes(trajs)) if rollout else None)
             metrics["expert_load_max_over_mean"] = max(layer.measured for layer in report.layers)
             metrics["expert_migrated_layers"] = float(sum(layer.migrated for layer in report.layers))
             metrics["expert_migrated_mb"] = report.bytes_moved / 2**20
@@ -191,7 +192,7 @@ class ActorStage:
             self._activations = [0, 0]
         if self.optim_cfg.router_bias_update:
             if self.dp_group is not None:  # every replica sees the load of the whole batch
-                self._sum_router_loads()
+                sum_router_loads(self.routers(), self.dp_group)
             rate = (self.pm.config if self.pipeline else self.model.config).bias_update_rate
             for router in self.routers():
                 router.update_bias(rate)
@@ -205,23 +206,6 @@ class ActorStage:
     def _global_counts(self, trajs: list[Trajectory]) -> tuple[int, int]:
         tokens, seqs = group_sum([sum(len(t.response_ids) for t in trajs), len(trajs)], self.dp_group)
         return tokens, seqs
-
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether any train rank (data parallel, and every pipeline stage) raised `flag`."""
-        t = torch.tensor([int(flag)], dtype=torch.int64)
-        for group in (self.dp_group, self.stage_group):
-            if group is not None:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item())
-
-    def _sum_router_loads(self) -> None:
-        routers = self.routers()
-        if not routers:
-            return
-        flat = torch.cat([r.tokens_per_expert for r in routers])
-        dist.all_reduce(flat, group=self.dp_group)
-        for r, load in zip(routers, flat.split([r.tokens_per_expert.numel() for r in routers])):
-            r.tokens_per_expert.copy_(load)
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
         params = self.params

@@ -118,8 +118,10 @@ def actor_reads(cfg: Any) -> list[str]:
 
 
 def records_routes(cfg: Any) -> bool:
-    """The rollout records its routes (`rollout.record_routes`, or routing replay needs them)."""
-    return cfg.rollout.record_routes or cfg.algo.routing_replay != "none"
+    """The rollout records its routes (`rollout.record_routes`, or routing replay or the expert
+    balancer's rollout load needs them)."""
+    return (cfg.rollout.record_routes or cfg.algo.routing_replay != "none"
+            or (cfg.optim.expert_balance and cfg.optim.expert_balance_source == "rollout"))
 
 
 def queue_config(group_size: int, capacity: int | None = None) -> QueueConfig:

@@ -183,6 +183,10 @@ class OptimConfig:
     # weights, in logical expert order
     expert_balance: bool = False
     expert_balance_margin: float = 0.05
+    # what predicts the experts' load: "trainer" (the tokens each update's forward routed) or
+    # "rollout" (the experts the rollout engine recorded for the update's tokens: the load the
+    # policy put on them when it sampled; records the routes)
+    expert_balance_source: str = "trainer"
     # how the update's rows are split over data-parallel ranks: "tokens" (equal tokens) or
     # "cost" (equal a*tokens + b*tokens^2, attention's quadratic term included, from the model
     # shape: a long sequence costs more than the same tokens in short ones)
@@ -204,6 +208,7 @@ class OptimConfig:
                                      "must be > 0 with optim.recompute=plan (the planner fits activations "
                                      "into it), else >= 0"),
             "expert_balance_margin": (0 <= self.expert_balance_margin < 1, "must be in [0, 1)"),
+            "expert_balance_source": (self.expert_balance_source in ("trainer", "rollout"), "allowed: trainer, rollout"),
             "dp_balance": (self.dp_balance in DP_BALANCE, f"allowed: {', '.join(DP_BALANCE)}"),
         }, self)
 
@@ -288,6 +293,9 @@ class TrainConfig:
         if self.algo.routing_replay_reference and self.algo.routing_replay == "none":
             raise ValueError("algo.routing_replay_reference=true is invalid with algo.routing_replay=none: the "
                              "reference replays the routes the actor replays (set algo.routing_replay=rollout)")
+        if self.optim.expert_balance_source == "rollout" and not self.optim.expert_balance:
+            raise ValueError("optim.expert_balance_source=rollout is invalid with optim.expert_balance=false: it "
+                             "chooses what predicts the balancer's load (set optim.expert_balance=true)")
         if (self.algo.routing_replay != "none" or self.rollout.record_routes) and self.rollout.backend != "native":
             raise ValueError(f"algo.routing_replay={self.algo.routing_replay} / rollout.record_routes="
                              f"{str(self.rollout.record_routes).lower()} is invalid with rollout.backend="
