@@ -20,6 +20,10 @@ DEFAULT_PANELS: dict[str, list[str]] = {
     "accuracy": ["heldout_accuracy"],
     "kl": ["kl"],
     "response_length": ["response_length_mean", "response_length_max"],
+    # the rollout's policy against the trainer's on the same tokens (rl/mismatch.py); drawn where
+    # a run reports them
+    "mismatch": ["mismatch_kl", "mismatch_kl_lag0", "mismatch_kl_lag1"],
+    "routing": ["router_agreement", "routed_differently_share"],
 }
 # (title, y-axis label) of the default panels; other panels use their name for both.
 _LABELS = {
@@ -27,6 +31,8 @@ _LABELS = {
     "accuracy": ("Held-out accuracy", "accuracy"),
     "kl": ("KL to reference", "KL estimate"),
     "response_length": ("Response length", "tokens"),
+    "mismatch": ("Rollout vs trainer", "token KL(rollout || train)"),
+    "routing": ("MoE routing, rollout vs trainer", "share"),
 }
 _MAX_POINTS_WITH_MARKERS = 40  # sparse series (e.g. eval every N steps) need visible points
 _PANEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
