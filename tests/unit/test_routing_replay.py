@@ -143,3 +143,38 @@ def test_bad_replay_settings_are_one_line(items, match):
 
     with pytest.raises(ValueError, match=match):
         load_config(TrainConfig, None, items)
+
+
+def test_a_resume_across_a_policy_version_keeps_the_routes_tokens_were_sampled_with(base):
+    """Aborted, the weights change (a new policy version), resumed by re-prefilling: the
+    positions fed before the abort keep the routes of the version that fed them; the ones fed
+    after carry the new version's."""
+    model, tokenizer = base
+    m = copy.deepcopy(model)
+    engine = LLMEngine(m, EngineConfig(max_num_seqs=8, record_routes=True))
+    for r in _requests(tokenizer, n=6, temperature=1.0):
+        engine.add_request(r)
+    for _ in range(4):
+        engine.step()
+    aborted = [c for c in engine.abort({str(i) for i in range(6)}) if c.output_ids]
+    before = {c.request_id: c.routes.clone() for c in aborted}
+    with torch.no_grad():
+        for router in m.routers():  # the next version routes differently
+            router.weight.copy_(torch.randn_like(router.weight))
+    engine.policy_version = 1
+    for c in engine.generate([Request.resume(c) for c in aborted]):
+        old = before[c.request_id]
+        assert torch.equal(c.routes[:len(old)], old)
+        assert len(c.routes) == len(c.prompt_ids) + len(c.output_ids) - 1 and c.versions[-1] == 1
+
+
+def test_same_precision_replayed_and_unreplayed_gradients_are_equal(base):
+    model, tokenizer = base
+    trajs = _trajs(_generate(model, _requests(tokenizer)))
+    grads = []
+    for replay in (False, True):
+        m = copy.deepcopy(model).train()
+        batch, _, logprobs_N = _forward(m, trajs, replay=replay)
+        (logprobs_N * batch.loss_mask_N).sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
