@@ -142,6 +142,13 @@ class MemoryLedger:
         if name is not None:
             self._enter(name)
 
+    def fresh(self) -> "MemoryLedger":
+        """A ledger holding the same entries (each category's parts apart) with no phase peaks
+        yet: the next interval's (peaks are per step)."""
+        new = MemoryLedger(self.device, read_allocator=self.reads_allocator, budget_bytes=self.budget_bytes)
+        new._entries = {key: _Entry(entry.nbytes, dict(entry.storages)) for key, entry in self._entries.items()}
+        return new
+
     def part_peaks(self, category: str, name: str = "") -> dict[str, int]:
         """Per phase, the most device bytes the part `name` of `category` held in it."""
         return {phase: parts.get((category, name), 0) for phase, parts in self._part_peaks.items()}

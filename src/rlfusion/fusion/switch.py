@@ -255,7 +255,7 @@ class DeviceSwitch:
         # the actor's weights on the device per phase: the policy (or its rollout replica) and a
         # training layout's shards (the reference's and critic's copies not counted)
         policy, shards = self.ledger.part_peaks("weights"), self.ledger.part_peaks("weights", "train")
-        self.ledger = _fresh_ledger(self.ledger)
+        self.ledger = self.ledger.fresh()
         out = {**{f"peaks/{phase}": v for phase, v in peaks.items()},
                **{f"actor_weight_peaks/{phase}": v + shards.get(phase, 0) for phase, v in policy.items()},
                **{f"allocator_peaks/{phase}": v for phase, v in allocator.items()},
@@ -268,14 +268,3 @@ def _ledger(device: int, where: torch.device, budget_bytes: int) -> MemoryLedger
     if where.type == "cuda":  # the allocator's peaks per phase beside the tracked tensors
         return MemoryLedger(f"cuda:{where.index or 0}", read_allocator=True, budget_bytes=budget_bytes)
     return MemoryLedger(f"device{device}", budget_bytes=budget_bytes)
-
-
-def _fresh_ledger(old: MemoryLedger) -> MemoryLedger:
-    """A ledger with the same current bytes and no phase peaks yet (peaks are per step)."""
-    new = MemoryLedger(old.device, read_allocator=old.reads_allocator, budget_bytes=old.budget_bytes)
-    for location, cats in old.snapshot().items():
-        for category, nbytes in cats.items():
-            if nbytes:
-                new.set(category, nbytes, location=location)
-    return new
-
