@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 FINISH_REASONS = ("stop", "length", "aborted")
 
@@ -47,7 +46,7 @@ class Request:
     # with an engine that records routes: the routed experts of each token fed so far, per MoE
     # layer (`[positions, L * K]`, the first positions first; `model.routes`), kept across an
     # abort so a resumed request keeps the routes its tokens were sampled with
-    routes: torch.Tensor | None = None
+    routes: Any = None  # a torch.Tensor (this module is imported without torch by the simulator)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -76,4 +75,4 @@ class Completion:
     versions: list[int]
     finish_reason: str  # one of FINISH_REASONS
     params: SamplingParams = field(default_factory=SamplingParams)
-    routes: torch.Tensor | None = None  # `Request.routes` (the engine recorded them)
+    routes: Any = None  # `Request.routes` (the engine recorded them)
