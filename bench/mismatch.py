@@ -53,8 +53,7 @@ def rollout(model, tokenizer, task, prompts: int, samples: int, dtype, seed: int
     requests = [Request(f"{i}/{j}", encode_prompt(tokenizer, p.prompt), params)
                 for i, p in enumerate(problems) for j in range(samples)]
     engine = LLMEngine(model, EngineConfig(max_num_seqs=128, seed=seed, compute_dtype=dtype, record_routes=True))
-    return [Trajectory(0, None, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason, routes=c.routes)
-            for c in engine.generate(requests)]
+    return [Trajectory.of_completion(c) for c in engine.generate(requests)]
 
 
 @torch.no_grad()
@@ -68,7 +67,7 @@ def score(model, trajs: list[Trajectory], replay: bool) -> dict[str, float]:
         logprobs_N, _ = token_logprobs(model, batch, routes=routes)
         stale_N = torch.zeros(len(batch.tokens_N), dtype=torch.bool)
         meter.add_tokens(logprobs_N, batch.behaviour_logprobs_N, batch.loss_mask_N, stale_N)
-        meter.add_routes(routes, model.config.top_k, stale_N)
+        meter.add_routes(routes, stale_N)
     return meter.metrics()
 
 

@@ -52,7 +52,7 @@ def _trajs(tok, model):
                             for r in _requests(tok)])
     out = []
     for i, c in enumerate(done):
-        t = Trajectory(0, None, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
+        t = Trajectory.of_completion(c)
         t.advantage = 1.0 if i % 2 else -1.0
         out.append(t)
     return out
@@ -132,7 +132,7 @@ def test_vllm_logprobs_agree_with_the_trainer():
     engine = VLLMEngine.from_model(model, seed=0, max_num_seqs=16, gpu_memory_utilization=0.3)
     done = engine.generate([Request(r.request_id, r.prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=24))
                             for r in _requests(tok, n=16)])
-    trajs = [Trajectory(0, None, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason) for c in done]
+    trajs = [Trajectory.of_completion(c) for c in done]
     batch = pack(trajs, CUDA)
     with torch.no_grad():
         trainer_N, _ = token_logprobs(model.eval(), batch, 1.0)

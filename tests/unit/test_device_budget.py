@@ -154,7 +154,7 @@ def _trajs(switch: DeviceSwitch, tok: CharTokenizer) -> list[Trajectory]:
         done = switch.engine.generate([Request(str(i), [tok.bos_id, *tok.encode(f"{i}+1=")], params) for i in range(4)])
     out = []
     for i, c in enumerate(done):
-        t = Trajectory(0, None, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason)
+        t = Trajectory.of_completion(c)
         t.advantage = 1.0 if i % 2 else -1.0
         out.append(t)
     return out

@@ -42,8 +42,7 @@ def _generate(model, requests, dtype=None, seed=0):
 
 
 def _trajs(completions):
-    return [Trajectory(0, None, c.prompt_ids, c.output_ids, c.logprobs, c.versions, c.finish_reason,
-                       routes=c.routes) for c in completions]
+    return [Trajectory.of_completion(c) for c in completions]
 
 
 def _forward(model, trajs, replay, record=False):
@@ -87,7 +86,7 @@ def test_same_precision_replay_changes_nothing(base):
     trajs = _trajs(_generate(model, _requests(tokenizer)))
     m = copy.deepcopy(model).train()
     _, own, own_lp = _forward(m, trajs, replay=False)
-    assert own.agreement(m.config.top_k) and all(a == 1.0 for a in own.agreement(m.config.top_k).values())
+    assert own.agreement() and all(a == 1.0 for a in own.agreement().values())
     _, _, replay_lp = _forward(m, trajs, replay=True)
     assert torch.equal(own_lp, replay_lp)
 
@@ -98,7 +97,7 @@ def test_a_bf16_rollout_differs_and_replay_routes_by_it_with_a_router_gradient(b
     m = copy.deepcopy(model).train()
     top_k = m.config.top_k
     _, own, _ = _forward(m, trajs, replay=False)
-    agreement = own.agreement(top_k)
+    agreement = own.agreement()
     assert min(agreement.values()) < 1.0  # bf16 matmuls flip some of the fp32 router's choices
     assert own.differs_N.any()
     batch, replayed, logprobs_N = _forward(m, trajs, replay=True, record=True)
@@ -114,7 +113,7 @@ def test_a_bf16_rollout_differs_and_replay_routes_by_it_with_a_router_gradient(b
 def test_routes_compare_only_where_recorded():
     routes = Routes(torch.tensor([[[0, 1]], [[NO_ROUTE, NO_ROUTE]]]), replay=False)
     routes.observe(0, torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 2], [3, 4]]))
-    assert routes.agreement(2) == {0: 0.5}  # one token compared, one of its two experts shared
+    assert routes.agreement() == {0: 0.5}  # one token compared, one of its two experts shared
     assert routes.differs_N.tolist() == [True, False]
 
 

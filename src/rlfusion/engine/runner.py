@@ -144,8 +144,8 @@ class ModelRunner:
         routes = Routes(record=True) if self.record_routes else None
         logits_1NV = self.model(tokens_1N, CacheBatch(self.cache, slot_start, start_B),
                                 packed=PackedSeqs.from_lengths(lengths), routes=routes)
-        for s in seqs:
-            s.num_cached = 0  # (a re-prefilled request: its earlier cache is gone)
+        for s in seqs:  # a prefill computes every position anew (a waiting request whose saved row
+            s.num_cached = 0  # found no free slot is prefilled too): its routes start at position 0
         if routes is not None:
             self._keep_routes(seqs, routes, lengths)
         for s, n in zip(seqs, lengths):

@@ -61,8 +61,9 @@ class Routes:
         differs_N = has_N & (shared_N < own_NK.shape[1])
         self.differs_N = differs_N if self.differs_N is None else self.differs_N | differs_N.to(self.differs_N.device)
 
-    def agreement(self, top_k: int) -> dict[int, float]:
+    def agreement(self) -> dict[int, float]:
         """Per MoE layer: the share of the router's own top-k experts that were the given ones."""
+        top_k = self.given_NLK.shape[-1] if self.given_NLK is not None else 1
         return {layer: shared / (tokens * top_k) for layer, (shared, tokens) in sorted(self.overlap.items()) if tokens}
 
     def recorded_NLK(self) -> torch.Tensor:

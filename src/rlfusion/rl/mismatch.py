@@ -23,9 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from rlfusion.model.routes import Routes
-
-LAGS = ("lag0", "lag1")  # tokens of the trained version; of an older one
+from rlfusion.model.routes import NO_ROUTE, Routes
 
 
 class MismatchMeter:
@@ -50,14 +48,13 @@ class MismatchMeter:
                 self.sums[f"kl{name}"] += float(k.sum())
                 self.sums[f"tokens{name}"] += len(d)
 
-    def add_routes(self, routes: Routes | None, top_k: int, stale_N: torch.Tensor) -> None:
-        """A forward's comparison of the trainer's own routing with the rollout's."""
+    def add_routes(self, routes: Routes | None, stale_N: torch.Tensor) -> None:
+        """A forward's comparison of the trainer's own routing with the rollout's, over every MoE
+        layer of each token."""
         if routes is None or not routes.overlap:
             return
-        for layer, (shared, tokens) in routes.overlap.items():
-            self.sums[f"shared{layer}"] += shared
-            self.sums[f"compared{layer}"] += tokens * top_k
-        fed = routes.given_NLK[:, 0, 0] != -1
+        self.add_layer_overlap(routes)
+        fed = routes.given_NLK[:, 0, 0] != NO_ROUTE
         differs = routes.differs_N if routes.differs_N is not None else torch.zeros_like(fed)
         for name, keep in (("", fed), ("_lag0", fed & ~stale_N), ("_lag1", fed & stale_N)):
             self.sums[f"differs{name}"] += float((differs & keep).sum())
@@ -66,13 +63,10 @@ class MismatchMeter:
     def add_layer_overlap(self, routes: Routes) -> None:
         """One pipeline stage's comparison over its own MoE layers (the share of tokens routed
         differently needs every layer of a token at once, which no stage has)."""
+        top_k = routes.given_NLK.shape[-1]
         for layer, (shared, tokens) in routes.overlap.items():
             self.sums[f"shared{layer}"] += shared
-            self.sums[f"compared{layer}"] += tokens * self.top_k(routes)
-
-    @staticmethod
-    def top_k(routes: Routes) -> int:
-        return routes.given_NLK.shape[-1]
+            self.sums[f"compared{layer}"] += tokens * top_k
 
     def reduce(self, group, num_layers: int) -> None:
         """Sum the sums over a data-parallel `group` (collective; every rank calls it)."""

@@ -52,6 +52,15 @@ class Trajectory:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @classmethod
+    def of_completion(cls, c: Any, group_id: int = 0, problem: Problem | None = None,
+                      finish_reason: str | None = None) -> "Trajectory":
+        """A rollout engine's completion (`engine.types.Completion`) as a sample of group
+        `group_id`: its tokens, logprobs, versions and routes (`finish_reason`: the completion's
+        unless given)."""
+        return cls(group_id, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions,
+                   finish_reason or c.finish_reason, routes=c.routes)
+
 
 @dataclass
 class PackedBatch:
@@ -131,7 +140,7 @@ def stale_positions(trajs: list[Trajectory], version: int) -> torch.Tensor:
     out: list[bool] = []
     for t in trajs:
         old = [v < version for v in t.versions]
-        out += [bool(old[:1] and old[0])] * (len(t.prompt_ids) - 1) + old + [False]
+        out += [bool(old) and old[0]] * (len(t.prompt_ids) - 1) + old + [False]
         out += [False] * (t.num_tokens - len(t.prompt_ids) - len(old))  # (no versions: none stale)
     return torch.tensor(out, dtype=torch.bool)
 

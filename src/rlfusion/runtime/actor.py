@@ -283,7 +283,7 @@ class ActorStage:
         if measure:
             stale_N = stale_positions(micro, self.version).to(logprobs_N.device)
             self.meter.add_tokens(logprobs_N, batch.behaviour_logprobs_N, batch.loss_mask_N, stale_N)
-            self.meter.add_routes(routes, self.top_k, stale_N.to(routes.given_NLK.device) if routes else stale_N)
+            self.meter.add_routes(routes, stale_N)
         return logprobs_N, logits_NV
 
     def _micro_loss(self, micro, on_policy, num_tokens, num_seqs):

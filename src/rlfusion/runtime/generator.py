@@ -130,7 +130,7 @@ class Generator:
         device's rollout engine from the current policy."""
         heldout = self.task.heldout()
         problems = [heldout[i] for i in indices]
-        if not problems and self.ctx.switch.pm is None and getattr(self.stage.engine, "lockstep", None) is None:
+        if not problems and self.ctx.switch.pm is None and self.ctx.plan.infer_ep == 1:
             # (a layout's switch is collective, and so is a lock-step engine's stepping: join them anyway)
             return []
         model, engine = self.stage.model, self.stage.engine

@@ -88,8 +88,7 @@ class RolloutStage:
             while self.engine.has_unfinished():
                 for c in self.engine.step():
                     k = index[c.request_id]
-                    t = Trajectory(group_ids[k // G], problems[k // G], c.prompt_ids, c.output_ids,
-                                   c.logprobs, c.versions, self._finish_reason(c), routes=c.routes)
+                    t = Trajectory.of_completion(c, group_ids[k // G], problems[k // G], self._finish_reason(c))
                     t.sample = k % G
                     done[k] = t
                     if on_finish is not None:
@@ -232,8 +231,7 @@ class _GroupRun:
         for rid in self.order:
             c = self.done.get(rid) or aborted[rid]
             gid, problem, i = self.owner[rid]
-            t = Trajectory(gid, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions, self.finish_reason(c),
-                           routes=c.routes)
+            t = Trajectory.of_completion(c, gid, problem, self.finish_reason(c))
             t.sample = i
             generated += len(c.output_ids)
             (finished if rid in self.done else unfinished).append(t)
