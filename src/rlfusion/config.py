@@ -104,8 +104,15 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ValueError(errors[0])
     if dataclasses.is_dataclass(hint):
+        shorthand = getattr(hint, "SHORTHAND", None)
+        if isinstance(value, _Override) and shorthand:
+            value = {shorthand: value}
         if not isinstance(value, dict):
+            if shorthand and isinstance(value, str):
+                return from_dict(hint, {shorthand: value}, prefix=key + ".")
             raise ValueError(f"config key {key!r} must be a table, got {value!r}")
+        if _PLAIN in value and shorthand:
+            value = {shorthand: value[_PLAIN], **{k: v for k, v in value.items() if k != _PLAIN}}
         return from_dict(hint, value, prefix=key + ".")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
@@ -158,10 +165,21 @@ def _parse_scalar(raw: str) -> Any:
         return raw
 
 
+# a section's plain value kept beside its dotted keys (`env=mod:Cls env.max_turns=3`): the
+# section's SHORTHAND field
+_PLAIN = "\0plain"
+
+
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     for part in parents:
+        parent = data
         data = data.setdefault(part, {})
+        if isinstance(data, _Override | str):
+            data = parent[part] = {_PLAIN: data}
         if not isinstance(data, dict):
             raise ValueError(f"override {key!r}: {part!r} is not a table")
+    if isinstance(data.get(leaf), dict) and not isinstance(value, dict):
+        data[leaf][_PLAIN] = value
+        return
     data[leaf] = value

@@ -33,13 +33,26 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
 
 def evaluate(model: MoETransformer, tokenizer: Tokenizer, problems: list[Problem],
              reward_fn: RewardFn, max_new_tokens: int = 200, k: int = 0,
-             max_num_seqs: int = MAX_NUM_SEQS, seed: int = 0) -> EvalResult:
+             max_num_seqs: int = MAX_NUM_SEQS, seed: int = 0, env: Any = None) -> EvalResult:
+    """`env` (an `EnvConfig` with a name): each problem is a greedy episode with that environment;
+    one that fails scores 0. (`k` samples single-turn.)"""
     was_training = model.training
     model.eval()
     max_new = eval_max_new_tokens(tokenizer, problems, max_new_tokens, model.config.max_seq_len)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, seed=seed))
-    completions = greedy_completions(engine, tokenizer, problems, max_new)
-    scored = [(reward_fn(tokenizer.decode(c.output_ids), p), len(c.output_ids)) for c, p in zip(completions, problems)]
+    if env is not None and env.name:
+        from rlfusion.runtime.episodes import EpisodeRunner
+
+        episodes = EpisodeRunner.build(engine, tokenizer, env, failure_limit=1.0)
+        try:
+            results = greedy_episodes(episodes, tokenizer, problems, max_new)
+        finally:
+            episodes.close()
+        scored = [(0.0 if failed else reward_fn(tokenizer.decode(c.output_ids), p), len(c.output_ids))
+                  for (c, failed), p in zip(results, problems)]
+    else:
+        completions = greedy_completions(engine, tokenizer, problems, max_new)
+        scored = [(reward_fn(tokenizer.decode(c.output_ids), p), len(c.output_ids)) for c, p in zip(completions, problems)]
     pass_k = None
     if k > 0:
         sampled = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_ids=(tokenizer.eos_id,))
@@ -66,6 +79,22 @@ def greedy_completions(engine: Any, tokenizer: Tokenizer, problems: list[Problem
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,))
     requests = [Request(f"eval/{i}", encode_prompt(tokenizer, p.prompt), greedy) for i, p in enumerate(problems)]
     return run_to_completion(engine, requests)
+
+
+def greedy_episodes(episodes: Any, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int) -> list:
+    """One greedy episode per problem (`runtime.episodes.EpisodeRunner`): `(completion, failed)`
+    each, in problem order; `max_new_tokens` counts the observations too."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                            stop_ids=(tokenizer.eos_id, *episodes.stop_ids))
+    requests = [Request(f"eval/{i}", encode_prompt(tokenizer, p.prompt), greedy) for i, p in enumerate(problems)]
+    for r, p in zip(requests, problems):
+        episodes.add_request(r, p)
+    done: dict[str, Any] = {}
+    while episodes.has_unfinished():
+        for c in episodes.step():
+            done[c.request_id] = c
+    return [(done[r.request_id], episodes.episode_fields(r.request_id, finished=True)["env_failed"])
+            for r in requests]
 
 
 def _score(model, tokenizer, problems, reward_fn, params, k, max_num_seqs, seed):

@@ -54,14 +54,22 @@ class LLMEngine:
     holds_weights = False  # generates from the module it was given: nothing to load into it
 
     def add_request(self, request: Request) -> None:
-        """Queue `request`; one aborted with `keep_cache` whose tokens are still those of its
-        saved row continues from that row (else the row is dropped and it is prefilled)."""
+        """Queue `request`; one with a saved cache row (aborted with `keep_cache`, or a turn that
+        kept its row on stop) continues from that row: it decodes on, or first prefills the
+        tokens added since (an observation). The row holds the keys and values of the request's
+        first tokens: the caller adds tokens, never changes them (a row longer than the request
+        is dropped and it is prefilled)."""
         saved = self.runner.saved.get(request.request_id)
         n = len(request.prompt_ids) + len(request.output_ids) - 1
-        if saved is not None and saved[0] != n:
+        if saved is not None and saved[0] > n:
             del self.runner.saved[request.request_id]
             saved = None
-        self.scheduler.add(request, cached=n if saved is not None else 0)
+        self.scheduler.add(request, cached=saved[0] if saved is not None else 0)
+
+    def drop_row(self, request_id: str) -> None:
+        """Forget the saved cache row of `request_id`, if any (an episode that ended after a turn
+        whose row was kept for its continuation)."""
+        self.runner.saved.pop(request_id, None)
 
     def drop_saved(self) -> int:
         """Forget every saved cache row no queued request is using (their requests resume
@@ -116,7 +124,15 @@ class LLMEngine:
         asks as often as the others, and all get the same answer)."""
         if self.lockstep is None:
             return self.scheduler.has_unfinished()
-        return bool(self._group_max([self.scheduler.has_unfinished()])[0])
+        return self.any_in_group(self.scheduler.has_unfinished())
+
+    def has_work(self) -> bool:
+        """Requests left on this engine (never collective)."""
+        return self.scheduler.has_unfinished()
+
+    def any_in_group(self, flag: bool) -> bool:
+        """Whether `flag` holds on any member of the lock-step group (collective)."""
+        return bool(self._group_max([flag])[0])
 
     def _group_max(self, flags: list[bool]) -> list[int]:
         t = torch.tensor(flags, dtype=torch.int32)
@@ -131,27 +147,32 @@ class LLMEngine:
         rows, a prefill pass where any admits new ones), and one with no rows for a pass joins
         it with an empty pass, since each MoE layer of the pass exchanges tokens across the group."""
         plan = self.scheduler.schedule()
-        passes = (False, False)
+        passes = (0, 0, 0)
         if self.lockstep is not None:
-            decode, prefill = self._group_max([bool(plan.decode), bool(plan.prefill)])
-            passes = (bool(decode), bool(prefill))
+            passes = tuple(self._group_max([bool(plan.decode), len({s.num_new for s in plan.extend}),
+                                            bool(plan.prefill)]))
             if not any(passes):
                 return []
         elif plan.is_empty:
             return []
         tokens, logprobs = self.runner.execute(plan, passes)
         self.num_steps += 1
-        finished = []
-        for seq, token, logprob in zip(plan.decode + plan.prefill, tokens, logprobs):
+        ended = []
+        for seq, token, logprob in zip(plan.decode + plan.extend + plan.prefill, tokens, logprobs):
             req = seq.request
             req.output_ids.append(token)
             req.logprobs.append(logprob)
             req.versions.append(self.policy_version)
+            if req.output_mask is not None:
+                req.output_mask.append(1)
             reason = finish_reason(seq, token, self.runner.max_seq_len)
             if reason:
-                self.scheduler.finish(seq)
-                finished.append(_completion(seq, reason))
-        return finished
+                ended.append((seq, reason))
+        # rows kept for a continuation are read before any finished row's slot is reused
+        self.runner.save_rows([seq for seq, reason in ended if reason == "stop" and seq.request.keep_row_on_stop])
+        for seq, _ in ended:
+            self.scheduler.finish(seq)
+        return [_completion(seq, reason) for seq, reason in ended]
 
     def abort(self, request_ids, keep_cache: bool = False) -> list[Completion]:
         """Stop the given requests now; their partial outputs come back with reason `aborted`.
@@ -194,4 +215,5 @@ def finish_reason(seq: Sequence, token: int, max_seq_len: int) -> str | None:
 def _completion(seq: Sequence, reason: str) -> Completion:
     r = seq.request
     return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), list(r.logprobs),
-                      list(r.versions), reason, r.params, r.routes)
+                      list(r.versions), reason, r.params, r.routes,
+                      None if r.output_mask is None else list(r.output_mask))

@@ -1,5 +1,5 @@
 """Model runner: owns the KV cache and executes a `StepPlan` — moves, restores, permutation,
-decode, prefill, sampling.
+decode, extend, prefill, sampling.
 
 It also holds the saved cache rows of paused requests (`save_rows`, in host memory: they outlive
 the cache while it is released for training), which a plan's `restores` copy back.
@@ -47,10 +47,11 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, passes: tuple[bool, bool] = (False, False)) -> tuple[list[int], list[float]]:
-        """Run one step; returns the next token and its logprob for `plan.decode + plan.prefill`.
-        `passes` (lock-step engines): a decode / prefill pass the group runs although this plan
-        has no rows for it — this member joins it with an empty pass (`idle_pass`)."""
+    def execute(self, plan: StepPlan, passes: tuple[int, int, int] = (0, 0, 0)) -> tuple[list[int], list[float]]:
+        """Run one step; returns the next token and its logprob for `plan.decode + plan.extend +
+        plan.prefill`. `passes` (lock-step engines): the decode passes (0 or 1), extend passes and
+        prefill passes (0 or 1) the group runs — this member joins those its plan has no rows
+        for with empty passes (`idle_pass`)."""
         for src, dst in plan.moves:
             self.cache.move_slot(src, dst)
         for seq, slot in plan.restores:
@@ -60,13 +61,26 @@ class ModelRunner:
         if plan.permutation:
             self.cache.permute_slots(plan.permutation, max(s.num_cached for s in plan.decode))
         logits, st = [], self.stats
+        extends = _by_new_length(plan.extend)
         with autocast(self.device, self.compute_dtype):
             if passes[0] and not plan.decode:
                 self.idle_pass()
-            self._passes(plan, logits, st)
-            if passes[1] and not plan.prefill:
+            if plan.decode:
+                self._timed("decode", lambda: logits.append(self._decode(plan.decode)), rows=len(plan.decode),
+                            context=sum(s.num_cached + 1 for s in plan.decode))  # positions attended
+            slot = len(plan.decode)
+            for group in extends:
+                self._timed("extend", lambda: logits.append(self._extend(group, slot)), rows=len(group),
+                            tokens=sum(s.num_new for s in group))
+                slot += len(group)
+            for _ in range(passes[1] - len(extends)):
                 self.idle_pass()
-        seqs = plan.decode + plan.prefill
+            if plan.prefill:
+                self._timed("prefill", lambda: logits.append(self._prefill(plan.prefill, slot_start=slot)),
+                            tokens=sum(s.num_tokens for s in plan.prefill))
+            if passes[2] and not plan.prefill:
+                self.idle_pass()
+        seqs = plan.decode + plan.extend + plan.prefill
         if not seqs:
             return [], []
         tokens_B, logprobs_B = sample(torch.cat(logits).float(), [s.request.params for s in seqs],
@@ -95,20 +109,15 @@ class ModelRunner:
     def saved_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, row in self.saved.values() for t in row)
 
-    def _passes(self, plan: StepPlan, logits: list[torch.Tensor], st: dict[str, float]) -> None:
-        if plan.decode:
-            t0 = time.perf_counter()
-            logits.append(self._decode(plan.decode))
-            st["decode_passes"] += 1
-            st["decode_rows"] += len(plan.decode)
-            st["decode_context"] += sum(s.num_cached for s in plan.decode)  # positions attended
-            st["decode_s"] += time.perf_counter() - t0
-        if plan.prefill:
-            t0 = time.perf_counter()
-            logits.append(self._prefill(plan.prefill, slot_start=len(plan.decode)))
-            st["prefill_passes"] += 1
-            st["prefill_tokens"] += sum(s.num_tokens for s in plan.prefill)
-            st["prefill_s"] += time.perf_counter() - t0
+    def _timed(self, kind: str, run, **counts: int) -> None:
+        """`run()` one pass of `kind`, counted in the stats with its rows / tokens / context (the
+        positions a decode pass attended)."""
+        t0 = time.perf_counter()
+        run()
+        self.stats[f"{kind}_passes"] += 1
+        for name, n in counts.items():
+            self.stats[f"{kind}_{name}"] += n
+        self.stats[f"{kind}_s"] += time.perf_counter() - t0
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         tokens_B1 = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
@@ -116,16 +125,30 @@ class ModelRunner:
         routes = Routes(record=True) if self.record_routes else None
         logits_B1V = self.model(tokens_B1, CacheBatch(self.cache, 0, start_B), routes=routes)
         if routes is not None:
-            self._keep_routes(seqs, routes, [1] * len(seqs))
+            self._keep_routes(seqs, routes.recorded_NLK(), [1] * len(seqs))
         for s in seqs:
             s.num_cached += 1
         return logits_B1V[:, -1]
 
-    def _keep_routes(self, seqs: list[Sequence], routes: Routes, lengths: list[int]) -> None:
+    def _extend(self, seqs: list[Sequence], slot_start: int) -> torch.Tensor:
+        """Feed rows restored short of their tokens (`StepPlan.extend`, each adding the same
+        number T of tokens) their new tokens, after their cached positions."""
+        T = seqs[0].num_new
+        tokens_BT = torch.tensor([s.token_ids[s.num_cached:] for s in seqs], device=self.device)
+        start_B = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        routes = Routes(record=True) if self.record_routes else None
+        logits_BTV = self.model(tokens_BT, CacheBatch(self.cache, slot_start, start_B), routes=routes)
+        if routes is not None:
+            self._keep_routes(seqs, routes.recorded_NLK(), [T] * len(seqs))
+        for s in seqs:
+            s.num_cached += T
+        return logits_BTV[:, -1]
+
+    def _keep_routes(self, seqs: list[Sequence], chosen_NLK: torch.Tensor, lengths: list[int]) -> None:
         """Append what the pass routed to each sequence's request: its tokens' positions after
         those it already has routes for (a resumed request re-prefilled keeps the routes its
         earlier tokens were sampled with)."""
-        chosen_NX = routes.recorded_NLK().to("cpu", self.route_dtype).flatten(1)
+        chosen_NX = chosen_NLK.to("cpu", self.route_dtype).flatten(1)
         for s, part in zip(seqs, chosen_NX.split(lengths)):
             r = s.request
             have = 0 if r.routes is None else len(r.routes)
@@ -147,11 +170,22 @@ class ModelRunner:
         for s in seqs:  # a prefill computes every position anew (a waiting request whose saved row
             s.num_cached = 0  # found no free slot is prefilled too): its routes start at position 0
         if routes is not None:
-            self._keep_routes(seqs, routes, lengths)
+            self._keep_routes(seqs, routes.recorded_NLK(), lengths)
         for s, n in zip(seqs, lengths):
             s.num_cached = n
         last_B = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return logits_1NV[0, last_B]
+
+
+def _by_new_length(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Runs of consecutive sequences adding the same number of tokens (the plan orders them)."""
+    runs: list[list[Sequence]] = []
+    for s in seqs:
+        if runs and runs[-1][0].num_new == s.num_new:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -166,5 +200,6 @@ def fresh_stats() -> dict[str, float]:
     (`decode_context`: the positions the decode rows attended, summed; `idle_*`: a lock-step
     engine's empty passes; 0 where an engine does not report it)."""
     return dict.fromkeys(("decode_passes", "decode_rows", "decode_context", "decode_s", "prefill_passes",
-                          "prefill_tokens", "prefill_s", "restored_tokens", "idle_passes", "idle_s"), 0.0)
+                          "prefill_tokens", "prefill_s", "extend_passes", "extend_rows", "extend_tokens",
+                          "extend_s", "restored_tokens", "idle_passes", "idle_s"), 0.0)
 

@@ -17,6 +17,10 @@ longest first; when the order's reads exceed the sorted order's by
 A request added with its keys and values already saved (`add(request, cached=n)`: an aborted
 request whose cache row the engine kept) needs no prefill: it takes the next free slot, the
 plan's `restores` tell the runner to copy its saved row there, and it decodes in the same step.
+One whose saved row holds fewer than all its tokens but the last (the next turn of an episode:
+the row of the turn before, the tokens now followed by an observation) is restored the same way
+into a slot after the running block and `extend`ed: only its new tokens are prefilled, into its
+row after the saved positions; it decodes from the next step on.
 """
 
 from __future__ import annotations
@@ -70,14 +74,19 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.request.output_ids)
 
+    @property
+    def num_new(self) -> int:
+        """Tokens not in the cache (in a restored row): what feeding it computes."""
+        return self.num_tokens - self.num_cached
+
 
 @dataclass
 class StepPlan:
     """One engine step: cache-row moves and a permutation, then a decode pass, then a prefill
     pass over new rows.
 
-    `decode` sequences occupy slots `[0, len(decode))`; `prefill` sequences occupy the slots
-    right after them, in order.
+    `decode` sequences occupy slots `[0, len(decode))`; `extend` sequences the slots right after
+    them, then `prefill` sequences, in order.
     """
 
     moves: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
@@ -86,16 +95,20 @@ class StepPlan:
     # after the moves: new slot i takes the running row of old slot permutation[i]
     permutation: list[int] | None = None
     decode: list[Sequence] = field(default_factory=list)
+    # restored rows that prefill their tokens after the saved positions, in the slots right
+    # after the decode rows, rows of equal new length together (one pass per length)
+    extend: list[Sequence] = field(default_factory=list)
     prefill: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decode or self.prefill)
+        return not (self.decode or self.extend or self.prefill)
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the runner computes: one per decode row plus every prefill token (packed)."""
-        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
+        """Tokens the runner computes: one per decode row, each extended row's new tokens and
+        every prefill token (packed)."""
+        return len(self.decode) + sum(s.num_new for s in self.extend) + sum(s.num_tokens for s in self.prefill)
 
 
 class Scheduler:
@@ -109,13 +122,14 @@ class Scheduler:
 
     def add(self, request: Request, cached: int = 0) -> None:
         """Queue `request`. `cached`: its first `cached` tokens' keys and values are saved (the
-        engine restores them instead of a prefill); they must be all its tokens but the last."""
+        engine restores them instead of a prefill; all but the last: it decodes at once, fewer:
+        the rest is `extend`ed)."""
         if request.request_id in self._live_ids:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         seq = Sequence(request, num_cached=cached)
-        if cached and cached != seq.num_tokens - 1:
+        if not 0 <= cached < seq.num_tokens:
             raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens: a saved cache row "
-                             f"must hold all but the last, not {cached}")
+                             f"holds at most all but the last, not {cached}")
         if seq.num_tokens >= self.config.max_seq_len:
             raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens; the "
                              f"KV cache holds {self.config.max_seq_len} per sequence")
@@ -139,6 +153,7 @@ class Scheduler:
         plan.decode = list(self.running)
         # The runner prefills new rows packed (no padding), so the budget counts their tokens.
         budget = self.config.max_num_batched_tokens - len(plan.decode)
+        budget = self._admit_extends(plan, budget)
         free = self.config.max_num_seqs - len(self.running)
         if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
             return plan
@@ -163,7 +178,7 @@ class Scheduler:
             return
         keep: deque[Sequence] = deque()
         for seq in self.waiting:
-            if seq.num_cached and len(self.running) < self.config.max_num_seqs:
+            if seq.num_cached and seq.num_new == 1 and len(self.running) < self.config.max_num_seqs:
                 seq.slot = len(self.running)
                 self.running.append(seq)
                 plan.restores.append((seq, seq.slot))
@@ -171,6 +186,29 @@ class Scheduler:
             else:
                 keep.append(seq)
         self.waiting = keep
+
+    def _admit_extends(self, plan: StepPlan, budget: int) -> int:
+        """Waiting requests with a saved row short of their tokens take the slots after the
+        running block while slots and the token budget allow (in waiting order), grouped by how
+        many tokens they add; returns the budget left."""
+        if not any(s.num_cached for s in self.waiting):
+            return budget
+        keep: deque[Sequence] = deque()
+        for seq in self.waiting:
+            if (seq.num_cached and seq.num_new <= budget
+                    and len(self.running) + len(plan.extend) < self.config.max_num_seqs):
+                plan.extend.append(seq)
+                budget -= seq.num_new
+            else:
+                keep.append(seq)
+        self.waiting = keep
+        plan.extend.sort(key=lambda s: s.num_new)
+        for seq in plan.extend:
+            seq.slot = len(self.running)
+            self.running.append(seq)
+            plan.restores.append((seq, seq.slot))
+            self._reordered = True
+        return budget
 
     def _longest_first(self) -> list[int] | None:
         """Reorder the running rows longest first when that cuts the decode pass's reads by

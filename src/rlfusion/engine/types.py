@@ -47,6 +47,12 @@ class Request:
     # layer (`[positions, L * K]`, the first positions first; `model.routes`), kept across an
     # abort so a resumed request keeps the routes its tokens were sampled with
     routes: Any = None  # a torch.Tensor (this module is imported without torch by the simulator)
+    # a turn of a multi-turn episode (`rl/episodes.py`): `output_ids` may hold observation tokens
+    # an environment appended, marked 0 here (1: sampled; None: every output token was sampled),
+    # and the cache row is kept when the request stops on a stop id, so its continuation (the
+    # same tokens plus an observation) prefills only the new tokens
+    output_mask: list[int] | None = None
+    keep_row_on_stop: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -54,13 +60,16 @@ class Request:
         if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
             raise ValueError(f"request {self.request_id!r}: output_ids, logprobs and versions "
                              "must have the same length")
+        if self.output_mask is not None and len(self.output_mask) != len(self.output_ids):
+            raise ValueError(f"request {self.request_id!r}: output_mask has {len(self.output_mask)} entries "
+                             f"for {len(self.output_ids)} output tokens")
 
     @classmethod
     def resume(cls, completion: "Completion") -> "Request":
         """Continue an aborted completion."""
         return cls(completion.request_id, list(completion.prompt_ids), completion.params,
                    list(completion.output_ids), list(completion.logprobs), list(completion.versions),
-                   completion.routes)
+                   completion.routes, _copy(completion.output_mask))
 
 
 @dataclass
@@ -76,3 +85,8 @@ class Completion:
     finish_reason: str  # one of FINISH_REASONS
     params: SamplingParams = field(default_factory=SamplingParams)
     routes: Any = None  # `Request.routes` (the engine recorded them)
+    output_mask: list[int] | None = None  # `Request.output_mask`, with the tokens sampled since
+
+
+def _copy(mask: list[int] | None) -> list[int] | None:
+    return None if mask is None else list(mask)

@@ -47,6 +47,11 @@ class Trajectory:
     # the rollout's routed experts of every token it fed (all but the last), per MoE layer:
     # `[num_tokens - 1, L * K]` from the engine, flat from the queue (`model.routes`); None: not recorded
     routes: Any = None
+    # a multi-turn episode's: 1 where the response token was sampled, 0 where an environment
+    # appended it (an observation: no loss, no advantage, no KL); None: every token was sampled
+    response_mask: list[int] | None = None
+    env_reward: float = 0.0  # the rewards its environment's steps returned, summed
+    env_failed: bool = False  # its environment failed (reward 0, counted)
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +64,12 @@ class Trajectory:
         `group_id`: its tokens, logprobs, versions and routes (`finish_reason`: the completion's
         unless given)."""
         return cls(group_id, problem, c.prompt_ids, c.output_ids, c.logprobs, c.versions,
-                   finish_reason or c.finish_reason, routes=c.routes)
+                   finish_reason or c.finish_reason, routes=c.routes, response_mask=c.output_mask)
+
+    @property
+    def sampled(self) -> list[int]:
+        """Per response token, 1 where the policy sampled it (0: an observation)."""
+        return [1] * len(self.response_ids) if self.response_mask is None else list(self.response_mask)
 
 
 @dataclass
@@ -67,7 +77,9 @@ class PackedBatch:
     """Prompt + response of each trajectory concatenated along one token axis.
 
     Position t predicts token t + 1, so every per-token field is aligned with `targets_N`;
-    `loss_mask_N` is 1 exactly where the target is a response token.
+    `response_N` is True exactly where the target is a response token (the per-response values
+    are read there), `loss_mask_N` 1 where it is a sampled one (an episode's observation tokens
+    are response tokens the policy did not sample: no loss, advantage or KL there).
     """
 
     tokens_N: torch.Tensor  # int64
@@ -81,6 +93,11 @@ class PackedBatch:
     # the rollout's routes per position, `[N, L * K]` int64 (`NO_ROUTE` rows: none recorded, as
     # at each sequence's last position); None when no trajectory has them
     routes_NX: torch.Tensor | None = None
+    response_N: torch.Tensor | None = None  # bool; None: `loss_mask_N` (no observation tokens)
+
+    def __post_init__(self) -> None:
+        if self.response_N is None:
+            self.response_N = self.loss_mask_N.bool()
 
     @property
     def num_response_tokens(self) -> int:
@@ -89,16 +106,18 @@ class PackedBatch:
 
 def pack(trajs: list[Trajectory], device: torch.device | str | None = None) -> PackedBatch:
     """The samples as one packed batch, its tensors on `device` (default: the CPU)."""
-    tokens, targets, mask, seq_idx, adv, behaviour, ref = [], [], [], [], [], [], []
+    tokens, targets, mask, response, seq_idx, adv, behaviour, ref = [], [], [], [], [], [], [], []
     for s, t in enumerate(trajs):
         ids = t.prompt_ids + t.response_ids
         P, R = len(t.prompt_ids), len(t.response_ids)
+        sampled = t.sampled
         tokens += ids
         targets += ids[1:] + [0]
-        mask += [0.0] * (P - 1) + [1.0] * R + [0.0]
+        mask += [0.0] * (P - 1) + [float(m) for m in sampled] + [0.0]
+        response += [False] * (P - 1) + [True] * R + [False]
         seq_idx += [s] * len(ids)
-        adv += [0.0] * (P - 1) + (t.token_advantages or [t.advantage] * R) + [0.0]
-        behaviour += [0.0] * (P - 1) + list(t.behaviour_logprobs) + [0.0]
+        adv += [0.0] * (P - 1) + [a * m for a, m in zip(t.token_advantages or [t.advantage] * R, sampled)] + [0.0]
+        behaviour += [0.0] * (P - 1) + [b * m for b, m in zip(t.behaviour_logprobs, sampled)] + [0.0]
         if t.ref_logprobs is not None:
             ref += [0.0] * (P - 1) + list(t.ref_logprobs) + [0.0]
     has_ref = bool(trajs) and all(t.ref_logprobs is not None for t in trajs)
@@ -109,7 +128,7 @@ def pack(trajs: list[Trajectory], device: torch.device | str | None = None) -> P
         seq_idx_N=i64(seq_idx), advantages_N=f32(adv), behaviour_logprobs_N=f32(behaviour),
         ref_logprobs_N=f32(ref) if has_ref else None,
         packed=PackedSeqs.from_lengths([t.num_tokens for t in trajs]),
-        routes_NX=packed_routes(trajs, device))
+        routes_NX=packed_routes(trajs, device), response_N=torch.tensor(response, dtype=torch.bool, device=device))
 
 
 def has_routes(t: Trajectory) -> bool:
@@ -172,7 +191,7 @@ def split_by_token_budget(items: list, max_tokens: int, size=lambda t: t.num_tok
 
 def response_values(batch: PackedBatch, values_N: torch.Tensor, trajs: list[Trajectory]) -> list[torch.Tensor]:
     """Split a per-position tensor into each trajectory's response-aligned values."""
-    return list(values_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in trajs]))
+    return list(values_N[batch.response_N].split([len(t.response_ids) for t in trajs]))
 
 
 def device_of(model: torch.nn.Module) -> torch.device:

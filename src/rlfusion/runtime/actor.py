@@ -134,7 +134,7 @@ class ActorStage:
                 continue
             batch = pack(micro, self.device)
             logprobs_N, _ = self._forward(micro, batch)
-            per_seq = logprobs_N[batch.loss_mask_N.bool()].split([len(t.response_ids) for t in micro])
+            per_seq = logprobs_N[batch.response_N].split([len(t.response_ids) for t in micro])
             for t, lp in zip(micro, per_seq):
                 t.proximal_logprobs = lp.tolist()
 
@@ -204,7 +204,7 @@ class ActorStage:
         return metrics
 
     def _global_counts(self, trajs: list[Trajectory]) -> tuple[int, int]:
-        tokens, seqs = group_sum([sum(len(t.response_ids) for t in trajs), len(trajs)], self.dp_group)
+        tokens, seqs = group_sum([sum(sum(t.sampled) for t in trajs), len(trajs)], self.dp_group)
         return tokens, seqs
 
     def _sync(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -249,7 +249,7 @@ class ActorStage:
                 continue
             loss.backward()
             for k, v in m.items():  # token-weighted average over micro-batches
-                metrics[k] = metrics.get(k, 0.0) + v * sum(len(t.response_ids) for t in micro) / num_tokens
+                metrics[k] = metrics.get(k, 0.0) + v * sum(sum(t.sampled) for t in micro) / num_tokens
         return metrics, bad_loss
 
     def _make_plan(self, micros: list) -> None:
@@ -294,7 +294,7 @@ class ActorStage:
             proximal = logprobs_N.detach()
         else:
             proximal = torch.zeros_like(logprobs_N)
-            proximal[mask.bool()] = torch.tensor([x for t in micro for x in t.proximal_logprobs], device=self.device)
+            proximal[batch.response_N] = torch.tensor([x for t in micro for x in t.proximal_logprobs], device=self.device)
         loss, metrics = self._loss(logprobs_N, logits_NV, proximal, batch.behaviour_logprobs_N,
                                    batch.advantages_N, mask, batch.seq_idx_N, batch.ref_logprobs_N,
                                    num_tokens, num_seqs)

@@ -60,8 +60,9 @@ def pipeline_pass(pm: Any, trajs: list[Trajectory], loss: Callable, *, temperatu
         if not backward:  # the proximal policy's logprobs of each row's response
             if meter is not None:
                 meter.add_tokens(logprobs_N, side_NK[:, BEHAVIOUR], mask_N, side_NK[:, STALE].bool())
-            for i, t in enumerate(trajs[first:first + b]):
-                t.proximal_logprobs = logprobs_N.view(b, T)[i][mask_N.view(b, T)[i].bool()].tolist()
+            for i, t in enumerate(trajs[first:first + b]):  # (observation tokens included: response-aligned)
+                start = len(t.prompt_ids) - 1
+                t.proximal_logprobs = logprobs_N.view(b, T)[i][start:start + len(t.response_ids)].tolist()
             return logprobs_N.sum() * 0.0
         if meter is not None:
             meter.add_tokens(logprobs_N, side_NK[:, BEHAVIOUR], mask_N, side_NK[:, STALE].bool())
@@ -125,9 +126,9 @@ def padded_rows(trajs: list[Trajectory], dp_group: Any, max_seq_len: int, pp: in
         tokens_BT[i, :len(ids)] = torch.tensor(ids)
         side_BTK[i, :len(ids) - 1, TARGET] = torch.tensor(ids[1:], dtype=torch.float32)
         span = slice(P - 1, P - 1 + R)
-        side_BTK[i, span, MASK] = 1.0
-        side_BTK[i, span, ADVANTAGE] = torch.tensor(t.token_advantages or [t.advantage] * R)
-        side_BTK[i, span, BEHAVIOUR] = torch.tensor(t.behaviour_logprobs)
+        side_BTK[i, span, MASK] = torch.tensor(t.sampled, dtype=torch.float32)
+        side_BTK[i, span, ADVANTAGE] = torch.tensor(t.token_advantages or [t.advantage] * R) * side_BTK[i, span, MASK]
+        side_BTK[i, span, BEHAVIOUR] = torch.tensor(t.behaviour_logprobs) * side_BTK[i, span, MASK]
         if t.proximal_logprobs is not None:
             side_BTK[i, span, PROXIMAL] = torch.tensor(t.proximal_logprobs)
         if t.versions:

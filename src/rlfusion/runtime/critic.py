@@ -78,7 +78,7 @@ class CriticStage:
         metrics: dict[str, float] = {}
         for micro in split_by_token_budget(trajs, self.microbatch_tokens) if trajs else []:
             batch, values_N = self._values(micro)
-            mask = batch.loss_mask_N.bool()
+            mask = batch.response_N
             old, ret = torch.zeros_like(values_N), torch.zeros_like(values_N)
             old[mask] = torch.tensor([v for t in micro for v in t.values], device=values_N.device)
             ret[mask] = torch.tensor([r for t in micro for r in t.returns], device=values_N.device)

@@ -61,7 +61,12 @@ TRAJECTORY_COLUMNS: tuple[ColumnSpec, ...] = (
     # the rollout's routed experts of each fed token per MoE layer, flat (`Trajectory.routes`;
     # empty when not recorded); on the wire in the narrowest signed int type (int8 while every id is below 128)
     ColumnSpec("routes", "int16", variable_length=True),
+    # multi-turn episodes (`env.name`): 1 per sampled response token, 0 per observation token
+    ColumnSpec("response_mask", "int8", variable_length=True),
+    ColumnSpec("env_reward", "float64"),  # the environment's step rewards, summed
+    ColumnSpec("env_failed", "int8"),  # 1 = its environment failed (reward 0, counted)
 )
+ENV_COLUMNS = ("response_mask", "env_reward", "env_failed")
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,22 @@ ADVANTAGE = Stage("advantage", ("reward", "correct", "reward_failed", "sample", 
                                 "truncated"), ())
 
 
-def rollout_writes(scored: bool, routes: bool = False) -> tuple[str, ...]:
+def rollout_writes(cfg: Any, scored: bool) -> tuple[str, ...]:
     """The columns of new rows from a rollout: the problem only when the rows go in unscored
     (the reward stage reads it then; scored here, nothing does); the routes where the rollout
-    records them (`records_routes`: the actor reads them then)."""
+    records them (`records_routes`: the actor reads them then); an episode's mask and
+    environment outcome where the samples are episodes (`env.name`; scored here, only the mask)."""
     cols = tuple(c for c in ROLLOUT.writes if c != "problem") if scored else ROLLOUT.writes
-    return cols + (("routes",) if routes else ())
+    if records_routes(cfg):
+        cols += ("routes",)
+    if cfg.env.name:
+        cols += ("response_mask",) if scored else ENV_COLUMNS
+    return cols
+
+
+def reward_reads(cfg: Any) -> tuple[str, ...]:
+    """What the reward stage reads: with episodes also their environment's outcome."""
+    return REWARD.reads + (("env_reward", "env_failed") if cfg.env.name else ())
 
 
 def reference_writes(cfg: Any) -> tuple[str, ...]:
@@ -97,8 +112,10 @@ def reference_writes(cfg: Any) -> tuple[str, ...]:
 
 
 def reference_reads(cfg: Any) -> tuple[str, ...]:
-    """What the reference stage reads: with `algo.routing_replay_reference` also the routes."""
-    return REFERENCE.reads + (("routes",) if cfg.algo.routing_replay_reference else ())
+    """What the reference stage reads: with `algo.routing_replay_reference` also the routes,
+    with episodes their masks (the summed KL of reward shaping counts sampled tokens only)."""
+    return (REFERENCE.reads + (("routes",) if cfg.algo.routing_replay_reference else ())
+            + (("response_mask",) if cfg.env.name else ()))
 
 
 def advantage_reads(cfg: Any) -> tuple[str, ...]:
@@ -114,6 +131,8 @@ def actor_reads(cfg: Any) -> list[str]:
         cols.append("ref_logprobs")
     if records_routes(cfg):
         cols.append("routes")
+    if cfg.env.name:
+        cols.append("response_mask")  # observation tokens take no loss
     return cols
 
 
@@ -191,6 +210,8 @@ class RankRows:
 
 _GETTERS: dict[str, Callable[[Any], Any]] = {
     "routes": lambda t: [] if t.routes is None else torch.as_tensor(t.routes).reshape(-1),
+    "response_mask": lambda t: t.sampled,
+    "env_failed": lambda t: int(t.env_failed),
     "response_len": lambda t: len(t.response_ids),
     "truncated": lambda t: int(t.finish_reason == "length"),
     "reward_failed": lambda t: int(t.reward_failed),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfusion.evaluate import greedy_completions
+from rlfusion.evaluate import greedy_completions, greedy_episodes
 from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.queue.controller import runs_rows
 from rlfusion.rl.problem import Problem
@@ -49,9 +49,8 @@ class Generator:
         self.ctx, self.stage, self.task, self.tokenizer, self.scorer = ctx, stage, task, tokenizer, scorer
         self.rollout_group: Any = None
         # StaleSync: the held samples of unfinished groups
-        self.routes = dataflow.records_routes(ctx.cfg)  # the samples carry their routes into the queue
         self.partial = PartialRollout(ctx.plan.rollout.index(ctx.device), ctx.queue, self.problem,
-                                      ctx.cfg.deploy.queue_timeout_s, dataflow.rollout_writes(False, self.routes))
+                                      ctx.cfg.deploy.queue_timeout_s, dataflow.rollout_writes(ctx.cfg, False))
         self._stop_sync = no_stop_sync()  # the partial rollouts' stop-rule sums since the last report
 
     def problem(self, problem_id: int) -> Problem:
@@ -99,7 +98,7 @@ class Generator:
         """The samples as new queue rows (scored: with this device's scoring columns); their row ids."""
         if scored:
             return self.scorer.put_scored(trajs)
-        return self.ctx.put_new(trajs, dataflow.rollout_writes(scored=False, routes=self.routes))
+        return self.ctx.put_new(trajs, dataflow.rollout_writes(self.ctx.cfg, scored=False))
 
     def rollout_groups(self, items: tuple[list[int], ...], version: int, quota: int, must_finish: set[int],
                        drop_overdue: bool, score_here: bool = False) -> dict[str, Any]:
@@ -133,22 +132,29 @@ class Generator:
         if not problems and self.ctx.switch.pm is None and self.ctx.plan.infer_ep == 1:
             # (a layout's switch is collective, and so is a lock-step engine's stepping: join them anyway)
             return []
-        model, engine = self.stage.model, self.stage.engine
+        model, engine, episodes = self.stage.model, self.stage.engine, self.stage.episodes
         was_training = model.training
         model.eval()
         try:
             with self.ctx.switch.rollout("eval"):
-                completions = greedy_completions(engine, self.tokenizer, problems, max_new_tokens)
+                if episodes is not None:  # greedy episodes, their observation tokens within the budget
+                    results = greedy_episodes(episodes, self.tokenizer, problems, max_new_tokens)
+                else:
+                    results = [(c, False) for c in greedy_completions(engine, self.tokenizer, problems, max_new_tokens)]
         finally:
             model.train(was_training)
             engine.take_stats()  # the step's engine counts are the rollout's only
-        return [(float(self.task.reward(self.tokenizer.decode(c.output_ids), p)), len(c.output_ids))
-                for c, p in zip(completions, problems)]
+            if episodes is not None:
+                episodes.take_stats()
+        return [(0.0 if failed else float(self.task.reward(self.tokenizer.decode(c.output_ids), p)), len(c.output_ids))
+                for (c, failed), p in zip(results, problems)]
 
     def take_stats(self) -> dict[str, float]:
         """The engine's pass counts and seconds, with the partial rollouts' stop-rule sums, since
         the last call, and the sequences its KV cache holds (`kv_rows`)."""
         stats, self._stop_sync = {**self.stage.engine.take_stats(), **self._stop_sync}, no_stop_sync()
+        if self.stage.episodes is not None:
+            stats.update(self.stage.episodes.take_stats())
         return {**stats, "kv_rows": float(self.stage.cfg.max_num_seqs)}
 
     # ---- what the engine keeps between rollouts (checkpoints) ----

@@ -25,15 +25,15 @@ class ReferenceStage:
             batch = pack(micro, device_of(self.model))
             routes = batch_routes(batch, self.model.config.top_k, replay=True) if self.replay else None
             logprobs_N, _ = token_logprobs(self.model, batch, self.temperature, routes)
-            mask = batch.loss_mask_N.bool()
-            per_seq = logprobs_N[mask].split([len(t.response_ids) for t in micro])
+            per_seq = logprobs_N[batch.response_N].split([len(t.response_ids) for t in micro])
             for t, lp in zip(micro, per_seq):
                 t.ref_logprobs = lp.tolist()
 
 
 def add_summed_kl(trajs: list[Trajectory], kind: str) -> None:
     """Each sample's `kl`: its per-token KL estimate (`kind`, `algo.kl_kind`) between behaviour
-    and reference logprobs, summed — one number per sample, what reward shaping subtracts."""
+    and reference logprobs, summed over its sampled tokens — one number per sample, what reward
+    shaping subtracts."""
     for t in trajs:
         kl = kl_estimate(torch.tensor(t.behaviour_logprobs), torch.tensor(t.ref_logprobs), kind)
-        t.kl = float(kl.sum())
+        t.kl = float((kl * torch.tensor(t.sampled, dtype=kl.dtype)).sum())

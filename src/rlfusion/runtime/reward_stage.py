@@ -92,6 +92,11 @@ class RewardStage:
             t.reward_failed = score is None
             t.correct = t.reward = 0.0 if score is None else score
         self._check_failures(scores, failures)
+        for t in trajs:  # an episode's environment: its step rewards add up; a failed one scores 0
+            if t.env_failed:
+                t.reward_failed, t.correct, t.reward = True, 0.0, 0.0
+            else:
+                t.reward += t.env_reward
         if self.algo.overlong_buffer:
             lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
             penalty = overlong_penalty(lengths, self.max_new_tokens, self.algo.overlong_buffer,

@@ -19,7 +19,8 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.replay import replay_length
 from rlfusion.rl.trajectory import Trajectory, has_routes
-from rlfusion.runtime.train_config import RolloutConfig
+from rlfusion.runtime.episodes import EpisodeRunner
+from rlfusion.runtime.train_config import EnvConfig, RolloutConfig
 from rlfusion.stalesync.rules import STOP_SYNC_EVERY, rollout_stops
 
 
@@ -29,12 +30,14 @@ class RolloutStage:
 
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int,
                  hf_path: str | None = None, compute_dtype: torch.dtype | None = None,
-                 record_routes: bool = False):
+                 record_routes: bool = False, env: EnvConfig = EnvConfig(), env_failure_limit: float = 0.5):
         """`model` is the policy; with `rollout.backend=vllm` the engine serves a copy of it
         (from `hf_path`, the run's base when that is an HF folder, else an export of `model`).
         `compute_dtype`: the precision of the native engine's passes (`deploy.precision`; None =
         fp32); vLLM computes in bf16, its kernels' dtype, whatever the setting. `record_routes`:
-        each sample carries its tokens' routed experts (`Trajectory.routes`; native engine)."""
+        each sample carries its tokens' routed experts (`Trajectory.routes`; native engine).
+        `env` (`env.name` set): every sample is a multi-turn episode (`episodes.EpisodeRunner`);
+        more than `env_failure_limit` of recent episodes failing stops the run."""
         self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         if cfg.backend == "vllm":
             from rlfusion.engine.vllm_backend import VLLMEngine
@@ -47,6 +50,31 @@ class RolloutStage:
                                                         compute_dtype=compute_dtype, record_routes=record_routes))
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_ids=(tokenizer.eos_id,))
+        # what steps the rollouts: the engine, or the episodes on it
+        self.episodes: EpisodeRunner | None = None
+        self.driver: Any = self.engine
+        if env.name:
+            self.episodes = EpisodeRunner.build(self.engine, tokenizer, env, env_failure_limit)
+            self.driver = self.episodes
+            self.params = dataclasses.replace(self.params, max_new_tokens=env.max_episode_tokens or cfg.max_new_tokens,
+                                              stop_ids=(tokenizer.eos_id, *self.episodes.stop_ids))
+
+    def _add(self, request: Request, problem: Problem, paused: Trajectory | None = None) -> None:
+        """Queue one sample (an episode of `problem`, with an environment; `paused`: the sample
+        it resumes)."""
+        if self.episodes is None:
+            self.driver.add_request(request)
+        else:
+            self.episodes.add_request(request, problem, paused.env_reward if paused is not None else 0.0)
+
+    def _sample(self, c: Any, group_id: int, problem: Problem, sample: int) -> Trajectory:
+        """A completion as its group's sample `sample` (with its episode's fields)."""
+        t = Trajectory.of_completion(c, group_id, problem, self._finish_reason(c))
+        t.sample = sample
+        if self.episodes is not None:
+            for k, v in self.episodes.episode_fields(c.request_id, c.finish_reason != "aborted").items():
+                setattr(t, k, v)
+        return t
 
     def params_for(self, group_id: int, sample: int) -> SamplingParams:
         """The sampling parameters of one request: the run's, or with `rollout.lengths=replay`
@@ -83,19 +111,18 @@ class RolloutStage:
         index = {r.request_id: k for k, r in enumerate(requests)}
         done: dict[int, Trajectory] = {}
         try:
-            for r in requests:
-                self.engine.add_request(r)
-            while self.engine.has_unfinished():
-                for c in self.engine.step():
+            for k, r in enumerate(requests):
+                self._add(r, problems[k // G])
+            while self.driver.has_unfinished():
+                for c in self.driver.step():
                     k = index[c.request_id]
-                    t = Trajectory.of_completion(c, group_ids[k // G], problems[k // G], self._finish_reason(c))
-                    t.sample = k % G
+                    t = self._sample(c, group_ids[k // G], problems[k // G], k % G)
                     done[k] = t
                     if on_finish is not None:
                         on_finish(t)
         finally:
             model.train(was_training)
-            self.engine.abort({r.request_id for r in requests} - {requests[k].request_id for k in done})
+            self.driver.abort({r.request_id for r in requests} - {requests[k].request_id for k in done})
         return [done[k] for k in range(len(requests))]
 
     def run_groups(self, groups: list[tuple[int, Problem, list[Trajectory]]], version: int, quota: int,
@@ -125,7 +152,7 @@ class RolloutStage:
         model = self.model
         was_training = model.training
         model.eval()
-        run = _GroupRun(self.engine, self._finish_reason)
+        run = _GroupRun(self.driver, self._add, self._sample)
         steps, error, peer_failed = 0, None, False
         # an engine in lock-step with its expert-parallel group (`deploy.infer_ep`) steps whenever
         # any rollout device is busy, so the sums are taken every step and every device waits for them
@@ -136,8 +163,7 @@ class RolloutStage:
         except Exception as e:  # noqa: BLE001 — re-raised below, after the peers were told
             error = e
         while True:
-            busy = error is None and (self.engine.scheduler.has_unfinished() if lockstep
-                                      else self.engine.has_unfinished())
+            busy = error is None and (self.driver.has_work() if lockstep else self.driver.has_unfinished())
             if sync is None or not busy or lockstep or steps % STOP_SYNC_EVERY == 0 or sync.pending:
                 counts = (len(run.finished_groups), len(must_finish - run.finished_groups), int(busy),
                           int(error is not None))
@@ -152,10 +178,10 @@ class RolloutStage:
                     continue
             steps += 1
             try:
-                run.record(self.engine.step())
+                run.record(self.driver.step())
             except Exception as e:  # noqa: BLE001
                 error = e
-        aborted = {c.request_id: c for c in self.engine.abort(set(run.owner) - set(run.done),
+        aborted = {c.request_id: c for c in self.driver.abort(set(run.owner) - set(run.done),
                                                                keep_cache=keep_cache and error is None)}
         model.train(was_training)
         if error is not None:
@@ -182,11 +208,12 @@ class RolloutStage:
 
 class _GroupRun:
     """Bookkeeping of one `RolloutStage.run_groups`: which request is which group's sample, how
-    many of each group are still open, and what finished."""
+    many of each group are still open, and what finished. `driver`: the engine, or the episodes
+    on it; `add(request, problem, paused sample)` queues a sample on it; `sample(completion,
+    group, problem, index)` makes a completion the group's sample."""
 
-    def __init__(self, engine: LLMEngine, finish_reason: Any = None):
-        self.engine = engine
-        self.finish_reason = finish_reason or (lambda c: c.finish_reason)  # of a finished completion
+    def __init__(self, driver: Any, add: Any, sample: Any):
+        self.driver, self.add_one, self.sample = driver, add, sample
         self.owner: dict[str, tuple[int, Problem, int]] = {}  # request id -> (group, problem, sample)
         self.open_count: dict[int, int] = {}
         self.order: list[str] = []  # request order
@@ -203,18 +230,18 @@ class _GroupRun:
             if partial:
                 requests = [Request(f"{gid}/{t.sample}", list(t.prompt_ids), params_for(gid, t.sample),
                                     list(t.response_ids), list(t.behaviour_logprobs), list(t.versions),
-                                    _routes(t))
+                                    _routes(t), None if t.response_mask is None else list(t.response_mask))
                             for t in partial]
-                self.resumed_tokens += sum(len(t.response_ids) for t in partial)
+                self.resumed_tokens += sum(sum(t.sampled) for t in partial)
             else:
                 prompt = encode(problem)
                 requests = [Request(f"{gid}/{i}", prompt, params_for(gid, i)) for i in range(group_size)]
-            for r in requests:
+            for k, r in enumerate(requests):
                 self.owner[r.request_id] = (gid, problem, int(r.request_id.split("/")[1]))
                 self.order.append(r.request_id)
-                self.engine.add_request(r)
+                self.add_one(r, problem, partial[k] if partial else None)
             self.open_count[gid] = len(requests)
-        self.engine.drop_saved()  # rows of paused requests that resume on another device, or never
+        self.driver.drop_saved()  # rows of paused requests that resume on another device, or never
 
     def record(self, completions) -> None:
         for c in completions:
@@ -231,10 +258,10 @@ class _GroupRun:
         for rid in self.order:
             c = self.done.get(rid) or aborted[rid]
             gid, problem, i = self.owner[rid]
-            t = Trajectory.of_completion(c, gid, problem, self.finish_reason(c))
-            t.sample = i
-            generated += len(c.output_ids)
-            (finished if rid in self.done else unfinished).append(t)
+            t = self.sample(c, gid, problem, i)
+            generated += len(c.output_ids) if c.output_mask is None else sum(c.output_mask)
+            # (an episode whose environment ended it while it was being paused finished too)
+            (unfinished if c.finish_reason == "aborted" else finished).append(t)
         return {"finished": finished, "unfinished": unfinished, "generated_tokens": generated}
 
 

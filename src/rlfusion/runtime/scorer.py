@@ -79,7 +79,7 @@ class Scorer:
         ctx = self.ctx
         reference = (dataflow.REFERENCE.name, dataflow.reference_reads(ctx.cfg), reference_rows,
                      dataflow.reference_writes(ctx.cfg), self._reference)
-        for name, reads, rows, writes, run in ((dataflow.REWARD.name, dataflow.REWARD.reads, reward_rows,
+        for name, reads, rows, writes, run in ((dataflow.REWARD.name, dataflow.reward_reads(ctx.cfg), reward_rows,
                                                 dataflow.REWARD.writes, self._reward), reference):
             if not rows:
                 continue
@@ -109,7 +109,7 @@ class Scorer:
     def put_scored(self, trajs: list[Trajectory]) -> list[int]:
         """Samples scored here as new queue rows (the rollout's columns and this device's
         scoring columns); their row ids."""
-        return self.ctx.put_new(trajs, dataflow.rollout_writes(True, dataflow.records_routes(self.ctx.cfg)) + self.writes)
+        return self.ctx.put_new(trajs, dataflow.rollout_writes(self.ctx.cfg, True) + self.writes)
 
     # ---- shared scoring of a synchronous rollout ----
 
@@ -122,7 +122,7 @@ class Scorer:
         two finish together. Returns the rows scored here and how many of them are not of `mine`
         (this device's groups)."""
         ctx, cfg = self.ctx, self.ctx.cfg
-        reads = tuple(dict.fromkeys(dataflow.REWARD.reads + (dataflow.reference_reads(cfg) if self.reference else ())))
+        reads = tuple(dict.fromkeys(dataflow.reward_reads(cfg) + (dataflow.reference_reads(cfg) if self.reference else ())))
         total = len(groups) * cfg.rollout.group_size
         chunk = max(SHARE_CHUNK_ROWS, -(-total // SHARE_TAKES))
         own = sorted(mine)

@@ -214,6 +214,33 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (`runtime/episodes.py`): `env = "module:Class"` (or `env.name`) names the
+    environment (`rl/env.Environment`) that answers each turn ending on one of its stop texts;
+    "" = single-turn rollouts."""
+
+    name: str = ""
+    max_turns: int = 4  # turns the policy writes per episode (the environment answers all but the last)
+    # response tokens per episode, observations included; 0 = rollout.max_new_tokens
+    max_episode_tokens: int = 0
+    timeout_s: float = 10.0  # one step() call; past it the worker is killed and the episode fails
+    workers: int = 4  # environment processes per rollout device
+
+    def __post_init__(self) -> None:
+        check_fields("env", {
+            "name": (self.name == "" or ":" in self.name, "allowed: '' (single-turn) or 'module:Class'"),
+            "max_turns": (self.max_turns >= 1, "must be >= 1"),
+            "max_episode_tokens": (self.max_episode_tokens >= 0, "must be >= 0 (0 = rollout.max_new_tokens)"),
+            "timeout_s": (self.timeout_s > 0, "must be > 0"),
+            "workers": (self.workers >= 1, "must be >= 1"),
+        }, self)
+
+
+# `env = "module:Class"` sets env.name (a section given a plain value sets this field)
+EnvConfig.SHORTHAND = "name"
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     # rlfusion or Hugging Face checkpoint folder, or a shipped base by name ("tiny", "tiny-long");
     # "" = the base pretrained into the cache by `rlfusion pretrain`, else the shipped "tiny"
@@ -254,6 +281,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     stalesync: StaleSyncConfig = field(default_factory=StaleSyncConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         check_fields("train", {
@@ -301,6 +329,15 @@ class TrainConfig:
                              f"{str(self.rollout.record_routes).lower()} is invalid with rollout.backend="
                              f"{self.rollout.backend}: the routes are recorded by the native engine (vLLM's "
                              "offline API here returns no routed experts; allowed: native)")
+        if self.env.name:
+            for bad, why in ((self.rollout.backend != "native", f"rollout.backend={self.rollout.backend} (episodes "
+                              "continue a kept cache row: the native engine's; allowed: native)"),
+                             (self.algo.advantage == "gae", "algo.advantage=gae (the critic's per-token advantages run "
+                              "over every response token, observations too; allowed: grpo, rloo, reinforce_pp)"),
+                             (self.rollout.lengths == "replay", "rollout.lengths=replay (forced lengths have no turns; "
+                              "allowed: natural)")):
+                if bad:
+                    raise ValueError(f"env={self.env.name!r} is invalid with {why}")
         if self.optim.expert_balance and self.deploy.train_ep < 2:
             raise ValueError(f"optim.expert_balance=true is invalid with deploy.train_ep={self.deploy.train_ep}: "
                              "it migrates experts between expert-parallel devices (set deploy.train_ep >= 2)")

@@ -240,8 +240,8 @@ class RLTrainer:
         """Greedy held-out accuracy, data-parallel on the rollout devices with the current
         policy (no weights move to the controller)."""
         problems = self.task.heldout()[:self.cfg.eval_problems]
-        max_new = eval_max_new_tokens(self.tokenizer, problems, self.cfg.rollout.max_new_tokens,
-                                      self.model.config.max_seq_len)
+        max_new = eval_max_new_tokens(self.tokenizer, problems, self.cfg.env.max_episode_tokens
+                                      or self.cfg.rollout.max_new_tokens, self.model.config.max_seq_len)
         return summarize(self.devices.evaluate(list(range(len(problems))), max_new))
 
     # ---- the loop ---------------------------------------------------------------------------
