@@ -29,6 +29,8 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import split_by_token_budget
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+from rlfusion.rl.tools.calculator import CALCULATOR_ENV
+from rlfusion.runtime.train_config import EnvConfig
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ class PretrainConfig:
     # a checkpoint to continue from ("" = random weights of `model`'s preset), e.g. the shipped
     # base on a longer variant of its task; the name of a shipped base works too
     init: str = ""
+    # the share of examples written as calculator episodes (`rl/tools/calculator.py`: the call,
+    # its observation — no loss there — then the answer), for a base that knows the call format;
+    # the tokenizer gains the call's "[" and "]" (an `init` base's vocabulary grows by them), and
+    # held-out accuracy is measured in episodes with the calculator
+    calculator_share: float = 0.0
+    # of those, the share that call it on every term; the others on the first k (k uniform in
+    # 2 .. terms - 1) and add the rest by hand
+    calculator_all_terms: float = 0.5
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig)
 
     def __post_init__(self) -> None:
@@ -79,6 +89,8 @@ class PretrainConfig:
             "curriculum_start_terms": (self.task.min_terms <= self.curriculum_start_terms,
                                        f"must be >= task.min_terms={self.task.min_terms}"),
             "context_len": (self.context_len == 0 or self.context_len >= 64, "must be 0 (the preset's) or >= 64"),
+            "calculator_share": (0 <= self.calculator_share <= 1, "must be in [0, 1]"),
+            "calculator_all_terms": (0 <= self.calculator_all_terms <= 1, "must be in [0, 1]"),
         }, self)
         self.model_config()
 
@@ -100,7 +112,7 @@ class PretrainResult:
 @dataclass
 class PackedExamples:
     """Supervised examples concatenated with no padding (`tokens_1N` + `cu_seqlens`); the loss is
-    taken on response targets only (`loss_mask_N`)."""
+    taken on response targets only (`loss_mask_N`), never on an observation's tokens."""
 
     tokens_1N: torch.Tensor
     targets_N: torch.Tensor
@@ -108,46 +120,92 @@ class PackedExamples:
     packed: PackedSeqs
 
 
-def make_batch(problems: list[Problem], tokenizer: CharTokenizer) -> PackedExamples:
+@dataclass(frozen=True)
+class Example:
+    """A prompt and its response as `(text, is_observation)` pieces."""
+
+    prompt: str
+    pieces: tuple[tuple[str, bool], ...]
+
+    @classmethod
+    def of(cls, p: Problem) -> "Example":
+        return cls(p.prompt, ((p.solution, False),))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + sum(len(text) for text, _ in self.pieces) + 2  # + bos + eos
+
+
+def make_batch(examples: list, tokenizer: CharTokenizer) -> PackedExamples:
+    """`examples`: `Example`s (or `Problem`s: their reference solutions)."""
     tokens, targets, mask, lengths = [], [], [], []
-    for p in problems:
-        prompt = encode_prompt(tokenizer, p.prompt)
-        ids = prompt + tokenizer.encode(p.solution) + [tokenizer.eos_id]
+    for e in examples:
+        e = Example.of(e) if isinstance(e, Problem) else e
+        prompt = encode_prompt(tokenizer, e.prompt)
+        ids, learn = list(prompt), []
+        for text, observed in e.pieces:
+            piece = tokenizer.encode(text)
+            ids += piece
+            learn += [0.0 if observed else 1.0] * len(piece)
+        ids.append(tokenizer.eos_id)
         tokens += ids
         targets += ids[1:] + [tokenizer.pad_id]
-        mask += [0.0] * (len(prompt) - 1) + [1.0] * (len(ids) - len(prompt)) + [0.0]
+        mask += [0.0] * (len(prompt) - 1) + learn + [1.0, 0.0]
         lengths.append(len(ids))
     return PackedExamples(torch.tensor(tokens).unsqueeze(0), torch.tensor(targets),
                           torch.tensor(mask), PackedSeqs.from_lengths(lengths))
 
 
 def _step_problems(task: ArithmeticTask, rng: random.Random, cfg: PretrainConfig,
-                   step: int) -> list[list[Problem]]:
-    """Problems for one optimizer step, length-sorted into micro-batches of ~`microbatch_tokens`
-    (sorting keeps the padded view inside attention small)."""
+                   step: int) -> list[list[Example]]:
+    """Examples for one optimizer step, length-sorted into micro-batches of ~`microbatch_tokens`
+    (sorting keeps the padded view inside attention small); `calculator_share` of them are
+    calculator episodes."""
     cap = min(task.config.max_terms, cfg.curriculum_start_terms + step // cfg.curriculum_steps)
-    problems, tokens = [], 0
+    examples, tokens = [], 0
     while tokens < cfg.tokens_per_step:
         p = task.sample(rng, max_terms=cap)
-        problems.append(p)
-        tokens += _num_tokens(p)
-    return split_by_token_budget(problems, cfg.microbatch_tokens, size=_num_tokens)
+        e = Example.of(p)
+        if cfg.calculator_share and rng.random() < cfg.calculator_share:
+            n = p.prompt.count("+") + 1
+            k = n if n == 2 or rng.random() < cfg.calculator_all_terms else rng.randint(2, n - 1)
+            e = Example(p.prompt, tuple(task.solve_with_calculator(p.prompt, k)))
+        examples.append(e)
+        tokens += e.num_tokens
+    return split_by_token_budget(examples, cfg.microbatch_tokens, size=lambda e: e.num_tokens)
 
 
-def _num_tokens(p: Problem) -> int:
-    return len(p.prompt) + len(p.solution) + 2  # + bos + eos
+def grow_vocab(model: MoETransformer, vocab_size: int) -> None:
+    """Add rows to the embedding (and output head) up to `vocab_size` ids: a base whose tokenizer
+    gained characters at the end keeps every id it had; the new rows start like fresh ones."""
+    old = model.config.vocab_size
+    embed = torch.nn.Embedding(vocab_size, model.config.d_model)
+    with torch.no_grad():
+        embed.weight[:old] = model.embed.weight
+    model.embed = embed
+    if model.lm_head is not None:
+        head = torch.nn.Linear(model.config.d_model, vocab_size, bias=False)
+        with torch.no_grad():
+            head.weight[:old] = model.lm_head.weight
+            head.weight[old:] *= 0.1  # new ids start unlikely
+        model.lm_head = head
+    model.config = replace(model.config, vocab_size=vocab_size)
 
 
 def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    tokenizer = CharTokenizer.arithmetic()
+    tokenizer = CharTokenizer.arithmetic_calculator() if cfg.calculator_share else CharTokenizer.arithmetic()
+    env = EnvConfig(CALCULATOR_ENV) if cfg.calculator_share else None
     if cfg.init:
         model, init_tokenizer, _ = load_base(resolve_base(cfg.init, "init"), max_seq_len=cfg.context_len or None)
-        if init_tokenizer is None or init_tokenizer.vocab_size != tokenizer.vocab_size:
+        alphabet = getattr(init_tokenizer, "alphabet", None)
+        if alphabet is None or not tokenizer.alphabet.startswith(alphabet):
             raise ValueError(f"init={cfg.init!r} is not a base of the built-in task (its tokenizer differs); "
                              f"allowed: a checkpoint made by `rlfusion pretrain`")
+        if init_tokenizer.vocab_size < tokenizer.vocab_size:
+            grow_vocab(model, tokenizer.vocab_size)
     else:
         model = MoETransformer(cfg.model_config())
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -175,7 +233,7 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
             raise RunError(f"pretraining loss became {loss} at step {step}; lower the learning rate, lr= "
                            f"(now {cfg.lr}); the best checkpoint so far is kept in {out}")
         if step % cfg.eval_every_steps == 0 and loss_avg < cfg.eval_below_loss:
-            result = evaluate(model, tokenizer, heldout, task.reward, model.config.max_seq_len, seed=cfg.seed)
+            result = evaluate(model, tokenizer, heldout, task.reward, model.config.max_seq_len, seed=cfg.seed, env=env)
             history.append({"step": step, "seconds": time.monotonic() - start,
                             "loss": loss_avg, "accuracy": result.accuracy})
             if result.accuracy > best.accuracy:
@@ -188,7 +246,7 @@ def pretrain(cfg: PretrainConfig, out: Path, progress: bool = True) -> PretrainR
         bar.update(min(round(time.monotonic() - start), bar.total) - bar.n)
     bar.close()
     seconds = time.monotonic() - start
-    final = evaluate(model, tokenizer, heldout, task.reward, model.config.max_seq_len, seed=cfg.seed)
+    final = evaluate(model, tokenizer, heldout, task.reward, model.config.max_seq_len, seed=cfg.seed, env=env)
     if final.accuracy >= best.accuracy:
         best = final
         save_checkpoint(out, model, tokenizer, {"pretrain_step": step, "task": asdict(cfg.task), "init": cfg.init,

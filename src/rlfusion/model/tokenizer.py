@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 # Digits, the two operators, the step separator and the answer marker of the arithmetic task.
 ARITHMETIC_ALPHABET = "0123456789+=;#"
+# ... and the brackets of a calculator call (`rl/tools/calculator.py`), after them: the same ids
+CALCULATOR_ALPHABET = ARITHMETIC_ALPHABET + "[]"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 
 
@@ -56,6 +58,10 @@ class CharTokenizer:
     @classmethod
     def arithmetic(cls) -> CharTokenizer:
         return cls(ARITHMETIC_ALPHABET)
+
+    @classmethod
+    def arithmetic_calculator(cls) -> CharTokenizer:
+        return cls(CALCULATOR_ALPHABET)
 
     @classmethod
     def printable(cls) -> CharTokenizer:

@@ -74,7 +74,10 @@ class _Worker:
         if self.proc is not None:
             self.proc.wait()
             for f in (self.proc.stdin, self.proc.stdout):
-                f.close()
+                try:
+                    f.close()
+                except OSError:  # (unsent bytes to a dead worker)
+                    pass
         self.proc = None
 
     def send(self, message: tuple) -> bool:

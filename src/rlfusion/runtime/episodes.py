@@ -15,7 +15,8 @@ An episode ends on the end token, at its token budget (`params.max_new_tokens` c
 response token, observations too), after `max_turns` turns, when the environment says done, or
 when it fails: a step that raised, hung past its timeout, killed its worker or returned
 something unusable. A failed episode keeps its tokens and gets reward 0 (`Trajectory.env_failed`);
-more than `failure_limit` of the last `FAILURE_WINDOW` episodes failing stops the run (`EnvError`).
+more than `failure_limit` of the last `FAILURE_WINDOW` episodes failing stops the run (`EnvError`;
+judged once `MIN_JUDGED` episodes ended).
 `abort` waits for the aborted episodes' pending calls (each bounded by the timeout), so a paused
 episode is paused between turns with its observation in place, or inside a turn.
 """
@@ -34,6 +35,7 @@ from rlfusion.rl.env_pool import EnvPool, EnvResult
 from rlfusion.rl.problem import Problem
 
 FAILURE_WINDOW = 64
+MIN_JUDGED = 16  # episodes ended before the failure share is judged (one early failure is not "most")
 
 
 class EnvError(RunError):
@@ -254,7 +256,7 @@ class EpisodeRunner:
         self.stats.failures += bool(ep.failed)
         self.recent.append(ep.failed and f"episode {c.request_id} ({ep.problem.prompt[:40]!r}): {ep.failed}")
         failed = sum(bool(f) for f in self.recent)
-        if ep.failed and failed > self.failure_limit * len(self.recent):
+        if ep.failed and len(self.recent) >= MIN_JUDGED and failed > self.failure_limit * len(self.recent):
             first = next(f for f in self.recent if f)
             raise EnvError(f"env={self.name!r}: {failed} of the last {len(self.recent)} episodes failed (more than "
                            f"reward_failure_limit={self.failure_limit:g}); the first: {first}")

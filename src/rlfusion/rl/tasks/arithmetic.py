@@ -99,6 +99,20 @@ class ArithmeticTask:
             total += term
         return "".join(steps) + f"#{total}"
 
+    def solve_with_calculator(self, prompt: str, call_terms: int) -> list[tuple[str, bool]]:
+        """The reference episode with the calculator (`rl/tools/calculator.py`) called on the
+        first `call_terms` terms, the rest summed by hand: `(text, is_observation)` pieces."""
+        terms = _parse_prompt(prompt)
+        if not 2 <= call_terms <= len(terms):
+            raise ValueError(f"call_terms={call_terms} must be in [2, {len(terms)}] for {prompt!r}")
+        total = sum(terms[:call_terms])
+        steps = []
+        for term in terms[call_terms:]:
+            steps.append(f"{total}+{term}={total + term};")
+            total += term
+        return [("[" + "+".join(map(str, terms[:call_terms])) + "]", False), (f"={sum(terms[:call_terms])};", True),
+                ("".join(steps) + f"#{total}", False)]
+
     def _draw_heldout(self) -> list[Problem]:
         # A string seed keeps this stream apart from any int-seeded training rng.
         rng = random.Random(f"arithmetic-heldout:{self.config.seed}")

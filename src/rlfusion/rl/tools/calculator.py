@@ -14,6 +14,7 @@ from __future__ import annotations
 from rlfusion.rl.tools.tool_env import ToolEnv
 
 MAX_TERMS = 64
+CALCULATOR_ENV = "rlfusion.rl.tools.calculator:CalculatorEnv"  # its `env=` spec
 
 
 class Calculator:
