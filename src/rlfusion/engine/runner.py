@@ -60,7 +60,7 @@ class ModelRunner:
             self.stats["restored_tokens"] += positions
         if plan.permutation:
             self.cache.permute_slots(plan.permutation, max(s.num_cached for s in plan.decode))
-        logits, st = [], self.stats
+        logits: list[torch.Tensor] = []
         extends = _by_new_length(plan.extend)
         with autocast(self.device, self.compute_dtype):
             if passes[0] and not plan.decode:

@@ -27,13 +27,15 @@ from typing import Any
 from rlfusion.obs.files import atomic_write_text, save_figure
 
 PHASES = (
-    "rollout", "train", "reference", "reward", "advantage", "switch", "transfer", "idle", "eval",
+    "rollout", "train", "reference", "reward", "advantage", "switch", "transfer", "idle", "eval", "env",
 )
-IDLE_PHASES = frozenset({"idle"})
+# the device's own compute is idle in these ("env": an environment call in flight, computed by
+# the environment's worker processes; it overlaps the rollout that decodes meanwhile)
+IDLE_PHASES = frozenset({"idle", "env"})
 _PHASE_COLORS = {
     "rollout": "#1f77b4", "train": "#d62728", "reference": "#9467bd", "reward": "#2ca02c",
     "advantage": "#bcbd22", "switch": "#ff7f0e", "transfer": "#8c564b", "idle": "#d9d9d9",
-    "eval": "#17becf",
+    "eval": "#17becf", "env": "#f7b6d2",
 }
 _OTHER_COLORS = ("#e377c2", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5")
 _SPAN_KEYS = ("device", "phase", "start_wall_s", "end_wall_s", "role", "step")

@@ -33,12 +33,14 @@ _HEADER = struct.Struct("<I")
 @dataclass
 class EnvResult:
     """One call's outcome: `step` on success, else `error` (why the episode fails); `seconds`
-    from dispatch to answer."""
+    the worker spent in the environment (a rebuild's replay included), `latency` from dispatch
+    to the answer's arrival here."""
 
     episode: str
     step: EnvStep | None
     error: str
     seconds: float
+    latency: float = 0.0
 
 
 @dataclass
@@ -162,13 +164,13 @@ class EnvPool:
             code = worker.proc.poll() if worker.proc is not None else None
             self._fail(worker, f"the environment's worker process exited (status {code}) during step()")
             return
-        kind, payload = answer
-        seconds = time.perf_counter() - call.sent
+        kind, payload, seconds = answer
+        latency = time.perf_counter() - call.sent
         worker.current = None
         if kind == "ok":
-            self._done.append(EnvResult(call.episode, payload, "", seconds))
+            self._done.append(EnvResult(call.episode, payload, "", seconds, latency))
         else:
-            self._done.append(EnvResult(call.episode, None, payload, seconds))
+            self._done.append(EnvResult(call.episode, None, payload, seconds, latency))
         self._dispatch(worker)
 
     def _expire(self) -> None:
@@ -183,7 +185,8 @@ class EnvPool:
         worker.kill()
         worker.current = None
         if call is not None:
-            self._done.append(EnvResult(call.episode, None, why, time.perf_counter() - call.sent))
+            waited = time.perf_counter() - call.sent
+            self._done.append(EnvResult(call.episode, None, why, waited, waited))
         # the environments of the worker's other episodes died with it: the fresh worker rebuilds
         # each by replay on its next call
         self._dispatch(worker)
@@ -232,6 +235,7 @@ def serve(spec: str, inp: BinaryIO, out: BinaryIO) -> None:
             held.pop(message[1], None)
             continue
         _, episode, problem, actions = message
+        t0 = time.perf_counter()
         try:
             env, applied = held.pop(episode, (None, -1))
             if applied != len(actions) - 1:
@@ -245,7 +249,7 @@ def serve(spec: str, inp: BinaryIO, out: BinaryIO) -> None:
         except BaseException as e:  # noqa: BLE001 — the user's environment: any failure fails the episode
             text = " ".join(str(e).split())[:300]
             answer = ("error", f"{type(e).__name__} in the environment: {text}")
-        _write(out, answer)
+        _write(out, (*answer, time.perf_counter() - t0))
 
 
 def _main() -> None:

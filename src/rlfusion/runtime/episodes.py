@@ -53,8 +53,9 @@ class _Episode:
 @dataclass
 class EpisodeStats:
     """Counts since the last `take_stats`: episodes ended, their turns and environment calls,
-    failures, and the environment's seconds — as the union of the time a call was in flight,
-    split into what the engine spent decoding meanwhile (hidden) and waiting (exposed)."""
+    failures, the seconds the environment computed (`call_s`, summed over calls), and the time a
+    call was in flight split into what the engine spent decoding meanwhile (hidden) and waiting
+    for an answer with nothing to decode (exposed)."""
 
     episodes: float = 0.0
     turns: float = 0.0
@@ -96,6 +97,8 @@ class EpisodeRunner:
         self.recent: collections.deque[str] = collections.deque(maxlen=FAILURE_WINDOW)  # "" or why it failed
         self.stats = EpisodeStats()
         self._ended: list[Completion] = []  # ended between engine steps (an environment's answer)
+        self._flight: float | None = None  # wall time since which a call has been in flight
+        self.spans: list[tuple[float, float]] = []  # wall intervals with a call in flight (the timeline's "env")
 
     @classmethod
     def build(cls, engine: Any, tokenizer: Any, cfg: Any, failure_limit: float) -> "EpisodeRunner":
@@ -161,7 +164,20 @@ class EpisodeRunner:
                 self.stats.exposed_s += time.perf_counter() - t0
         for r in results:
             ended += self._answered(r)
+        self._track_flight()
         return ended
+
+    def _track_flight(self) -> None:
+        if self.pool.in_flight and self._flight is None:
+            self._flight = time.time()
+        elif not self.pool.in_flight and self._flight is not None:
+            self.spans.append((self._flight, time.time()))
+            self._flight = None
+
+    def take_spans(self) -> list[tuple[float, float]]:
+        """The wall intervals with an environment call in flight since the last call."""
+        spans, self.spans = self.spans, []
+        return spans
 
     def abort(self, request_ids, keep_cache: bool = False) -> list[Completion]:
         """Pause the given episodes: their pending calls are answered first (each within the
@@ -173,6 +189,7 @@ class EpisodeRunner:
             for r in self.pool.poll(wait_s=0.05):
                 ended += self._answered(r)
         self._ended = [c for c in ended if c.request_id not in ids]
+        self._track_flight()
         paused = self.engine.abort(ids, keep_cache)
         if not keep_cache:  # rows kept at a turn's end: the resumed episodes recompute theirs too
             for i in ids:
@@ -211,6 +228,7 @@ class EpisodeRunner:
         ep.pending = c
         actions = [self.tokenizer.decode(c.output_ids[a:b], skip_special=False) for a, b in segments(c.output_mask)]
         self.pool.submit(request_id, ep.problem, actions)
+        self._track_flight()
 
     def _answered(self, r: EnvResult) -> list[Completion]:
         ep = self.episodes.get(r.episode)

@@ -73,7 +73,9 @@ class Generator:
 
         def run(on_finish: Any = None) -> list[Trajectory]:
             with self.ctx.switch.rollout():
-                return self.stage.generate(problems, group_ids, version, on_finish=on_finish)
+                out = self.stage.generate(problems, group_ids, version, on_finish=on_finish)
+            self._env_spans()
+            return out
 
         if share:
             finished: list[Trajectory] = []
@@ -114,7 +116,9 @@ class Generator:
 
         def run(groups: list) -> dict[str, Any]:
             with ctx.switch.rollout():
-                return self.stage.run_groups(groups, version, quota, must_finish, drop_overdue, sync, keep_cache=keep)
+                out = self.stage.run_groups(groups, version, quota, must_finish, drop_overdue, sync, keep_cache=keep)
+            self._env_spans()
+            return out
 
         def put(trajs: list[Trajectory]) -> list[int]:
             if score_here:
@@ -144,10 +148,17 @@ class Generator:
         finally:
             model.train(was_training)
             engine.take_stats()  # the step's engine counts are the rollout's only
-            if episodes is not None:
+            if episodes is not None:  # (the step's episode counts are the rollout's only)
                 episodes.take_stats()
+                episodes.take_spans()
         return [(0.0 if failed else float(self.task.reward(self.tokenizer.decode(c.output_ids), p)), len(c.output_ids))
                 for (c, failed), p in zip(results, problems)]
+
+    def _env_spans(self) -> None:
+        """The environment's time in flight onto the device's timeline (phase "env")."""
+        if self.stage.episodes is not None:
+            for start, end in self.stage.episodes.take_spans():
+                self.ctx.spans.add("env", start, end)
 
     def take_stats(self) -> dict[str, float]:
         """The engine's pass counts and seconds, with the partial rollouts' stop-rule sums, since

@@ -179,7 +179,8 @@ class RLTrainer:
                "time_queue_s": max(queue_s), "queue_share": sum(queue_s) / (len(queue_s) * max(end - start, 1e-9)),
                "device_matmul_peak_gflop_per_s": statistics.median(r["matmul_peak_gflop_per_s"] for r in reports.values()),
                **_engine_metrics([{**r["engine"], "matmul_peak_flops": r["matmul_peak_gflop_per_s"] * 1e9}
-                                  for r in reports.values() if r["engine"]], self.model.config)}
+                                  for r in reports.values() if r["engine"]], self.model.config),
+               **_env_metrics([r["engine"] for r in reports.values() if r["engine"]])}
         memory = [r["memory"] for r in reports.values()]
         out["zero_redundancy_ok"] = float(all(m["zero_redundancy"] for m in memory))
         budgets = [m.get("budget_bytes", 0) for m in memory]  # deploy.device_memory_mb (0 = none)
@@ -407,6 +408,26 @@ def resume(run_dir: Path, overrides: dict | None = None) -> RLTrainer:
     run_state.load(trainer)
     truncate_metrics(run_dir / "metrics.jsonl", trainer.step)
     return trainer
+
+
+def _env_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """This step's episodes over the rollout devices (`env.name` runs): turns per episode,
+    environment calls and failures, the environment's seconds and the share of the time a call
+    was in flight that the engine decoded through (hidden), and each `env_info_*` number summed
+    and per call (e.g. `env_info_tool_call_correct_per_call`: the share of correct tool calls)."""
+    if not any("env_episodes" in e for e in stats):
+        return {}
+    total = {k: sum(e.get(k, 0.0) for e in stats) for k in dict.fromkeys(k for e in stats for k in e if k.startswith("env_"))}
+    episodes, calls = total["env_episodes"], total["env_calls"]
+    flight = total["env_hidden_s"] + total["env_exposed_s"]
+    out = {"env_episodes": episodes, "env_turns_per_episode": total["env_turns"] / episodes if episodes else 0.0,
+           "env_calls": calls, "env_failures": total["env_failures"], "time_env_s": total["env_call_s"],
+           "env_hidden_share": total["env_hidden_s"] / flight if flight else 1.0}
+    for k, v in total.items():
+        if k.startswith("env_info_"):
+            out[k] = v
+            out[f"{k}_per_call"] = v / calls if calls else 0.0
+    return out
 
 
 def _engine_metrics(stats: list[dict[str, float]], model_cfg) -> dict[str, float]:
