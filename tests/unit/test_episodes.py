@@ -3,6 +3,8 @@ the episode runner drives turns and environment calls, observation tokens carry 
 episode paused anywhere resumes to the same tokens, and a misbehaving environment fails only
 its episodes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -236,3 +238,42 @@ def test_the_calculator_adds_and_grades_its_calls():
     bad = env.step("12+]")
     assert bad.observation == "=;" and bad.info["tool_call_malformed"] == 1.0
     assert Calculator()("7+x") == "" and Calculator()("40+2") == "42"
+
+
+def test_the_python_environment_runs_calls_in_the_sandbox():
+    from rlfusion.rl.tools.tool_env import PythonEnv
+
+    env = PythonEnv()
+    assert PythonEnv.stop == ("</tool_call>",)
+    env.reset(None)
+    step = env.step("I will compute it. <tool_call>print(6 * 7)</tool_call>")
+    assert step.observation == "<tool_response>\n42\n</tool_response>" and step.info["tool_call_malformed"] == 0.0
+    assert env.step("no call here</tool_call>").info["tool_call_malformed"] == 1.0
+
+
+def test_stalesync_resumes_episodes_paused_mid_rollout(model):
+    """`run_groups` with episodes: a quota ends the rollout early, the paused episodes resume in
+    the next with a newer version, and each sample's oldest version is that of a sampled token."""
+    from rlfusion.runtime.rollout_stage import RolloutStage
+
+    cfg = dataclasses.replace(TrainConfig().rollout, group_size=2, max_new_tokens=40, min_prefill_batch=1)
+    stage = RolloutStage(model, TOK, cfg, seed=0, env=EnvConfig("env_fns:ScriptedEnv", workers=2))
+    probs = problems(6, seed=3)
+    try:
+        first = stage.run_groups([(g, p, []) for g, p in enumerate(probs)], version=0, quota=2, must_finish=set())
+        assert first["unfinished"] and all(t.finish_reason == "aborted" for t in first["unfinished"])
+        paused = {}
+        for t in first["unfinished"]:
+            paused.setdefault(t.group_id, []).append(t)
+        second = stage.run_groups([(g, probs[g], ts) for g, ts in paused.items()], version=1, quota=99, must_finish=set())
+        stats = stage.episodes.take_stats()
+    finally:
+        stage.episodes.close()
+    assert not second["unfinished"] and len(first["finished"]) + len(second["finished"]) >= 2 * len(paused)
+    resumed = second["finished"]
+    assert any(set(t.versions) == {0, 1} for t in resumed)  # tokens from both policies
+    for t in first["finished"] + resumed:
+        sampled = [v for v, m in zip(t.versions, t.sampled) if m]
+        assert min(t.versions) == min(sampled) and t.response_mask is not None
+        assert t.env_reward == 0.25 * sum(1 for a, b in segments(t.sampled)[1:])  # one reward per answered turn
+    assert stats["env_failures"] == 0

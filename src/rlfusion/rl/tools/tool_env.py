@@ -70,3 +70,19 @@ class ToolEnv:
     def grade(self, name: str, arguments: str, result: str) -> dict[str, float]:
         """Numbers about a well-formed call for the metrics (none by default)."""
         return {}
+
+
+class PythonEnv(ToolEnv):
+    """`env = "rlfusion.rl.tools.tool_env:PythonEnv"`: the policy runs Python in the sandbox
+    (`python_tool.PythonTool`) by writing `<tool_call>code</tool_call>` (special tokens of
+    Qwen-style tokenizers, one token each); the observation is what the code printed, framed as
+    `<tool_response>...</tool_response>`. For other call texts, subclass it and set `call_start` /
+    `call_end` (each one token of your tokenizer) and the tool's limits in `make_tools`."""
+
+    def make_tools(self) -> list[Tool]:
+        from rlfusion.rl.tools.python_tool import PythonTool
+
+        return [PythonTool()]
+
+    def format_result(self, result: str) -> str:
+        return f"<tool_response>\n{result}</tool_response>"
