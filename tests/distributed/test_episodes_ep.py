@@ -5,7 +5,6 @@ joins every pass empty), and each rank's greedy episodes equal a full replica's.
 
 import copy
 
-import pytest
 import torch
 
 from rlfusion.engine.engine import EngineConfig, LLMEngine
