@@ -89,9 +89,14 @@ class EpisodeRunner:
     and call the environment (its `stop` texts); `name`: the `env=` spec, for messages."""
 
     def __init__(self, engine: Any, pool: EnvPool, tokenizer: Any, stop_ids: tuple[int, ...], max_turns: int,
-                 failure_limit: float, name: str):
+                 failure_limit: float, name: str, deterministic: bool = False):
+        """`deterministic`: every answer is taken at the step after its call (each step first
+        waits for the calls in flight), so the engine's batches, and with them the samples, do
+        not depend on how fast the environment answered (a `deterministic=true` run: its
+        resume reproduces it); the engine then decodes nothing while a call is in flight."""
         self.engine, self.pool, self.tokenizer = engine, pool, tokenizer
         self.stop_ids, self.max_turns, self.failure_limit, self.name = stop_ids, max_turns, failure_limit, name
+        self.deterministic = deterministic
         self.max_seq_len = engine.runner.max_seq_len
         self.episodes: dict[str, _Episode] = {}
         self.recent: collections.deque[str] = collections.deque(maxlen=FAILURE_WINDOW)  # "" or why it failed
@@ -101,11 +106,12 @@ class EpisodeRunner:
         self.spans: list[tuple[float, float]] = []  # wall intervals with a call in flight (the timeline's "env")
 
     @classmethod
-    def build(cls, engine: Any, tokenizer: Any, cfg: Any, failure_limit: float) -> "EpisodeRunner":
+    def build(cls, engine: Any, tokenizer: Any, cfg: Any, failure_limit: float,
+              deterministic: bool = False) -> "EpisodeRunner":
         """The episodes of `cfg.name`'s environment (`EnvConfig`) on `engine`, with its worker pool."""
         pool = EnvPool(cfg.name, cfg.workers, cfg.timeout_s)
         ids = stop_ids(import_env(cfg.name), tokenizer, cfg.name)
-        return cls(engine, pool, tokenizer, ids, cfg.max_turns, failure_limit, cfg.name)
+        return cls(engine, pool, tokenizer, ids, cfg.max_turns, failure_limit, cfg.name, deterministic)
 
     # ---- the engine's protocol, as the rollout stage drives it ----
 
@@ -150,21 +156,40 @@ class EpisodeRunner:
         """One engine step (or, with no rows to run, a wait for the environment); returns the
         episodes that ended."""
         ended, self._ended = self._ended, []
+        if self.deterministic and self.pool.in_flight:
+            t0 = time.perf_counter()
+            ended += self._take(self._wait_for({ep for ep, e in self.episodes.items() if e.pending is not None}))
+            self.stats.exposed_s += time.perf_counter() - t0
         in_flight = self.pool.in_flight > 0
         t0 = time.perf_counter()
         if self.engine.has_work() or getattr(self.engine, "lockstep", None) is not None:
             for c in self.engine.step():
                 ended += self._turn_ended(c)
-            results = self.pool.poll()
+            results = [] if self.deterministic else self.pool.poll()
             if in_flight:
                 self.stats.hidden_s += time.perf_counter() - t0
         else:
             results = self.pool.poll(wait_s=0.05) if in_flight else []
             if in_flight:
                 self.stats.exposed_s += time.perf_counter() - t0
-        for r in results:
-            ended += self._answered(r)
+        ended += self._take(results)
         self._track_flight()
+        return ended
+
+    def _wait_for(self, episodes: set[str]) -> list[EnvResult]:
+        """Every answer until those of `episodes` are all in (each call within its timeout)."""
+        results: list[EnvResult] = []
+        while episodes:
+            for r in self.pool.poll(wait_s=0.05):
+                results.append(r)
+                episodes.discard(r.episode)
+        return results
+
+    def _take(self, results: list[EnvResult]) -> list[Completion]:
+        """The answers, in episode order (the order they arrived in is the workers' timing)."""
+        ended = []
+        for r in sorted(results, key=lambda r: r.episode):
+            ended += self._answered(r)
         return ended
 
     def _track_flight(self) -> None:
@@ -185,9 +210,7 @@ class EpisodeRunner:
         with their own finish reason."""
         ids = set(request_ids)
         ended = self._ended
-        while any(self.episodes[i].pending is not None for i in ids if i in self.episodes):
-            for r in self.pool.poll(wait_s=0.05):
-                ended += self._answered(r)
+        ended += self._take(self._wait_for({i for i in ids if i in self.episodes and self.episodes[i].pending is not None}))
         self._ended = [c for c in ended if c.request_id not in ids]
         self._track_flight()
         paused = self.engine.abort(ids, keep_cache)

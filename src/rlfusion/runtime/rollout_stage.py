@@ -30,14 +30,16 @@ class RolloutStage:
 
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer, cfg: RolloutConfig, seed: int,
                  hf_path: str | None = None, compute_dtype: torch.dtype | None = None,
-                 record_routes: bool = False, env: EnvConfig = EnvConfig(), env_failure_limit: float = 0.5):
+                 record_routes: bool = False, env: EnvConfig = EnvConfig(), env_failure_limit: float = 0.5,
+                 deterministic: bool = False):
         """`model` is the policy; with `rollout.backend=vllm` the engine serves a copy of it
         (from `hf_path`, the run's base when that is an HF folder, else an export of `model`).
         `compute_dtype`: the precision of the native engine's passes (`deploy.precision`; None =
         fp32); vLLM computes in bf16, its kernels' dtype, whatever the setting. `record_routes`:
         each sample carries its tokens' routed experts (`Trajectory.routes`; native engine).
         `env` (`env.name` set): every sample is a multi-turn episode (`episodes.EpisodeRunner`);
-        more than `env_failure_limit` of recent episodes failing stops the run."""
+        more than `env_failure_limit` of recent episodes failing stops the run; `deterministic`
+        (`deterministic=true`): the episodes take each answer at a fixed step (`EpisodeRunner`)."""
         self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         if cfg.backend == "vllm":
             from rlfusion.engine.vllm_backend import VLLMEngine
@@ -54,7 +56,7 @@ class RolloutStage:
         self.episodes: EpisodeRunner | None = None
         self.driver: Any = self.engine
         if env.name:
-            self.episodes = EpisodeRunner.build(self.engine, tokenizer, env, env_failure_limit)
+            self.episodes = EpisodeRunner.build(self.engine, tokenizer, env, env_failure_limit, deterministic)
             self.driver = self.episodes
             self.params = dataclasses.replace(self.params, max_new_tokens=env.max_episode_tokens or cfg.max_new_tokens,
                                               stop_ids=(tokenizer.eos_id, *self.episodes.stop_ids))

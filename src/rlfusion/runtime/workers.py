@@ -60,7 +60,7 @@ class DeviceWorker(StorageHost):
             stage = RolloutStage(self.policy, tokenizer, dataclasses.replace(cfg.rollout, max_num_seqs=rows),
                                  cfg.seed + 1000 * device, hf_base,
                                  COMPUTE_DTYPES[cfg.rollout.precision or cfg.deploy.precision], records_routes(cfg),
-                                 cfg.env, cfg.reward_failure_limit)
+                                 cfg.env, cfg.reward_failure_limit, cfg.deterministic)
         if in_layout and plan.infer_ep == 1:
             release(self.policy)  # resident only while generating (split first with infer_ep: `connect`)
         spans = SpanLog()
