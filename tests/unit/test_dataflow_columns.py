@@ -18,8 +18,7 @@ from rlfusion.runtime.train_config import TrainConfig
 def test_a_column_is_written_only_when_a_stage_reads_it(advantage, kl, scored_on_device, routes):
     cfg = load_config(TrainConfig, None, [f"algo.advantage={advantage}", kl, routes])
     reference = bool(cfg.algo.kl_coef)
-    written = (set(dataflow.rollout_writes(scored_on_device, dataflow.records_routes(cfg)))
-               | set(dataflow.REWARD.writes))
+    written = set(dataflow.rollout_writes(cfg, scored_on_device)) | set(dataflow.REWARD.writes)
     written |= set(dataflow.reference_writes(cfg)) if reference else set()
     read = set(dataflow.advantage_reads(cfg)) | set(dataflow.actor_reads(cfg))
     if not scored_on_device:  # the scorers read the rows from the queue
@@ -32,6 +31,22 @@ def test_a_column_is_written_only_when_a_stage_reads_it(advantage, kl, scored_on
     # samples reads it; the update reads each token's policy version, for the mismatch by lag)
     assert written - read == {"finish_reason"}
     assert ("routes" in written) == (cfg.algo.routing_replay == "rollout")
+
+
+@pytest.mark.parametrize("kl", ["algo.kl_coef=0", "algo.kl_mode=loss", "algo.kl_mode=reward"])
+@pytest.mark.parametrize("scored_on_device", [True, False])
+def test_episode_columns_are_written_only_when_read(kl, scored_on_device):
+    """With an environment: the mask goes in for the actor (and the reference's summed KL), the
+    environment's outcome only when the rows go in unscored (the reward stage reads it then)."""
+    cfg = load_config(TrainConfig, None, [kl, 'env.name="env_fns:ScriptedEnv"'])
+    reference = bool(cfg.algo.kl_coef)
+    written = set(dataflow.rollout_writes(cfg, scored_on_device)) | set(dataflow.REWARD.writes)
+    written |= set(dataflow.reference_writes(cfg)) if reference else set()
+    read = set(dataflow.advantage_reads(cfg)) | set(dataflow.actor_reads(cfg))
+    if not scored_on_device:
+        read |= set(dataflow.reward_reads(cfg)) | (set(dataflow.reference_reads(cfg)) if reference else set())
+    assert read <= written and written - read == {"finish_reason"}
+    assert "response_mask" in written and ({"env_reward", "env_failed"} <= written) == (not scored_on_device)
 
 
 def test_the_split_carries_each_rows_advantage_and_shaped_reward():
