@@ -16,11 +16,11 @@ order: an environment must answer the same actions the same way (deterministic).
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlfusion.rl.plugins import import_named
 from rlfusion.rl.problem import Problem
 
 MAX_OBSERVATION_CHARS = 65_536  # a longer observation fails its episode (what a context could hold, many times over)
@@ -49,16 +49,7 @@ class Environment(Protocol):
 
 def import_env(spec: str) -> type:
     """The class `module:Class` names, checked for `stop`, `reset` and `step`; one-line errors."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"env={spec!r} must be 'module:Class' (a class with stop, reset and step)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"env={spec!r}: cannot import module {module_name!r} ({e})") from None
-    except (Exception, SystemExit) as e:
-        raise ValueError(f"env={spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e}") from e
-    cls = getattr(module, attr, None)
+    module_name, attr, cls = import_named("env", spec, "'module:Class' (a class with stop, reset and step)")
     if not isinstance(cls, type):
         raise ValueError(f"env={spec!r}: module {module_name!r} has no class {attr!r}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

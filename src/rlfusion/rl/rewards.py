@@ -11,12 +11,12 @@ of these into one `RewardError` that names the `reward=` spec and the sample.
 
 from __future__ import annotations
 
-import importlib
 import math
 import queue
 import threading
 from typing import Any, Callable, Protocol, TypeVar
 
+from rlfusion.rl.plugins import import_named
 from rlfusion.rl.problem import Problem
 
 T = TypeVar("T")
@@ -48,17 +48,7 @@ def load_reward_fn(spec: str) -> RewardFn | RewardModel:
 def import_reward(spec: str) -> Any:
     """The function or reward-model class `module:name` names, imported but not built: the
     check a driver makes before it starts the devices that will build it."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward={spec!r} must be 'task' or 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward={spec!r}: cannot import module {module_name!r} ({e})") from None
-    except (Exception, SystemExit) as e:  # the module itself failed while importing (syntax, its own code)
-        raise ValueError(f"reward={spec!r}: importing module {module_name!r} raised "
-                         f"{type(e).__name__}: {e}") from e
-    fn = getattr(module, attr, None)
+    module_name, attr, fn = import_named("reward", spec, "'task' or 'module:function'")
     if not callable(fn):
         raise ValueError(f"reward={spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn

@@ -33,6 +33,7 @@ from rlfusion.model.checkpoint import load_base
 from rlfusion.obs.files import atomic_write_text
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
 from rlfusion.obs.timeline import Timeline
+from rlfusion.rl.env import import_env, stop_ids
 from rlfusion.rl.rewards import import_reward
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime import base_fit, run_state
@@ -86,6 +87,8 @@ class RLTrainer:
             check_vllm_rollout(cfg, model, base_path)
         if cfg.reward != "task":  # a bad spec is named here, not as a device that failed to start
             import_reward(cfg.reward)
+        if cfg.env.name:  # and an environment's, with its stop texts against the run's tokenizer
+            stop_ids(import_env(cfg.env.name), tokenizer, cfg.env.name)
         if cfg.deploy.backend == "ray":
             self.devices: Devices = RayDevices(cfg, plan, base_path)
         else:
