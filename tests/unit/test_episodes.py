@@ -277,3 +277,15 @@ def test_stalesync_resumes_episodes_paused_mid_rollout(model):
         assert min(t.versions) == min(sampled) and t.response_mask is not None
         assert t.env_reward == 0.25 * sum(1 for a, b in segments(t.sampled)[1:])  # one reward per answered turn
     assert stats["env_failures"] == 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("env=nope:X", "env='nope:X': cannot import module 'nope'"),
+    ("env=rlfusion.rl.tools.calculator:CalculatorEnv", "stop text ']' cannot be encoded by the run's tokenizer"),
+    ("env.max_turns=0", "env.max_turns=0 is invalid")])
+def test_a_bad_env_is_one_line_before_any_device_starts(override, message, capsys, tmp_path):
+    from rlfusion.cli import main
+
+    assert main(["train", override, f"out_dir={tmp_path}", "deploy.backend=local"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
