@@ -24,6 +24,8 @@ DEFAULT_PANELS: dict[str, list[str]] = {
     # a run reports them
     "mismatch": ["mismatch_kl", "mismatch_kl_lag0", "mismatch_kl_lag1"],
     "routing": ["router_agreement", "routed_differently_share"],
+    # multi-turn episodes (`env.name`): what the environment saw and how much of it was hidden
+    "episodes": ["env_turns_per_episode", "env_hidden_share", "env_info_tool_call_correct_per_call"],
 }
 # (title, y-axis label) of the default panels; other panels use their name for both.
 _LABELS = {
@@ -33,6 +35,7 @@ _LABELS = {
     "response_length": ("Response length", "tokens"),
     "mismatch": ("Rollout vs trainer", "token KL(rollout || train)"),
     "routing": ("MoE routing, rollout vs trainer", "share"),
+    "episodes": ("Episodes", "turns / share"),
 }
 _MAX_POINTS_WITH_MARKERS = 40  # sparse series (e.g. eval every N steps) need visible points
 _PANEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
