@@ -102,6 +102,8 @@ class EnvPool:
         self.spec, self.timeout_s = spec, timeout_s
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = [_Worker(i, spec, self._results) for i in range(workers)]
+        for w in self._workers:  # started now, so the first calls do not wait for an interpreter to start
+            w.start()
         self._home: dict[str, int] = {}  # episode -> the worker holding its environment
         self._done: list[EnvResult] = []
 
