@@ -138,8 +138,8 @@ class EpisodeRunner:
         self.episodes[request.request_id] = _Episode(problem, env_reward)
         last = request.output_ids[-1] if request.output_ids else None
         if last in self.stop_ids and request.output_mask[-1] == 1:
-            # paused right after a turn that calls the environment (a call never answered)
-            self._call(request.request_id, _as_completion(request))
+            # a sample whose last turn ended on a call never answered (one made elsewhere)
+            self._ended += self._turn_ended(_as_completion(request))
         else:
             self.engine.add_request(request)
 
