@@ -70,3 +70,8 @@ class NoStep:
 
     def reset(self, problem):
         pass
+
+
+class EmptyEnv(_Faulty):
+    def fault(self):
+        return ""

@@ -88,7 +88,7 @@ def greedy_episodes(episodes: Any, tokenizer: Tokenizer, problems: list[Problem]
                             stop_ids=(tokenizer.eos_id, *episodes.stop_ids))
     requests = [Request(f"eval/{i}", encode_prompt(tokenizer, p.prompt), greedy) for i, p in enumerate(problems)]
     for r, p in zip(requests, problems):
-        episodes.add_request(r, p)
+        episodes.add_request(r, p, judged=False)  # (an evaluation's failures score 0; they do not stop a run)
     done: dict[str, Any] = {}
     while episodes.has_unfinished():
         for c in episodes.step():

@@ -181,13 +181,14 @@ def grow_vocab(model: MoETransformer, vocab_size: int) -> None:
     old = model.config.vocab_size
     embed = torch.nn.Embedding(vocab_size, model.config.d_model)
     with torch.no_grad():
+        torch.nn.init.normal_(embed.weight[old:], std=0.02)  # the model's own initialisation
         embed.weight[:old] = model.embed.weight
     model.embed = embed
     if model.lm_head is not None:
         head = torch.nn.Linear(model.config.d_model, vocab_size, bias=False)
         with torch.no_grad():
+            torch.nn.init.normal_(head.weight[old:], std=0.02)
             head.weight[:old] = model.lm_head.weight
-            head.weight[old:] *= 0.1  # new ids start unlikely
         model.lm_head = head
     model.config = replace(model.config, vocab_size=vocab_size)
 

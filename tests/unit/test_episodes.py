@@ -76,7 +76,7 @@ def test_an_extended_row_decodes_as_a_fresh_prefill(model):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, stop_ids=(TOK.encode(STOP)[0],))
     engine = LLMEngine(model, EngineConfig(max_num_seqs=4))
     prompts = [encode_prompt(TOK, p.prompt) for p in problems(3)]
-    first = engine.generate([Request(f"{i}", p, greedy, keep_row_on_stop=True) for i, p in enumerate(prompts)])
+    first = engine.generate([Request(f"{i}", p, greedy, keep_row_after=greedy.stop_ids) for i, p in enumerate(prompts)])
     assert all(c.finish_reason == "stop" for c in first) and len(engine.runner.saved) == 3
     obs = TOK.encode("=42;")
     go_on = dataclass_replace(greedy, stop_ids=())
@@ -180,7 +180,8 @@ def test_episode_columns_ride_the_queue():
                                       ("env_fns:SleepingEnv", "did not return within env.timeout_s=1 s"),
                                       ("env_fns:ChattyEnv", "observation of 10000000 characters"),
                                       ("env_fns:ExitingEnv", "worker process exited"),
-                                      ("env_fns:GarbageEnv", "reward nan")])
+                                      ("env_fns:GarbageEnv", "reward nan"),
+                                      ("env_fns:EmptyEnv", "empty observation")])
 def test_a_misbehaving_environment_fails_only_its_episodes(model, env, why):
     probs = problems(8, seed=2)
     faulty = {i for i, p in enumerate(probs) if len(p.prompt) % 2 == 0}
@@ -289,3 +290,22 @@ def test_a_bad_env_is_one_line_before_any_device_starts(override, message, capsy
     assert main(["train", override, f"out_dir={tmp_path}", "deploy.backend=local"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_recorded_routes_cover_every_fed_token_of_an_episode(model):
+    """Routes recorded through turns, extends and episodes ended at their budget line up with the
+    tokens (what routing replay and the mismatch metrics read)."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=16, record_routes=True))
+    r = EpisodeRunner.build(engine, TOK, EnvConfig("env_fns:ScriptedEnv", workers=1), 1.0)
+    probs = problems(12, seed=4)
+    try:
+        outs = [run_all(r, [Request(f"{i}", encode_prompt(TOK, p.prompt), params(r, max_new=n))
+                            for i, p in enumerate(probs)], probs) for n in (9, 13, 20)]
+    finally:
+        r.close()
+    trajs = [Trajectory.of_completion(c) for run in outs for c in run]
+    assert any(c.finish_reason == "length" and 0 in c.output_mask for run in outs for c in run)
+    for t in trajs:
+        assert len(t.routes) == t.num_tokens - 1
+    batch = pack(trajs)
+    assert batch.routes_NX.shape[0] == len(batch.tokens_N)

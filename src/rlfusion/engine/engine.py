@@ -132,9 +132,10 @@ class LLMEngine:
 
     def any_in_group(self, flag: bool) -> bool:
         """Whether `flag` holds on any member of the lock-step group (collective)."""
-        return bool(self._group_max([flag])[0])
+        return bool(self.group_max([flag])[0])
 
-    def _group_max(self, flags: list[bool]) -> list[int]:
+    def group_max(self, flags: list[bool]) -> list[int]:
+        """Each flag's maximum over the lock-step group (collective)."""
         t = torch.tensor(flags, dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.lockstep)
         return t.tolist()
@@ -149,7 +150,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         passes = (0, 0, 0)
         if self.lockstep is not None:
-            passes = tuple(self._group_max([bool(plan.decode), len({s.num_new for s in plan.extend}),
+            passes = tuple(self.group_max([bool(plan.decode), len({s.num_new for s in plan.extend}),
                                             bool(plan.prefill)]))
             if not any(passes):
                 return []
@@ -169,7 +170,8 @@ class LLMEngine:
             if reason:
                 ended.append((seq, reason))
         # rows kept for a continuation are read before any finished row's slot is reused
-        self.runner.save_rows([seq for seq, reason in ended if reason == "stop" and seq.request.keep_row_on_stop])
+        self.runner.save_rows([seq for seq, reason in ended
+                               if reason == "stop" and seq.request.output_ids[-1] in seq.request.keep_row_after])
         for seq, _ in ended:
             self.scheduler.finish(seq)
         return [_completion(seq, reason) for seq, reason in ended]

@@ -133,8 +133,8 @@ class Scheduler:
         if seq.num_tokens >= self.config.max_seq_len:
             raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens; the "
                              f"KV cache holds {self.config.max_seq_len} per sequence")
-        if seq.num_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(f"request {request.request_id!r} has {seq.num_tokens} tokens, more "
+        if seq.num_new > self.config.max_num_batched_tokens:
+            raise ValueError(f"request {request.request_id!r} has {seq.num_new} tokens to compute, more "
                              f"than max_num_batched_tokens={self.config.max_num_batched_tokens}")
         self.waiting.append(seq)
         self._live_ids.add(request.request_id)

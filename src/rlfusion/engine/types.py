@@ -47,12 +47,12 @@ class Request:
     # layer (`[positions, L * K]`, the first positions first; `model.routes`), kept across an
     # abort so a resumed request keeps the routes its tokens were sampled with
     routes: Any = None  # a torch.Tensor (this module is imported without torch by the simulator)
-    # a turn of a multi-turn episode (`rl/episodes.py`): `output_ids` may hold observation tokens
-    # an environment appended, marked 0 here (1: sampled; None: every output token was sampled),
-    # and the cache row is kept when the request stops on a stop id, so its continuation (the
-    # same tokens plus an observation) prefills only the new tokens
+    # a turn of a multi-turn episode (`runtime/episodes.py`): `output_ids` may hold observation
+    # tokens an environment appended, marked 0 here (1: sampled; None: every output token was
+    # sampled); the cache row is kept when the request stops on one of `keep_row_after` (a call),
+    # so its continuation (the same tokens plus an observation) prefills only the new tokens
     output_mask: list[int] | None = None
-    keep_row_on_stop: bool = False
+    keep_row_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -6,8 +6,10 @@ nowhere). An episode keeps to one worker, which holds its environment between ca
 carries the episode's actions so far, and a worker that does not hold the episode at that point
 (a restarted worker, an episode resumed from a checkpoint) rebuilds it by `reset` and replaying
 them. A call past `timeout_s` kills its worker (a fresh one takes its queue), and so does a
-worker that exits by itself: either fails that call's episode, never the run. Nothing here
-imports torch: a worker starts in a fraction of a second.
+worker that exits by itself: either fails that call's episode, never the run (a rebuild's replayed
+actions get the timeout each). A worker runs in a session of its own, killed as a group with what
+it started, and ends itself when its parent is gone. Nothing here imports torch: a worker starts
+in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -49,6 +52,7 @@ class _Call:
     problem: Problem
     actions: list[str]
     sent: float = 0.0
+    steps: int = 1  # the step() calls it may take: the worker rebuilds an episode it does not hold
 
 
 class _Worker:
@@ -71,15 +75,19 @@ class _Worker:
                          daemon=True, name=f"env worker {self.index}").start()
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait()
-            for f in (self.proc.stdin, self.proc.stdout):
-                try:
-                    f.close()
-                except OSError:  # (unsent bytes to a dead worker)
-                    pass
+        """Kill the worker and whatever it started (its own session's process group); its reader
+        thread sees the end of its output and closes it."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except OSError:  # (unsent bytes to a dead worker)
+            pass
         self.proc = None
 
     def send(self, message: tuple) -> bool:
@@ -104,7 +112,8 @@ class EnvPool:
         self._workers = [_Worker(i, spec, self._results) for i in range(workers)]
         for w in self._workers:  # started now, so the first calls do not wait for an interpreter to start
             w.start()
-        self._home: dict[str, int] = {}  # episode -> the worker holding its environment
+        self._home: dict[str, int] = {}  # episode -> the worker it keeps to
+        self._held: dict[str, int] = {}  # episode -> the worker generation that answered its last call
         self._done: list[EnvResult] = []
 
     @property
@@ -117,12 +126,15 @@ class EnvPool:
         if episode not in self._home:
             self._home[episode] = min(self._workers, key=lambda w: len(w.queue) + (w.current is not None)).index
         worker = self._workers[self._home[episode]]
-        worker.queue.append(_Call(episode, problem, list(actions)))
+        held = self._held.get(episode) == worker.generation
+        # a rebuild replays the earlier actions: each may take the timeout too
+        worker.queue.append(_Call(episode, problem, list(actions), steps=1 if held else len(actions)))
         self._dispatch(worker)
 
     def close_episode(self, episode: str) -> None:
         """The episode ended: its worker forgets its environment."""
         index = self._home.pop(episode, None)
+        self._held.pop(episode, None)
         if index is not None and self._workers[index].proc is not None:
             self._workers[index].send(("close", episode))
 
@@ -153,8 +165,12 @@ class EnvPool:
             call = worker.queue.popleft()
             call.sent = time.perf_counter()
             worker.current = call
-            if not worker.send(("step", call.episode, call.problem, call.actions)):
-                self._fail(worker, f"env worker {worker.index} is gone (it exited)")
+            message = ("step", call.episode, call.problem, call.actions)
+            if not worker.send(message):  # it exited while idle: a fresh one takes the call
+                worker.kill()
+                call.steps = len(call.actions)
+                if not worker.send(message):
+                    self._fail(worker, f"env worker {worker.index} could not be restarted")
 
     def _take(self, item: tuple) -> None:
         index, generation, answer = item
@@ -170,6 +186,7 @@ class EnvPool:
         latency = time.perf_counter() - call.sent
         worker.current = None
         if kind == "ok":
+            self._held[call.episode] = worker.generation
             self._done.append(EnvResult(call.episode, payload, "", seconds, latency))
         else:
             self._done.append(EnvResult(call.episode, None, payload, seconds, latency))
@@ -178,8 +195,9 @@ class EnvPool:
     def _expire(self) -> None:
         now = time.perf_counter()
         for w in self._workers:
-            if w.current is not None and now - w.current.sent > self.timeout_s:
-                self._fail(w, f"step() did not return within env.timeout_s={self.timeout_s:g} s")
+            if w.current is not None and now - w.current.sent > self.timeout_s * w.current.steps:
+                self._fail(w, f"step() did not return within env.timeout_s={self.timeout_s:g} s"
+                           + (f" (x {w.current.steps}: the episode was rebuilt)" if w.current.steps > 1 else ""))
 
     def _fail(self, worker: _Worker, why: str) -> None:
         """Fail the worker's current call, replace the process, go on with its queue."""
@@ -202,6 +220,7 @@ def _read_answers(stream: BinaryIO, results: queue.SimpleQueue, index: int, gene
             answer = None
         results.put((index, generation, answer))
         if answer is None:
+            stream.close()  # here, not by `kill`: closing a stream another thread reads blocks
             return
 
 
@@ -254,7 +273,16 @@ def serve(spec: str, inp: BinaryIO, out: BinaryIO) -> None:
         _write(out, (*answer, time.perf_counter() - t0))
 
 
+def _watch_parent(parent: int) -> None:
+    """End this worker's process group (it and anything its environment started) once the
+    process that started it is gone, even while a step() hangs."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.killpg(os.getpid(), signal.SIGKILL)
+
+
 def _main() -> None:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     # the protocol owns the original stdin/stdout; the environment's own prints go nowhere
     inp, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)

@@ -4,7 +4,7 @@ answer's tokens join the same sequence, the policy writes the next turn (`rl/env
 `EpisodeRunner` steps the engine the way the rollout stage steps a bare engine (`add_request`,
 `step`, `has_unfinished`, `abort`), and between its passes hands each finished turn to the
 environment's worker pool (`rl/env_pool.EnvPool`): the engine decodes the other rows while a call
-is pending. Token in, token out: a turn's row is kept when it stops (`Request.keep_row_on_stop`),
+is pending. Token in, token out: a turn's row is kept when it stops (`Request.keep_row_after`),
 and its continuation is the same token ids plus the observation's, so the engine prefills only
 the observation into that row (`StepPlan.extend`) and nothing earlier is ever re-tokenized.
 Observation tokens are marked 0 in the request's `output_mask` (no loss, no advantage, no KL);
@@ -48,6 +48,7 @@ class _Episode:
     env_reward: float = 0.0
     failed: str = ""
     pending: Completion | None = None  # the turn whose step() is in flight
+    judged: bool = True  # counts in the failure window
 
 
 @dataclass
@@ -102,6 +103,7 @@ class EpisodeRunner:
         self.recent: collections.deque[str] = collections.deque(maxlen=FAILURE_WINDOW)  # "" or why it failed
         self.stats = EpisodeStats()
         self._ended: list[Completion] = []  # ended between engine steps (an environment's answer)
+        self._error = ""  # why the run stops (too many failed episodes), raised by `has_unfinished`
         self._flight: float | None = None  # wall time since which a call has been in flight
         self.spans: list[tuple[float, float]] = []  # wall intervals with a call in flight (the timeline's "env")
 
@@ -127,15 +129,17 @@ class EpisodeRunner:
     def num_steps(self) -> int:
         return self.engine.num_steps
 
-    def add_request(self, request: Request, problem: Problem | None = None, env_reward: float = 0.0) -> None:
+    def add_request(self, request: Request, problem: Problem | None = None, env_reward: float = 0.0,
+                    judged: bool = True) -> None:
         """Start (or resume) an episode: `request` is its prompt with any tokens it has so far
-        (`output_mask` marking observations), `problem` what the environment resets to."""
+        (`output_mask` marking observations), `problem` what the environment resets to;
+        `judged`: its failure counts toward stopping the run (not an evaluation's)."""
         if problem is None:
             raise ValueError(f"episode {request.request_id!r} needs its problem (the environment resets to it)")
         if request.output_mask is None:
             request.output_mask = [1] * len(request.output_ids)
-        request.keep_row_on_stop = True
-        self.episodes[request.request_id] = _Episode(problem, env_reward)
+        request.keep_row_after = self.stop_ids
+        self.episodes[request.request_id] = _Episode(problem, env_reward, judged=judged)
         last = request.output_ids[-1] if request.output_ids else None
         if last in self.stop_ids and request.output_mask[-1] == 1:
             # a sample whose last turn ended on a call never answered (one made elsewhere)
@@ -148,8 +152,17 @@ class EpisodeRunner:
         return self.engine.has_work() or self.pool.in_flight > 0
 
     def has_unfinished(self) -> bool:
+        """Episodes left (in lock-step: anywhere in the group, collective). Raises the `EnvError`
+        of too many failed episodes here — in lock-step on every member, so none is left
+        waiting in a collective."""
         if getattr(self.engine, "lockstep", None) is not None:
-            return self.engine.any_in_group(self.has_work())
+            busy, failed = self.engine.group_max([self.has_work(), bool(self._error)])
+            if failed:
+                raise EnvError(self._error or "another member of this rollout device's expert-parallel group "
+                               "stopped: most of its recent episodes failed (its error names the environment)")
+            return bool(busy)
+        if self._error:
+            raise EnvError(self._error)
         return self.has_work() or bool(self._ended)
 
     def step(self) -> list[Completion]:
@@ -273,18 +286,20 @@ class EpisodeRunner:
         except ValueError as e:
             ep.failed = f"its observation cannot be encoded by the run's tokenizer ({e})"
             return self._end(c)
+        if not obs:
+            ep.failed = "step() returned an empty observation (a turn needs at least one token back; done=True ends it)"
+            return self._end(c)
         room = min(c.params.max_new_tokens - len(c.output_ids),
                    self.max_seq_len - 1 - len(c.prompt_ids) - len(c.output_ids))
-        fits = obs[:max(room, 0)]
-        n = len(fits)
-        grown = Completion(c.request_id, c.prompt_ids, c.output_ids + fits, c.logprobs + [0.0] * n,
+        if len(obs) >= room:  # no room to answer after it: the episode ends at its budget, without it
+            c.finish_reason = "length"
+            return self._end(c)
+        n = len(obs)
+        grown = Completion(c.request_id, c.prompt_ids, c.output_ids + obs, c.logprobs + [0.0] * n,
                            c.versions + [c.versions[-1]] * n, c.finish_reason, c.params, c.routes,
                            c.output_mask + [0] * n)
-        if len(obs) >= room:  # no room left to answer in: the episode ends at its budget
-            grown.finish_reason = "length"
-            return self._end(grown)
         request = Request.resume(grown)
-        request.keep_row_on_stop = True
+        request.keep_row_after = self.stop_ids
         self.engine.add_request(request)
         return []
 
@@ -295,12 +310,14 @@ class EpisodeRunner:
         self.stats.episodes += 1
         self.stats.turns += len(segments(c.output_mask))
         self.stats.failures += bool(ep.failed)
+        if not ep.judged:
+            return [c]
         self.recent.append(ep.failed and f"episode {c.request_id} ({ep.problem.prompt[:40]!r}): {ep.failed}")
         failed = sum(bool(f) for f in self.recent)
         if ep.failed and len(self.recent) >= MIN_JUDGED and failed > self.failure_limit * len(self.recent):
             first = next(f for f in self.recent if f)
-            raise EnvError(f"env={self.name!r}: {failed} of the last {len(self.recent)} episodes failed (more than "
-                           f"reward_failure_limit={self.failure_limit:g}); the first: {first}")
+            self._error = self._error or (f"env={self.name!r}: {failed} of the last {len(self.recent)} episodes failed "
+                                          f"(more than reward_failure_limit={self.failure_limit:g}); the first: {first}")
         return [c]
 
 

@@ -188,4 +188,5 @@ class Generator:
 
 
 def _tokens(trajs: list[Trajectory]) -> int:
-    return sum(len(t.response_ids) for t in trajs)
+    """The tokens the policy generated (an episode's observations are not theirs)."""
+    return sum(sum(t.sampled) for t in trajs)

@@ -185,6 +185,7 @@ class RolloutStage:
                 error = e
         aborted = {c.request_id: c for c in self.driver.abort(set(run.owner) - set(run.done),
                                                                keep_cache=keep_cache and error is None)}
+        run.record([c for c in aborted.values() if c.finish_reason != "aborted"])  # (ended while paused)
         model.train(was_training)
         if error is not None:
             raise error
@@ -262,8 +263,7 @@ class _GroupRun:
             gid, problem, i = self.owner[rid]
             t = self.sample(c, gid, problem, i)
             generated += len(c.output_ids) if c.output_mask is None else sum(c.output_mask)
-            # (an episode whose environment ended it while it was being paused finished too)
-            (unfinished if c.finish_reason == "aborted" else finished).append(t)
+            (finished if rid in self.done else unfinished).append(t)
         return {"finished": finished, "unfinished": unfinished, "generated_tokens": generated}
 
 

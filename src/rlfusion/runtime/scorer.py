@@ -56,7 +56,8 @@ class Scorer:
         reward = None
         if "reward" in roles:
             reward_fn = task.reward if cfg.reward == "task" else load_reward_fn(cfg.reward)
-            reward = RewardStage(reward_fn, tokenizer, cfg.algo, cfg.rollout.max_new_tokens, name=cfg.reward,
+            budget = cfg.env.max_episode_tokens or cfg.rollout.max_new_tokens  # (an episode's, observations in)
+            reward = RewardStage(reward_fn, tokenizer, cfg.algo, budget, name=cfg.reward,
                                  timeout_s=cfg.reward_timeout_s, reward_range=(cfg.reward_min, cfg.reward_max),
                                  failure_limit=cfg.reward_failure_limit)
         reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens,

@@ -75,6 +75,10 @@ class RLTrainer:
             raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                              f"model's context of {model.config.max_seq_len} tokens (base {base_path}); lower it or "
                              f"set context_len > {cfg.rollout.max_new_tokens}")
+        if cfg.env.max_episode_tokens >= model.config.max_seq_len:
+            raise ValueError(f"env.max_episode_tokens={cfg.env.max_episode_tokens} leaves no room for a prompt in the "
+                             f"model's context of {model.config.max_seq_len} tokens (base {base_path}); lower it or "
+                             f"set context_len > {cfg.env.max_episode_tokens}")
         self.tokenizer, self.model = tokenizer, model  # the controller's copy: checkpoints are written from it
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
