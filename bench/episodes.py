@@ -4,7 +4,7 @@ turns cost against single-turn responses of the same lengths.
 The shipped `tiny-tools` base samples episodes (temperature 1) on the built-in task with the
 calculator (`rl/tools/calculator.py`) behind a 20 ms delay per call (`SlowCalculatorEnv`, below:
 a tool that takes as long as a remote sandbox or a search call), at most 3 turns each, 128 at
-once on one engine (`runtime/episodes.EpisodeRunner`, 4 environment workers).
+once on one engine (`engine/episodes.EpisodeRunner`, 4 environment workers).
 
     env_time_hidden_share    of the time an environment call was in flight, the share the engine
                              spent decoding other rows (the rest it waited with nothing to run)
@@ -50,8 +50,8 @@ def main() -> None:
     from rlfusion.evaluate import encode_prompt
     from rlfusion.model.checkpoint import load_base, resolve_base
     from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
-    from rlfusion.runtime.episodes import EpisodeRunner
-    from rlfusion.runtime.train_config import EnvConfig
+    from rlfusion.engine.episodes import EpisodeRunner
+    from rlfusion.rl.env import EnvConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

@@ -41,7 +41,7 @@ def evaluate(model: MoETransformer, tokenizer: Tokenizer, problems: list[Problem
     max_new = eval_max_new_tokens(tokenizer, problems, max_new_tokens, model.config.max_seq_len)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, seed=seed))
     if env is not None and env.name:
-        from rlfusion.runtime.episodes import EpisodeRunner
+        from rlfusion.engine.episodes import EpisodeRunner
 
         episodes = EpisodeRunner.build(engine, tokenizer, env, failure_limit=1.0)
         try:
@@ -82,7 +82,7 @@ def greedy_completions(engine: Any, tokenizer: Tokenizer, problems: list[Problem
 
 
 def greedy_episodes(episodes: Any, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int) -> list:
-    """One greedy episode per problem (`runtime.episodes.EpisodeRunner`): `(completion, failed)`
+    """One greedy episode per problem (`engine.episodes.EpisodeRunner`): `(completion, failed)`
     each, in problem order; `max_new_tokens` counts the observations too."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                             stop_ids=(tokenizer.eos_id, *episodes.stop_ids))

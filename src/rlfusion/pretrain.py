@@ -30,7 +30,7 @@ from rlfusion.rl.problem import Problem
 from rlfusion.rl.trajectory import split_by_token_budget
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from rlfusion.rl.tools.calculator import CALCULATOR_ENV
-from rlfusion.runtime.train_config import EnvConfig
+from rlfusion.rl.env import EnvConfig
 
 
 @dataclass(frozen=True)

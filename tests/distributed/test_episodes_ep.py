@@ -16,8 +16,8 @@ from rlfusion.model.tokenizer import CharTokenizer
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout
 from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
-from rlfusion.runtime.episodes import EpisodeRunner
-from rlfusion.runtime.train_config import EnvConfig
+from rlfusion.engine.episodes import EpisodeRunner
+from rlfusion.rl.env import EnvConfig
 
 EPISODES_PER_RANK = (3, 2, 1, 0)
 TOK = CharTokenizer.arithmetic()

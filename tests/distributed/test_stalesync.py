@@ -94,7 +94,8 @@ def fake_stage(group_size: int, lengths, slots: int) -> RolloutStage:
     stage = RolloutStage.__new__(RolloutStage)
     stage.cfg = RolloutConfig(group_size=group_size, max_new_tokens=200)
     stage.tokenizer, stage.params = _Tok(), SamplingParams(max_new_tokens=200)
-    stage.engine = FakeEngine(lengths, slots)
+    stage.engine = stage.driver = FakeEngine(lengths, slots)  # (single-turn: the engine steps the rollouts)
+    stage.episodes = None
     stage.model = torch.nn.Linear(1, 1)  # the policy (the stage switches it to eval mode and back)
     return stage
 

@@ -19,8 +19,9 @@ from rlfusion.rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from rlfusion.rl.trajectory import Trajectory, pack, token_logprobs
 from rlfusion.rl.tools.calculator import Calculator, CalculatorEnv
 from rlfusion.runtime import dataflow
-from rlfusion.runtime.episodes import EnvError, EpisodeRunner, segments
-from rlfusion.runtime.train_config import EnvConfig, TrainConfig
+from rlfusion.engine.episodes import EnvError, EpisodeRunner, segments
+from rlfusion.rl.env import EnvConfig
+from rlfusion.runtime.train_config import TrainConfig
 
 TOK = CharTokenizer.arithmetic()
 STOP = "1"  # `env_fns.ScriptedEnv`'s stop text: the random tiny model writes it most

@@ -47,7 +47,7 @@ class Request:
     # layer (`[positions, L * K]`, the first positions first; `model.routes`), kept across an
     # abort so a resumed request keeps the routes its tokens were sampled with
     routes: Any = None  # a torch.Tensor (this module is imported without torch by the simulator)
-    # a turn of a multi-turn episode (`runtime/episodes.py`): `output_ids` may hold observation
+    # a turn of a multi-turn episode (`engine/episodes.py`): `output_ids` may hold observation
     # tokens an environment appended, marked 0 here (1: sampled; None: every output token was
     # sampled); the cache row is kept when the request stops on one of `keep_row_after` (a call),
     # so its continuation (the same tokens plus an observation) prefills only the new tokens

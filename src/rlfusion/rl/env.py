@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlfusion.config import check_fields
 from rlfusion.rl.plugins import import_named
 from rlfusion.rl.problem import Problem
 
@@ -45,6 +46,33 @@ class Environment(Protocol):
     def reset(self, problem: Problem) -> None: ...
 
     def step(self, action: str) -> EnvStep: ...
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (`engine/episodes.py`): `env = "module:Class"` (or `env.name`) names the
+    environment (`rl/env.Environment`) that answers each turn ending on one of its stop texts;
+    "" = single-turn rollouts."""
+
+    name: str = ""
+    max_turns: int = 4  # turns the policy writes per episode (the environment answers all but the last)
+    # response tokens per episode, observations included; 0 = rollout.max_new_tokens
+    max_episode_tokens: int = 0
+    timeout_s: float = 10.0  # one step() call; past it the worker is killed and the episode fails
+    workers: int = 4  # environment processes per rollout device
+
+    def __post_init__(self) -> None:
+        check_fields("env", {
+            "name": (self.name == "" or ":" in self.name, "allowed: '' (single-turn) or 'module:Class'"),
+            "max_turns": (self.max_turns >= 1, "must be >= 1"),
+            "max_episode_tokens": (self.max_episode_tokens >= 0, "must be >= 0 (0 = rollout.max_new_tokens)"),
+            "timeout_s": (self.timeout_s > 0, "must be > 0"),
+            "workers": (self.workers >= 1, "must be >= 1"),
+        }, self)
+
+
+# `env = "module:Class"` sets env.name (a section given a plain value sets this field)
+EnvConfig.SHORTHAND = "name"
 
 
 def import_env(spec: str) -> type:

@@ -19,8 +19,9 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.problem import Problem
 from rlfusion.rl.replay import replay_length
 from rlfusion.rl.trajectory import Trajectory, has_routes
-from rlfusion.runtime.episodes import EpisodeRunner
-from rlfusion.runtime.train_config import EnvConfig, RolloutConfig
+from rlfusion.engine.episodes import EpisodeRunner
+from rlfusion.rl.env import EnvConfig
+from rlfusion.runtime.train_config import RolloutConfig
 from rlfusion.stalesync.rules import STOP_SYNC_EVERY, rollout_stops
 
 
