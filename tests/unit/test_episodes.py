@@ -203,7 +203,7 @@ def test_a_misbehaving_environment_fails_only_its_episodes(model, env, why):
 
 def test_too_many_failed_episodes_stop_the_run_naming_the_environment(model):
     probs = problems(24, seed=2)
-    r = runner(model, env="env_fns:RaisingEnv", limit=0.2)
+    r = runner(model, env="env_fns:RaisingEnv", limit=0.1)
     try:
         with pytest.raises(EnvError, match=r"env='env_fns:RaisingEnv': \d+ of the last \d+ episodes failed .*"
                                            r"the first: episode \d+ .*RuntimeError"):

@@ -314,7 +314,9 @@ class EpisodeRunner:
             return [c]
         self.recent.append(ep.failed and f"episode {c.request_id} ({ep.problem.prompt[:40]!r}): {ep.failed}")
         failed = sum(bool(f) for f in self.recent)
-        if ep.failed and len(self.recent) >= MIN_JUDGED and failed > self.failure_limit * len(self.recent):
+        # judged at every end (not only a failing one), so the verdict does not hang on which
+        # episode happened to end last
+        if failed and len(self.recent) >= MIN_JUDGED and failed > self.failure_limit * len(self.recent):
             first = next(f for f in self.recent if f)
             self._error = self._error or (f"env={self.name!r}: {failed} of the last {len(self.recent)} episodes failed "
                                           f"(more than reward_failure_limit={self.failure_limit:g}); the first: {first}")
