@@ -1,10 +1,12 @@
 """Multi-turn episodes: how much of the environment's time the engine decodes through, and what
 turns cost against single-turn responses of the same lengths.
 
-The shipped `tiny-tools` base samples episodes (temperature 1) on the built-in task with the
-calculator (`rl/tools/calculator.py`) behind a 20 ms delay per call (`SlowCalculatorEnv`, below:
-a tool that takes as long as a remote sandbox or a search call), at most 3 turns each, 128 at
-once on one engine (`engine/episodes.EpisodeRunner`, 4 environment workers).
+A 3-turn workload: the shipped `tiny` base samples episodes (temperature 1) of 3-term problems
+of the built-in task, where every `=` of its scratchpad calls a calculator that answers the
+running sum after a 20 ms delay (`StepSumEnv`, below: a tool as slow as a remote sandbox or a
+search call). A response `17+5=22;22+23=45;#45` is three turns: `17+5=` (call, observation
+`22;`), `22+23=` (call, observation `45;`), `#45` (the answer). 128 episodes at once on one engine
+(`engine/episodes.EpisodeRunner`, 32 environment workers), at most 3 turns each.
 
     env_time_hidden_share    of the time an environment call was in flight, the share the engine
                              spent decoding other rows (the rest it waited with nothing to run)
@@ -23,18 +25,29 @@ from __future__ import annotations
 
 import time
 
-from rlfusion.rl.tools.calculator import CalculatorEnv
+from rlfusion.rl.env import EnvStep
+from rlfusion.rl.tools.calculator import Calculator
 
 DELAY_S = 0.02
+TERMS = 3  # so an episode that follows the scratchpad format is exactly 3 turns
+# environment processes: each answers one call at a time, so 128 episodes of 20 ms calls need
+# tens of them (env.workers); 4 would cap the workload at 200 calls/s (tokens/s ratio 0.13)
+WORKERS = 32
 
 
-class SlowCalculatorEnv(CalculatorEnv):
-    """The calculator, answering after `DELAY_S` seconds. (This module is what the environment
-    workers import: the bench's own imports wait inside `main`, so a worker starts quickly.)"""
+class StepSumEnv:
+    """Each `=` of the scratchpad is a call: the sum before it (`22+23`, the text since the last
+    `;`), answered as `45;` after `DELAY_S` seconds. (This module is what the environment workers
+    import: the bench's own imports wait inside `main`, so a worker starts quickly.)"""
 
-    def step(self, action):
+    stop = ("=",)
+
+    def reset(self, problem) -> None:
+        self.calculator = Calculator()
+
+    def step(self, action: str) -> EnvStep:
         time.sleep(DELAY_S)
-        return super().step(action)
+        return EnvStep(self.calculator(action[:-1].rsplit(";", 1)[-1]) + ";")
 
 
 def main() -> None:
@@ -61,10 +74,10 @@ def main() -> None:
         print("smoke run: sizes too small for the figures to mean anything")
     n, reps = (8, 1) if args.smoke else (128, 2 if args.quick else 5)
     torch.set_num_threads(2)
-    model, tokenizer, _ = load_base(resolve_base("tiny-tools"))
+    model, tokenizer, _ = load_base(resolve_base("tiny"))
     model.eval()
-    task = ArithmeticTask(ArithmeticConfig())
-    env = EnvConfig(f"{__name__ if __name__ != '__main__' else 'episodes'}:SlowCalculatorEnv", max_turns=3, workers=4)
+    task = ArithmeticTask(ArithmeticConfig(min_terms=TERMS, max_terms=TERMS))
+    env = EnvConfig(f"{__name__ if __name__ != '__main__' else 'episodes'}:StepSumEnv", max_turns=3, workers=min(WORKERS, n))
 
     def episodes(seed: int):
         problems = [task.sample(random.Random(f"{seed}/{i}")) for i in range(n)]
@@ -107,7 +120,8 @@ def main() -> None:
               f"{DELAY_S * 1000:.0f} ms, {tokens} sampled tokens: episodes {ep_s:.2f} s ({tokens / ep_s:,.0f} tok/s), "
               f"single-turn {st_s:.2f} s ({tokens / st_s:,.0f} tok/s); in flight {flight:.2f} s, "
               f"hidden {stats['env_hidden_s']:.2f} s, exposed {stats['env_exposed_s']:.2f} s")
-    print(f"turns per episode {statistics.median(turns):.2f}, calls per repetition {statistics.median(calls):.0f}")
+    print(f"turns per episode {statistics.median(turns):.2f}, calls per repetition {statistics.median(calls):.0f}, "
+          f"{WORKERS} environment workers (at most {WORKERS / DELAY_S:.0f} calls/s)")
     print(f"episodes_vs_single_turn_tokens_per_s: {statistics.median(ratios):.2f} (reported; equal sampled tokens)")
     print(f"target env_time_hidden_share: {statistics.median(shares):.2f} (goal >= 0.8)")
 
