@@ -27,6 +27,7 @@ from rlfusion.parallel.data_parallel import apply_fsdp, shard_batch
 from rlfusion.parallel.expert_parallel import CommCounter, ExpertParallelExperts, LinkModel
 from rlfusion.parallel.layout import ParallelLayout
 from rlfusion.parallel.mesh import ParallelMesh, build_mesh
+from rlfusion.parallel.overlap import OverlapOrder
 from rlfusion.parallel.sharded import is_dtensor
 from rlfusion.parallel.pipeline import PaddedRouting, build_schedule, split_model, stage_indices
 from rlfusion.parallel.tensor_parallel import apply_tensor_parallel
@@ -46,6 +47,9 @@ class ParallelModel:
         self._schedule, self._schedule_shape = None, None
         self._loss_now: Callable = loss_fn  # what the schedule's loss calls (`pipeline_pass` sets it)
         self.routing = PaddedRouting(chunks) if mesh.layout.pp > 1 else None
+        # Adaptive Pipe's order (`overlap.py`), agreed over the stage's ranks (their pairs'
+        # collectives must interleave alike): the sum over the whole layout
+        self.overlap = OverlapOrder(self._sum_over_layout) if mesh.layout.overlap_fb else None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
@@ -62,8 +66,19 @@ class ParallelModel:
         return [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, Router)]
 
     @property
+    def stages(self) -> list[int]:
+        """The pipeline stages this rank holds (looped, or a V with `overlap_fb`)."""
+        return stage_indices(self.layout.pp, self.layout.vpp, self.mesh.coord("pp"), self.layout.overlap_fb)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the first stage: it reads the tokens."""
+        return 0 in self.stages
+
+    @property
     def is_last_stage(self) -> bool:
-        return self.mesh.coord("pp") == self.layout.pp - 1
+        """This rank holds the last stage: it computes the loss (pp rank 0 in the V)."""
+        return self.layout.num_stages - 1 in self.stages
 
     def train(self, mode: bool = True) -> "ParallelModel":
         for chunk in self.chunks:
@@ -109,9 +124,8 @@ class ParallelModel:
         self._loss_now = loss_fn
         self.routing.set_valid(list(valid_BT.tensor_split(n_microbatches)))
         self._schedule.scale_grads = False
-        pp_index, pp = self.mesh.coord("pp"), self.layout.pp
-        args = (tokens_BT,) if pp_index == 0 else ()
-        target = side_BTK if pp_index == pp - 1 else None
+        args = (tokens_BT,) if self.is_first_stage else ()
+        target = side_BTK if self.is_last_stage else None
         run = self._schedule.step if backward else self._schedule.eval
         kwargs = {"routes": routes_BTX} if routes_BTX is not None else {}
         try:
@@ -119,18 +133,20 @@ class ParallelModel:
         finally:
             self.routing.set_valid(None)
             self._loss_now = self.loss_fn
+        if backward and self.overlap is not None:
+            self.overlap.settle()
 
     def _pipeline_step(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        pp_index, pp = self.mesh.coord("pp"), self.layout.pp
         self._ensure_schedule(tokens_BT.shape, self.n_microbatches)
         self._schedule.scale_grads = True  # the mean loss of each micro-batch: their mean
         losses: list[torch.Tensor] = []
-        if pp_index == 0:
-            self._schedule.step(tokens_BT, target=targets_BT if pp == 1 else None, losses=losses)
-        elif pp_index == pp - 1:
-            self._schedule.step(target=targets_BT, losses=losses)
+        args = (tokens_BT,) if self.is_first_stage else ()
+        if self.is_last_stage:
+            self._schedule.step(*args, target=targets_BT, losses=losses)
         else:
-            self._schedule.step()
+            self._schedule.step(*args)
+        if self.overlap is not None:
+            self.overlap.settle()
         local = (torch.stack(losses).mean().detach() if losses
                  else torch.zeros((), device=self.device))
         dist.all_reduce(local, group=self.mesh.group("pp"))  # only the last stage has it
@@ -142,15 +158,27 @@ class ParallelModel:
         if B % n:
             raise ValueError(f"rows per data-parallel rank {B} must be divisible by "
                              f"n_microbatches={n}")
-        if n < pp or n % pp:
-            raise ValueError(f"n_microbatches={n} is invalid: must be a multiple of layout.pp={pp}")
+        if n < self.layout.min_microbatches or n % pp:
+            raise ValueError(f"n_microbatches={n} is invalid: must be a multiple of layout.pp={pp} and at least "
+                             f"{self.layout.min_microbatches}")
         if self._schedule_shape == (B, T, n):
             return
         self._schedule = build_schedule(
-            self.chunks, stage_indices(pp, self.layout.vpp, self.mesh.coord("pp")),
+            self.chunks, stage_indices(pp, self.layout.vpp, self.mesh.coord("pp"), self.layout.overlap_fb),
             self.layout.num_stages, self.mesh.group("pp"), self.device, (B // n, T),
-            self.config.d_model, self.config.vocab_size, n, lambda out, target: self._loss_now(out, target))
+            self.config.d_model, self.config.vocab_size, n, lambda out, target: self._loss_now(out, target),
+            self.overlap)
         self._schedule_shape = (B, T, n)
+
+    def _sum_over_layout(self, t: torch.Tensor) -> None:
+        for axis in ("pp", "dp", "tp"):
+            if self.mesh.size(axis) > 1:
+                dist.all_reduce(t, group=self.mesh.group(axis))
+
+    def overlap_report(self) -> dict[str, float]:
+        """Adaptive Pipe's chosen order and the pair times it was chosen from (`overlap.py`);
+        {} without it."""
+        return {} if self.overlap is None else self.overlap.report()
 
     @torch.no_grad()
     def update_router_bias(self) -> None:
@@ -227,14 +255,14 @@ def parallelize(model: MoETransformer, layout: ParallelLayout, *, n_microbatches
     ranks outside it must call `mesh.build_mesh(layout, cfg, ranks=ranks)` at the same point,
     since process groups are created by every rank."""
     cfg = model.config
-    if layout.pp > 1 and (n_microbatches < layout.pp or n_microbatches % layout.pp):
-        raise ValueError(f"n_microbatches={n_microbatches} is invalid: must be a multiple of "
-                         f"layout.pp={layout.pp} (1F1B keeps pp micro-batches in flight)")
+    if layout.pp > 1 and (n_microbatches < layout.min_microbatches or n_microbatches % layout.pp):
+        raise ValueError(f"n_microbatches={n_microbatches} is invalid: must be a multiple of layout.pp={layout.pp} "
+                         f"and at least {layout.min_microbatches} (the micro-batches the schedule keeps in flight)")
     mesh = build_mesh(layout, cfg, device_type, ranks)  # validates before creating any group
     if mesh is None:
         raise ValueError(f"rank {dist.get_rank()} is not one of the layout's ranks {ranks}")
     chunks: list[nn.Module] = ([model] if layout.pp == 1 else
-                               split_model(model, layout.pp, layout.vpp, mesh.coord("pp")))
+                               split_model(model, layout.pp, layout.vpp, mesh.coord("pp"), layout.overlap_fb))
     for chunk in chunks:
         for block in [m for m in chunk.modules() if isinstance(m, Block)]:
             if layout.tp > 1:

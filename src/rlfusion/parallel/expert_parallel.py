@@ -37,6 +37,7 @@ from torch import nn
 
 from rlfusion.model.moe import GroupedExperts
 from rlfusion.parallel.mesh import A2AGroup, ParallelMesh
+from rlfusion.parallel.overlap import in_pair, yield_turn
 
 
 TRACE_MIN_WAIT_S = 5e-4
@@ -97,6 +98,8 @@ class InFlight:
         self.out, self.work, self.arrive, self.counter = out, work, arrive, counter
 
     def wait(self) -> torch.Tensor:
+        if self.work is not None:  # inside a forward/backward pair the other half computes meanwhile
+            yield_turn()
         start, wall = time.perf_counter(), time.time()
         if self.work is not None:
             self.work.wait()
@@ -290,10 +293,12 @@ class ExpertParallelExperts(nn.Module):
         # overlapped: the shared experts' first half of the rows computes under the first
         # chunk's dispatch, the second under the last chunk's combine (and in backward, in
         # reverse, under the first combine's and the last dispatch's gradients)
+        # inside a forward/backward pair (`overlap.py`) the other half is the cover: one chunk
+        chunks = 0 if in_pair() else self.chunks
         half = len(full_ND) // 2
-        sides = ((lambda: shared(full_ND[:half])), (lambda: shared(full_ND[half:]))) if shared and self.chunks else None
+        sides = ((lambda: shared(full_ND[:half])), (lambda: shared(full_ND[half:]))) if shared and chunks else None
         routed = self._hierarchical if self.rail is not None else self._flat
-        y_ND, side_ND = routed(x_ND, topk_ids_NK, weights_NK, sides)
+        y_ND, side_ND = routed(x_ND, topk_ids_NK, weights_NK, sides, chunks)
         if self.tp > 1:
             y_ND = _GatherRows.apply(y_ND, sizes, self.tp_index, self.tp_group)
         if shared is None:
@@ -310,10 +315,10 @@ class ExpertParallelExperts(nn.Module):
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [slice(a, a + k) for a, k in zip(starts, sizes)]
 
-    def _flat(self, x_nD, ids_nK, w_nK, sides=None):
+    def _flat(self, x_nD, ids_nK, w_nK, sides, chunks):
         """Flat dispatch → local experts → combine in the EP group, chunk by chunk. Returns the
         output and what `sides` returned (None without)."""
-        return self._pipeline(x_nD, ids_nK, w_nK, self.ep, self.chunks, sides)
+        return self._pipeline(x_nD, ids_nK, w_nK, self.ep, chunks, sides)
 
     def _pipeline(self, x_nD, ids_nK, w_nK, g: A2AGroup, chunks: int, sides=None):
         """Dispatch → local experts → combine inside `g` over `chunks` chunks of the rows (0:
@@ -349,14 +354,14 @@ class ExpertParallelExperts(nn.Module):
             y_ND = y_ND.index_add(0, tok, back.wait() * w)
         return y_ND, side_out
 
-    def _hierarchical(self, x_nD, ids_nK, w_nK, sides=None):
+    def _hierarchical(self, x_nD, ids_nK, w_nK, sides, chunks):
         """Stage 1: one copy per (token, node) over the rail group; stage 2: the flat exchange
         inside the node. Chunk by chunk, the next chunk's rail transfers and the previous one's
         way back are in flight while a chunk's node stage runs."""
         rail, per_node = self.rail, self.node.size * self.num_local
         node_nK = ids_nK // per_node
         plans = []
-        for rows in self._chunk_rows(len(x_nD), self.chunks):
+        for rows in self._chunk_rows(len(x_nD), chunks):
             toks, ids, ws = [], [], []
             for m in range(rail.size):
                 hit_nK = node_nK[rows] == m

@@ -24,6 +24,10 @@ Axes. The world is `pp × dp × tp` ranks, ordered with `tp` fastest, then `dp`,
   expert all-to-all looks at it: with `hierarchical_a2a` tokens cross nodes once per
   (token, node), then spread inside the node; without it the byte counters still report what
   a flat all-to-all sends across node boundaries.
+- `overlap_fb`: the pipeline runs Adaptive Pipe (`overlap.py`): two stages per rank in a V
+  (`vpp` must be 2), the forward of one micro-batch overlapped with the backward of another so
+  each one's expert all-to-alls run under the other's computation; at least `pp*vpp`
+  micro-batches. Without it, 1F1B (`vpp=1`) or interleaved 1F1B.
 - `a2a_chunks`: 0 runs each expert all-to-all blocking; n >= 1 overlaps them with computation
   (each MoE layer's tokens in n chunks: the shared experts compute under the first chunk's
   dispatch, each chunk's experts under the next chunk's dispatch and the previous one's
@@ -53,6 +57,7 @@ class ParallelLayout:
     ranks_per_node: int = 0
     hierarchical_a2a: bool = False
     a2a_chunks: int = 0
+    overlap_fb: bool = False
 
     def __post_init__(self) -> None:
         for key in FIELDS:
@@ -75,6 +80,12 @@ class ParallelLayout:
         return self.pp * self.vpp
 
     @property
+    def min_microbatches(self) -> int:
+        """The fewest micro-batches a pipeline pass may have: pp (1F1B keeps pp in flight), or
+        every stage's worth with the overlapped V schedule."""
+        return self.num_stages if self.overlap_fb else self.pp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel degree: copies of each expert shard within a pipeline stage."""
         return self.dp * self.tp // self.ep
@@ -85,6 +96,8 @@ class ParallelLayout:
             parts.append(f"hier(rpn{self.ranks_per_node})")
         if self.a2a_chunks:
             parts.append(f"overlap{self.a2a_chunks}")
+        if self.overlap_fb:
+            parts.append("overlap_fb")
         return "×".join(parts) or "single"
 
     def validate(self, world_size: int, cfg: ModelConfig) -> None:
@@ -125,6 +138,8 @@ class ParallelLayout:
              "(every pipeline stage needs at least one layer)")
         need(self.pp == 1 or not cfg.tie_embeddings, "pp",
              "must be 1 with model.tie_embeddings=True (embedding and head on different stages)")
+        need(not self.overlap_fb or (self.pp > 1 and self.vpp == 2), "overlap_fb",
+             f"needs pp > 1 and vpp = 2 (two stages per rank in a V), got pp={self.pp}, vpp={self.vpp}")
         need(self.pp == 1 or cfg.aux_loss_coef == 0, "pp",
              "must be 1 with model.aux_loss_coef > 0 (the aux loss is not carried across stages)")
 

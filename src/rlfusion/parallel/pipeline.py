@@ -57,7 +57,11 @@ class PipelineChunk(nn.Module):
         return self.lm_head(self.norm(x_BTD))
 
 
-def stage_indices(pp: int, vpp: int, pp_index: int) -> list[int]:
+def stage_indices(pp: int, vpp: int, pp_index: int, v: bool = False) -> list[int]:
+    """The stages pipeline rank `pp_index` holds: looped (`p, p+pp, ...`, interleaved 1F1B) or,
+    with `v` (two per rank, the forward/backward-overlapped schedule), a V: `p` and `2pp-1-p`."""
+    if v:
+        return [pp_index, 2 * pp - 1 - pp_index]
     return [chunk * pp + pp_index for chunk in range(vpp)]
 
 
@@ -81,11 +85,11 @@ def stage_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
     return ranges(partition(layer_costs(cfg), num_stages))
 
 
-def split_model(model: MoETransformer, pp: int, vpp: int, pp_index: int) -> list[PipelineChunk]:
+def split_model(model: MoETransformer, pp: int, vpp: int, pp_index: int, v: bool = False) -> list[PipelineChunk]:
     num_stages = pp * vpp
     layers = stage_layers(model.config, num_stages)
     return [PipelineChunk(model, layers[s].start, layers[s].stop, s == 0, s == num_stages - 1)
-            for s in stage_indices(pp, vpp, pp_index)]
+            for s in stage_indices(pp, vpp, pp_index, v)]
 
 
 class PaddedRouting:
@@ -152,10 +156,12 @@ class PaddedRouting:
 
 def build_schedule(chunks: list[nn.Module], stages: list[int], num_stages: int, group,
                    device: torch.device, micro_BT: tuple[int, int], d_model: int, vocab: int,
-                   n_microbatches: int, loss_fn: Callable):
+                   n_microbatches: int, loss_fn: Callable, overlap=None):
     """One `PipelineStage` per chunk, with example shapes (MoE routing is data-dependent, so
     the stages cannot infer shapes by running the model on meta tensors). `requires_grad`
-    on the examples tells the stage that activations and their gradients flow both ways."""
+    on the examples tells the stage that activations and their gradients flow both ways.
+    `overlap` (an `overlap.OverlapOrder`): the forward/backward-overlapped V schedule
+    (`overlap.dualpipev_schedule`); else 1F1B, or interleaved 1F1B with several chunks."""
     # imported here, not with the module: it pulls in torch._dynamo (~0.3 s), which every
     # device worker and CLI process would pay at start-up even without a pipeline layout
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -168,6 +174,10 @@ def build_schedule(chunks: list[nn.Module], stages: list[int], num_stages: int, 
         out = torch.empty(B, T, vocab, device=device, requires_grad=True) if s == num_stages - 1 else hidden
         pipeline_stages.append(PipelineStage(chunk, s, num_stages, device, input_args=(inp,),
                                              output_args=(out,), group=group))
+    if overlap is not None:
+        from rlfusion.parallel.overlap import dualpipev_schedule
+
+        return dualpipev_schedule(pipeline_stages, n_microbatches, loss_fn, overlap)
     if len(pipeline_stages) == 1:
         return Schedule1F1B(pipeline_stages[0], n_microbatches, loss_fn=loss_fn)
     return ScheduleInterleaved1F1B(pipeline_stages, n_microbatches, loss_fn=loss_fn)
