@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.transformer import MoETransformer
-from rlfusion.parallel import ParallelLayout, lm_loss, parallelize
+from rlfusion.parallel import ParallelLayout, lm_loss, overlap, parallelize
 
 LR = 0.05  # SGD: the weight comparison then measures gradient agreement directly (Adam's
 # sign-like first step would turn fp32 rounding noise of near-zero grads into lr-sized diffs).
@@ -51,6 +51,8 @@ def reference_run(cfg: ModelConfig, batches) -> tuple[list[float], dict[str, tor
 
 
 def parallel_run(cfg, layout: ParallelLayout, batches, n_microbatches: int = 1):
+    """Losses, the gathered state dict, the expert all-to-all counters and Adaptive Pipe's
+    report (its chosen order; {} for other layouts)."""
     torch.manual_seed(0)
     model = MoETransformer(cfg).train()
     pm = parallelize(model, layout, n_microbatches=n_microbatches)
@@ -62,7 +64,7 @@ def parallel_run(cfg, layout: ParallelLayout, batches, n_microbatches: int = 1):
                                           pm.shard_batch(tokens[:, 1:])))
         opt.step()
         pm.update_router_bias()
-    return losses, pm.full_state_dict(), pm.comm_counter()
+    return losses, pm.full_state_dict(), pm.comm_counter(), pm.overlap_report()
 
 
 def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
@@ -73,7 +75,8 @@ def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
         cfg = small_config(**cfg_changes)
         batches = make_batches(cfg, steps, rows, seq)
         ref_losses, ref_state = reference_run(cfg, batches)
-        losses, state, counter = parallel_run(cfg, ParallelLayout(**layout_kw), batches, n_micro)
+        switches = overlap._TURNS.switches
+        losses, state, counter, report = parallel_run(cfg, ParallelLayout(**layout_kw), batches, n_micro)
         diffs = {k: (state[k] - ref_state[k]).abs().max().item() for k in ref_state if k in state}
         out[name] = {
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -83,6 +86,7 @@ def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
             "moved": max((state[k] - v).abs().max().item() for k, v in
                          reference_initial_state(cfg).items()),
             "sent_bytes": counter.sent_bytes, "internode_bytes": counter.internode_bytes,
+            "overlap": report, "turn_switches": overlap._TURNS.switches - switches,
         }
     return out
 

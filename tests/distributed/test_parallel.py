@@ -33,7 +33,15 @@ CASES = [
                                                hierarchical_a2a=True), {}, 1),
     ("ep4 hierarchical a2a, 2 nodes × 2 ranks", dict(dp=4, ep=4, ranks_per_node=2,
                                                      hierarchical_a2a=True), {}, 1),
+    # Adaptive Pipe: two stages per rank in a V, forward and backward of different micro-batches
+    # taking turns at the expert all-to-alls (parallel/overlap.py), beside interleaved 1F1B
+    ("pp2×vpp2×ep2 (interleaved 1F1B)", dict(pp=2, vpp=2, dp=2, ep=2), {}, 4),
+    ("pp2×vpp2×ep2 overlap_fb", dict(pp=2, vpp=2, dp=2, ep=2, overlap_fb=True), {}, 4),
+    ("pp2×ep2 overlap_fb hierarchical a2a, 2 nodes", dict(pp=2, vpp=2, dp=2, ep=2, ranks_per_node=1,
+                                                         hierarchical_a2a=True, overlap_fb=True), {}, 4),
 ]
+# each overlap_fb case and the interleaved schedule's case of the same layout
+FB_VS_INTERLEAVED = [("pp2×vpp2×ep2 overlap_fb", "pp2×vpp2×ep2 (interleaved 1F1B)")]
 # the stages' layers in the uneven cases: (case, layers per stage)
 UNEVEN = [("pp2×dp2 uneven (1F1B, 5 layers)", [2, 3]),
           ("pp2×vpp2×tp2 uneven (interleaved 1F1B, 6 layers)", [1, 2, 2, 1])]
@@ -46,6 +54,8 @@ OVERLAP_CASES = [
     ("tp2×ep2", dict(dp=2, tp=2, ep=4), {}, 1),
     ("pp2×ep2 (1F1B)", dict(pp=2, dp=2, ep=2), {}, 2),
     ("pp2×vpp2×ep2 (interleaved 1F1B)", dict(pp=2, vpp=2, dp=2, ep=2), {}, 4),
+    # Adaptive Pipe with the chunked overlap in the actions it leaves unpaired (warm-up, cool-down)
+    ("pp2×vpp2×ep2 overlap_fb", dict(pp=2, vpp=2, dp=2, ep=2, overlap_fb=True), {}, 4),
     ("ep4 gated shared experts, aux loss", dict(dp=4, ep=4), dict(shared_expert_gate=True, aux_loss_coef=0.01), 1),
 ]
 
@@ -62,6 +72,25 @@ def test_layout_matches_single_process(world, name):
         assert r["loss_diff"] <= ATOL, (r["losses"], r["ref_losses"])
         assert r["weight_diff"] <= ATOL, (r["worst"], r["weight_diff"])
         assert r["moved"] > 100 * ATOL
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES if "overlap_fb" in c[0]])
+def test_overlap_fb_pairs_take_turns_and_pick_an_order(world, name):
+    """Adaptive Pipe ran pairs whose halves handed the turn over at expert all-to-alls, and after
+    its probe passes every rank keeps the same order within a pair."""
+    orders = {rank["layouts"][name]["overlap"]["overlap_fb_forward_first"] for rank in world}
+    assert len(orders) == 1 and orders <= {0.0, 1.0}, orders
+    assert all(rank["layouts"][name]["turn_switches"] > 0 for rank in world)
+    report = world[0]["layouts"][name]["overlap"]
+    assert report["overlap_fb_pair_s_forward_first"] > 0 and report["overlap_fb_pair_s_backward_first"] > 0
+
+
+@pytest.mark.parametrize("fb, interleaved", FB_VS_INTERLEAVED)
+def test_overlap_fb_equals_the_interleaved_schedule(world, fb, interleaved):
+    for rank in world:
+        a, b = rank["layouts"][fb], rank["layouts"][interleaved]
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= ATOL
+        assert a["weight_diff"] + b["weight_diff"] <= 2 * ATOL  # both at the one-process weights
 
 
 @pytest.mark.parametrize("name, lengths", UNEVEN)

@@ -39,7 +39,7 @@ def pipeline_pass(pm: Any, trajs: list[Trajectory], loss: Callable, *, temperatu
     `replay`: the stages route by the rows' recorded experts (`algo.routing_replay`); `meter`:
     this pass is the policy before the update, whose gap to the rollout (logprobs on the last
     stage, each stage's routes) it records."""
-    tokens_BT, side_BTK, valid_BT, n = padded_rows(trajs, dp_group, pm.config.max_seq_len, pm.layout.pp,
+    tokens_BT, side_BTK, valid_BT, n = padded_rows(trajs, dp_group, pm.config.max_seq_len, pm.layout,
                                                    microbatch_tokens, version)
     routes_BTX = padded_routes(trajs, tokens_BT.shape, dp_group) if replay or meter is not None else None
     device = pm.device
@@ -106,16 +106,18 @@ def padded_routes(trajs: list[Trajectory], shape_BT: torch.Size, dp_group: Any) 
     return out
 
 
-def padded_rows(trajs: list[Trajectory], dp_group: Any, max_seq_len: int, pp: int, microbatch_tokens: int,
+def padded_rows(trajs: list[Trajectory], dp_group: Any, max_seq_len: int, layout: Any, microbatch_tokens: int,
                 version: int = 0):
     """This rank's rows right-padded to `[B, T]` tokens and `[B, T, K]` loss inputs (row i's
     position t predicts its token t + 1; the mask is 1 on response targets), and the number
-    of micro-batches: `microbatch_tokens` tokens each, a multiple of the pipeline depth `pp`,
-    the same on every data-parallel rank of `dp_group` (the largest shape of any)."""
+    of micro-batches: `microbatch_tokens` tokens each, a multiple of the pipeline depth
+    `layout.pp` and at least what its schedule keeps in flight (`layout.min_microbatches`), the
+    same on every data-parallel rank of `dp_group` (the largest shape of any)."""
     rows, longest = lockstep_shape(len(trajs), max((t.num_tokens for t in trajs), default=1), dp_group)
     T = min(-(-longest // 16) * 16, max_seq_len)  # fewer distinct schedule shapes
     per_micro = max(1, microbatch_tokens // T)
-    n = -(-max(1, -(-rows // per_micro)) // pp) * pp
+    pp = layout.pp
+    n = max(-(-max(1, -(-rows // per_micro)) // pp) * pp, layout.min_microbatches)
     B = n * -(-rows // n)
     has_ref = bool(trajs) and all(t.ref_logprobs is not None for t in trajs)
     K = REFERENCE + 1 if has_ref else REFERENCE

@@ -38,6 +38,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
 ROLES = ("rollout", "train", "reference", "reward")
 SCORERS = ("auto", "rollout", "train")
+SCHEDULES = ("1f1b", "interleaved", "overlap_fb")  # deploy.train_schedule
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,12 @@ class DeployConfig:
     # train_tp, the pipeline's micro-batches are optim.microbatch_tokens each
     train_pp: int = 1
     train_vpp: int = 1
+    # the pipeline's schedule: "1f1b", "interleaved" (train_vpp > 1 chunks per stage) or
+    # "overlap_fb", Adaptive Pipe: two stages per pipeline device in a V, each step's forward of
+    # one micro-batch paired with the backward of another so each one's expert all-to-alls run
+    # under the other's computation (parallel/overlap.py; train_vpp 1 or 2, at least 2 x
+    # train_pp micro-batches per pass); "" = 1f1b, or interleaved with train_vpp > 1
+    train_schedule: str = ""
     # shard the actor's parameters, gradients and optimizer state over its data-parallel train
     # devices (FSDP2, ZeRO-3; the routed experts of an expert-parallel layout stay out of it)
     # instead of a full replica on each; every rollout still runs on a full replica per device
@@ -131,6 +138,7 @@ class DeployConfig:
             "train_pp": (self.train_pp >= 1, "must be >= 1 (1 = no pipeline)"),
             "train_vpp": (self.train_vpp >= 1 and (self.train_vpp == 1 or self.train_pp > 1),
                           "must be >= 1, and 1 unless train_pp > 1 (model chunks per pipeline stage)"),
+            "train_schedule": self._schedule_ok(),
             "ranks_per_node": (self.ranks_per_node >= 0, "must be >= 0 (0 = every device on one node)"),
             "queue_timeout_s": (self.queue_timeout_s > 0, "must be > 0 (seconds)"),
             "infer_ep": (self.infer_ep >= 1, "must be >= 1 (1 = a full replica per rollout device)"),
@@ -159,6 +167,24 @@ class DeployConfig:
                              "parallel 1 on these devices (one GPU or CPU process each); split a large "
                              "model's experts with deploy.infer_ep instead")
 
+    def _schedule_ok(self) -> tuple[bool, str]:
+        s, pp, vpp = self.train_schedule, self.train_pp, self.train_vpp
+        if s not in ("", *SCHEDULES):
+            return False, f"allowed: {', '.join(SCHEDULES)} ('' = 1f1b, or interleaved with train_vpp > 1)"
+        if s == "1f1b":
+            return vpp == 1, "needs train_vpp=1 (interleaved runs several chunks per stage)"
+        if s == "interleaved":
+            return vpp > 1, "needs train_vpp >= 2 (model chunks per pipeline stage)"
+        if s == "overlap_fb":
+            return pp > 1 and vpp in (1, 2), ("needs train_pp > 1 and train_vpp 1 or 2 (it holds two stages per "
+                                              "pipeline device, in a V)")
+        return True, ""
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule `train_schedule` resolves to."""
+        return self.train_schedule or ("interleaved" if self.train_vpp > 1 else "1f1b")
+
     @property
     def train_layout(self) -> bool:
         """The actor trains split over a layout instead of as full replicas (co-located, an
@@ -174,6 +200,7 @@ class DeployConfig:
                 + (f" / infer_ep={self.infer_ep}" if self.infer_ep > 1 else "")
                 + (f" / train_pp={self.train_pp}" if self.train_pp > 1 else "")
                 + (f" / train_vpp={self.train_vpp}" if self.train_vpp > 1 else "")
+                + (f" / train_schedule={self.train_schedule}" if self.train_schedule else "")
                 + (" / train_fsdp=true" if self.train_fsdp else ""))
 
     @property
@@ -238,6 +265,7 @@ class DeploymentPlan:
     train_fsdp: bool = False
     train_pp: int = 1
     train_vpp: int = 1
+    train_schedule: str = "1f1b"  # `deploy.train_schedule`, resolved ("1f1b", "interleaved", "overlap_fb")
     ranks_per_node: int = 0  # `deploy.ranks_per_node`: consecutive devices per node, 0 = one node
     infer_ep: int = 1  # the rollout's inference layout (`deploy.infer_ep`, `infer_tp`)
     infer_tp: int = 1
@@ -338,9 +366,11 @@ class DeploymentPlan:
         """The actor's training layout as `parallel.ParallelLayout` (over the train devices)."""
         from rlfusion.parallel.layout import ParallelLayout
 
-        return ParallelLayout(dp=self.train_dp, tp=self.train_tp, pp=self.train_pp, vpp=self.train_vpp,
-                              ep=self.train_ep, a2a_chunks=self.train_a2a_chunks,
-                              ranks_per_node=self.ranks_per_node, hierarchical_a2a=self.hierarchical_a2a)
+        overlap_fb = self.train_schedule == "overlap_fb"
+        return ParallelLayout(dp=self.train_dp, tp=self.train_tp, pp=self.train_pp,
+                              vpp=2 if overlap_fb else self.train_vpp, ep=self.train_ep,
+                              a2a_chunks=self.train_a2a_chunks, ranks_per_node=self.ranks_per_node,
+                              hierarchical_a2a=self.hierarchical_a2a, overlap_fb=overlap_fb)
 
     @property
     def hierarchical_a2a(self) -> bool:
@@ -377,8 +407,9 @@ class DeploymentPlan:
                                            for d in range(self.num_devices))
         if self.train_layout:
             dp = f"fsdp{self.train_dp}" if self.train_fsdp else f"dp{self.train_dp}"
-            pp = (f"pp{self.train_pp}" + (f" (vpp{self.train_vpp})" if self.train_vpp > 1 else "") + " x "
-                  if self.train_pp > 1 else "")
+            pp = (f"pp{self.train_pp}" + (f" (vpp{self.train_vpp})" if self.train_vpp > 1 else "")
+                  + (" (Adaptive Pipe: forward/backward-overlapped V schedule)" if self.train_schedule == "overlap_fb"
+                     else "") + " x " if self.train_pp > 1 else "")
             out += f"; the actor trains as {pp}tp{self.train_tp} x ep{self.train_ep} x {dp}"
             if self.hierarchical_a2a:
                 out += f"; hierarchical expert all-to-all over nodes of {self.ranks_per_node} device(s)"
@@ -392,5 +423,6 @@ class DeploymentPlan:
 def _layout_fields(cfg: DeployConfig) -> dict:
     """The `DeploymentPlan` fields of the actor's training layout, as `cfg` sets them."""
     return dict(train_tp=cfg.train_tp, train_ep=cfg.train_ep, train_fsdp=cfg.train_fsdp, train_pp=cfg.train_pp,
-                train_vpp=cfg.train_vpp, train_a2a_chunks=cfg.train_a2a_chunks, ranks_per_node=cfg.ranks_per_node,
+                train_vpp=cfg.train_vpp, train_schedule=cfg.schedule, train_a2a_chunks=cfg.train_a2a_chunks,
+                ranks_per_node=cfg.ranks_per_node,
                 infer_ep=cfg.infer_ep, infer_tp=cfg.infer_tp)

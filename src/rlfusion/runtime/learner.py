@@ -182,7 +182,9 @@ class Learner:
         longest any device waited on it (its exposed communication, `deploy.train_a2a_chunks`
         hides it behind computation), the megabytes the devices sent, the part of them that
         crossed to another node (`deploy.ranks_per_node`), and 1 when the experts dispatched
-        node by node (the hierarchical all-to-all), else 0."""
+        node by node (the hierarchical all-to-all), else 0; with Adaptive Pipe
+        (`deploy.train_schedule=overlap_fb`) the order it chose within a pair and the pair times
+        it chose from (`overlap_fb_*`, the same on every device)."""
         c = self.pm.comm_counter()
         waited, sent = torch.tensor([c.wait_s]), torch.tensor([float(c.sent_bytes), float(c.internode_bytes)])
         if self.train_group is not None:
@@ -190,7 +192,8 @@ class Learner:
             dist.all_reduce(sent, group=self.train_group)
         hierarchical = any(e.rail is not None for e in self.pm.experts)  # what their forward dispatches by
         return {"ep_a2a_exposed_s": float(waited), "ep_a2a_mb": float(sent[0]) / 1e6,
-                "ep_a2a_internode_mb": float(sent[1]) / 1e6, "ep_a2a_hierarchical": float(hierarchical)}
+                "ep_a2a_internode_mb": float(sent[1]) / 1e6, "ep_a2a_hierarchical": float(hierarchical),
+                **self.pm.overlap_report()}
 
     @property
     def trained(self) -> Any:

@@ -23,7 +23,8 @@ from rlfusion.runtime.train_config import TrainConfig
 def apply_layout(ctx: RoleContext, model: MoETransformer, on_a2a_wait: Callable[[float, float], None]
                  ) -> tuple[ParallelModel, Any, Any]:
     """Split the actor over its training layout: pipeline stages over `train_pp` groups of
-    train devices (1F1B, or interleaved with `train_vpp` chunks each), TP over `train_tp`
+    train devices (1F1B, interleaved with `train_vpp` chunks each, or Adaptive Pipe's
+    forward/backward-overlapped V: `deploy.train_schedule`), TP over `train_tp`
     consecutive devices of a stage (attention heads, dense and shared-expert FFN columns),
     routed experts over `train_ep` devices, data parallel across the rest. Data parallel keeps a
     replica of the rest on each (`ActorStage` sums the replicas' gradients), or with
@@ -37,7 +38,7 @@ def apply_layout(ctx: RoleContext, model: MoETransformer, on_a2a_wait: Callable[
     model, the data-parallel group (None with one) and where the update reads its rows (the
     queue, or its model-parallel group's `GroupQueue`). Collective: every device joins."""
     plan, layout = ctx.plan, ctx.plan.parallel_layout()
-    pm = parallelize(model, layout, n_microbatches=layout.pp, device_type=ctx.where.type,
+    pm = parallelize(model, layout, n_microbatches=layout.min_microbatches, device_type=ctx.where.type,
                      fsdp=plan.train_fsdp, sum_gradients=True, ranks=list(plan.train))
     for experts in pm.experts:  # the update's waits on expert all-to-all, in the timeline
         experts.counter.on_wait = on_a2a_wait
