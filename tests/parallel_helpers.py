@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlfusion.fusion.memory import MemoryLedger
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, lm_loss, overlap, parallelize
@@ -64,7 +65,9 @@ def parallel_run(cfg, layout: ParallelLayout, batches, n_microbatches: int = 1):
                                           pm.shard_batch(tokens[:, 1:])))
         opt.step()
         pm.update_router_bias()
-    return losses, pm.full_state_dict(), pm.comm_counter(), pm.overlap_report()
+    ledger = MemoryLedger()
+    ledger.track("weights", [p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()])
+    return losses, pm.full_state_dict(), pm.comm_counter(), pm.overlap_report(), ledger.total("device")
 
 
 def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
@@ -76,7 +79,7 @@ def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
         batches = make_batches(cfg, steps, rows, seq)
         ref_losses, ref_state = reference_run(cfg, batches)
         switches = overlap._TURNS.switches
-        losses, state, counter, report = parallel_run(cfg, ParallelLayout(**layout_kw), batches, n_micro)
+        losses, state, counter, report, weight_bytes = parallel_run(cfg, ParallelLayout(**layout_kw), batches, n_micro)
         diffs = {k: (state[k] - ref_state[k]).abs().max().item() for k in ref_state if k in state}
         out[name] = {
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -86,7 +89,7 @@ def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
             "moved": max((state[k] - v).abs().max().item() for k, v in
                          reference_initial_state(cfg).items()),
             "sent_bytes": counter.sent_bytes, "internode_bytes": counter.internode_bytes,
-            "overlap": report, "turn_switches": overlap._TURNS.switches - switches,
+            "overlap": report, "turn_switches": overlap._TURNS.switches - switches, "weight_bytes": weight_bytes,
         }
     return out
 
@@ -156,11 +159,35 @@ def compare_overlap(cases: list[tuple[str, dict, dict, int]], chunks: int = 3) -
     return out
 
 
+def transfers_alive_after_steps(steps: int = 3) -> list[int]:
+    """ep4 (blocking, then chunked) for `steps` steps: after each, how many more of the expert
+    all-to-all's transfer records (`_Pair`, `InFlight`) are alive than before the first, once
+    Python's collector ran — a record kept alive through its own autograd node would leak every
+    step's tokens."""
+    import gc
+
+    from rlfusion.parallel.expert_parallel import InFlight, _Pair
+
+    cfg = small_config()
+    alive = []
+    gc.collect()
+    before = sum(isinstance(o, (_Pair, InFlight)) for o in gc.get_objects())  # (earlier parts' leftovers)
+    for chunks in (0, 2):
+        torch.manual_seed(0)
+        pm = parallelize(MoETransformer(cfg).train(), ParallelLayout(dp=dist.get_world_size(), ep=4, a2a_chunks=chunks),
+                         fsdp=False)
+        for tokens in make_batches(cfg, steps, 8, 12):
+            pm.forward_backward(pm.shard_batch(tokens[:, :-1]), pm.shard_batch(tokens[:, 1:]))
+            gc.collect()
+            alive.append(sum(isinstance(o, (_Pair, InFlight)) for o in gc.get_objects()) - before)
+    return alive
+
+
 def layouts_and_a2a(cases, a2a_args, overlap_cases=()) -> dict:
-    """One world for everything: the layout comparisons, the all-to-all comparison, and the
-    overlapped all-to-all against the blocking one."""
+    """One world for everything: the layout comparisons, the all-to-all comparison, the
+    overlapped all-to-all against the blocking one, and the transfers' lifetime."""
     return {"layouts": train_and_compare(cases), "a2a": compare_a2a(*a2a_args),
-            "overlap": compare_overlap(list(overlap_cases))}
+            "overlap": compare_overlap(list(overlap_cases)), "alive": transfers_alive_after_steps()}
 
 
 def run_parts(parts: list[tuple[str, object, tuple]]) -> dict:

@@ -71,6 +71,11 @@ def test_separated_scorers_sit_next_to_rollout_or_train(scorers, overlap, on_tra
     ({"backend": "local", "train_fsdp": True}, "train_fsdp=true is invalid with backend 'local'"),
     ({"train_pp": 0}, "deploy.train_pp"),
     ({"train_vpp": 2}, "deploy.train_vpp=2 is invalid: must be >= 1, and 1 unless train_pp > 1"),
+    ({"train_schedule": "dualpipe"}, "deploy.train_schedule='dualpipe' is invalid: allowed: 1f1b, interleaved, overlap_fb"),
+    ({"train_pp": 2, "train_vpp": 2, "train_schedule": "1f1b"}, "train_schedule='1f1b' is invalid: needs train_vpp=1"),
+    ({"train_pp": 2, "train_schedule": "interleaved"}, "train_schedule='interleaved' is invalid: needs train_vpp >= 2"),
+    ({"train_schedule": "overlap_fb"}, "train_schedule='overlap_fb' is invalid: needs train_pp > 1 and train_vpp 1 or 2"),
+    ({"train_pp": 2, "train_vpp": 3, "train_schedule": "overlap_fb"}, "needs train_pp > 1 and train_vpp 1 or 2"),
     ({"mode": "hybrid", "num_devices": 1}, "mode 'hybrid' needs >= 2"),
     ({"mode": "hybrid", "num_devices": 4, "train_tp": 2}, "invalid with mode 'hybrid'"),
 ])
@@ -270,6 +275,13 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
     # four devices: pipeline x tensor parallel, pipeline x expert parallel (data parallel 2)
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_tp": 2}, None),
     ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2}, None),
+    # Adaptive Pipe (two stages per device in a V, forward and backward of different
+    # micro-batches overlapped), with and without whole layers recomputed (the replays issue
+    # their all-to-alls inside the backward half of a pair)
+    ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2,
+      "deploy.train_schedule": "overlap_fb"}, None),
+    ({"deploy.num_devices": 4, "deploy.mode": "fully_shared", "deploy.train_pp": 2, "deploy.train_ep": 2,
+      "deploy.train_schedule": "overlap_fb", "optim.recompute": "full"}, None),
     # three stages of the base's 4 layers: 1, 2 and 1 layers (the first one dense, the last
     # beside the head)
     ({"deploy.num_devices": 3, "deploy.mode": "fully_shared", "deploy.train_pp": 3}, None),
@@ -324,6 +336,8 @@ def test_train_layout_equals_one_process_and_switches_to_a_replica(ray_session, 
             assert got["ep_a2a_hierarchical"] == float(nodes) and (got["ep_a2a_internode_mb"] > 0) == nodes
         if cfg.optim.recompute != "none" and not cfg.deploy.train_pp > 1:
             assert got["activation_mb"] > 0
+        if cfg.deploy.train_schedule == "overlap_fb":  # (one pass: Adaptive Pipe still probes its order)
+            assert got["overlap_fb_forward_first"] == -1.0
         if pick == "twice":
             assert got["expert_migrated_layers"] >= 1
             want = reference.update(copy.deepcopy(kept))

@@ -91,6 +91,22 @@ def test_overlap_fb_equals_the_interleaved_schedule(world, fb, interleaved):
         a, b = rank["layouts"][fb], rank["layouts"][interleaved]
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= ATOL
         assert a["weight_diff"] + b["weight_diff"] <= 2 * ATOL  # both at the one-process weights
+    # the weights the ranks hold (the memory ledger's count of their parameters, shards as held):
+    # the V holds each stage once, as the looped placement does (DualPipe's two model copies
+    # would double it); per rank they differ only by which stages hold the embedding and head
+    fb_bytes = [rank["layouts"][fb]["weight_bytes"] for rank in world]
+    interleaved_bytes = [rank["layouts"][interleaved]["weight_bytes"] for rank in world]
+    assert sum(fb_bytes) == sum(interleaved_bytes)
+    cfg = small_config()
+    edge = 2 * cfg.vocab_size * cfg.d_model * 4  # embedding and head, fp32
+    assert max(fb_bytes) - max(interleaved_bytes) <= edge
+
+
+def test_no_transfer_outlives_its_step(world):
+    """The expert all-to-all's transfer records are freed with their step (they once held their
+    own outputs alive through their autograd nodes: every step of every EP run leaked)."""
+    for rank in world:
+        assert rank["alive"] == [0] * len(rank["alive"]), rank["alive"]
 
 
 @pytest.mark.parametrize("name, lengths", UNEVEN)

@@ -97,8 +97,11 @@ class InFlight:
     def __init__(self, out: torch.Tensor, work, arrive: float, counter: CommCounter):
         self.out, self.work, self.arrive, self.counter = out, work, arrive, counter
 
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:  # inside a forward/backward pair the other half computes meanwhile
+    def wait(self, handover: bool = True) -> torch.Tensor:
+        """`handover`: inside a forward/backward pair, let the other half compute first
+        (`overlap.yield_turn`); False for a transfer too small to be worth a turn (routing
+        counts) or one whose group was just handed over for."""
+        if self.work is not None and handover:
             yield_turn()
         start, wall = time.perf_counter(), time.time()
         if self.work is not None:
@@ -151,7 +154,8 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.pair.backward.wait(), None  # `grad` is what `_Wait`'s backward sent
+        back, ctx.pair.backward = ctx.pair.backward, None
+        return back.wait(), None  # `grad` is what `_Wait`'s backward sent
 
 
 class _Wait(torch.autograd.Function):
@@ -159,16 +163,19 @@ class _Wait(torch.autograd.Function):
     back along the same splits and leaves the waiting to `_Start`'s backward."""
 
     @staticmethod
-    def forward(ctx, out, pair):
+    def forward(ctx, out, pair, handover):
         ctx.pair = pair
-        pair.forward.wait()
+        pair.forward.wait(handover)
+        # the pair (on both nodes' ctx) must not keep `_Start`'s output: a tensor reachable from
+        # its own grad_fn is a cycle Python's collector cannot see, and every step would leak it
+        pair.forward = None
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits, g, counter, link = ctx.pair.args
         ctx.pair.backward = start_a2a(grad.contiguous(), in_splits, out_splits, g, counter, link)
-        return grad, None  # only for its shape: `_Start`'s backward returns the transfer
+        return grad, None, None  # only for its shape: `_Start`'s backward returns the transfer
 
 
 class Transfer:
@@ -184,10 +191,10 @@ class Transfer:
         else:
             self.inflight = start_a2a(x, out_splits, in_splits, g, counter, link)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, handover: bool = True) -> torch.Tensor:
         if self.grad:
-            return _Wait.apply(self.out, self.pair)
-        return self.inflight.wait()
+            return _Wait.apply(self.out, self.pair, handover)
+        return self.inflight.wait(handover)
 
 
 # ---- TP slices: tokens replicated over TP are split before dispatch, gathered after combine --
@@ -293,12 +300,14 @@ class ExpertParallelExperts(nn.Module):
         # overlapped: the shared experts' first half of the rows computes under the first
         # chunk's dispatch, the second under the last chunk's combine (and in backward, in
         # reverse, under the first combine's and the last dispatch's gradients)
-        # inside a forward/backward pair (`overlap.py`) the other half is the cover: one chunk
-        chunks = 0 if in_pair() else self.chunks
+        # inside a forward/backward pair (`overlap.py`) the other half is the cover: one chunk,
+        # the shared experts' halves under the routing counts' exchange and the combine
+        paired = in_pair()
+        chunks = min(self.chunks, 1) if paired else self.chunks
         half = len(full_ND) // 2
         sides = ((lambda: shared(full_ND[:half])), (lambda: shared(full_ND[half:]))) if shared and chunks else None
         routed = self._hierarchical if self.rail is not None else self._flat
-        y_ND, side_ND = routed(x_ND, topk_ids_NK, weights_NK, sides, chunks)
+        y_ND, side_ND = routed(x_ND, topk_ids_NK, weights_NK, sides, chunks, paired)
         if self.tp > 1:
             y_ND = _GatherRows.apply(y_ND, sizes, self.tp_index, self.tp_group)
         if shared is None:
@@ -315,16 +324,17 @@ class ExpertParallelExperts(nn.Module):
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [slice(a, a + k) for a, k in zip(starts, sizes)]
 
-    def _flat(self, x_nD, ids_nK, w_nK, sides, chunks):
+    def _flat(self, x_nD, ids_nK, w_nK, sides, chunks, paired=False):
         """Flat dispatch → local experts → combine in the EP group, chunk by chunk. Returns the
         output and what `sides` returned (None without)."""
-        return self._pipeline(x_nD, ids_nK, w_nK, self.ep, chunks, sides)
+        return self._pipeline(x_nD, ids_nK, w_nK, self.ep, chunks, sides, paired)
 
-    def _pipeline(self, x_nD, ids_nK, w_nK, g: A2AGroup, chunks: int, sides=None):
+    def _pipeline(self, x_nD, ids_nK, w_nK, g: A2AGroup, chunks: int, sides=None, paired=False):
         """Dispatch → local experts → combine inside `g` over `chunks` chunks of the rows (0:
         one, blocking), each chunk's transfers issued ahead of the work that waits for them;
-        `sides` (two callables): work that runs while the first dispatch is in flight, and
-        while the last combine is.
+        `sides` (two callables): work that runs while the first dispatch is in flight (`paired`:
+        while the routing counts are, the dispatch having the other half of the pair as cover),
+        and while the last combine is.
 
         `ids_nK` are expert ids relative to the group's first expert (member j holds
         `[j*L, (j+1)*L)`), or -1 for pairs handled elsewhere."""
@@ -338,8 +348,11 @@ class ExpertParallelExperts(nn.Module):
             plans.append((rows, pairs, pairs // K + rows.start))
             counts.append(torch.bincount(flat[pairs], minlength=P * L).view(P, L))
         send_CPL = torch.stack(counts)  # one exchange of every chunk's counts
-        recv_CPL = start_a2a(send_CPL.transpose(0, 1).contiguous(), [1] * P, [1] * P, g, self.counter,
-                             self.link).wait().transpose(0, 1)
+        counted = start_a2a(send_CPL.transpose(0, 1).contiguous(), [1] * P, [1] * P, g, self.counter, self.link)
+        early = None
+        if sides and paired:
+            early, sides = sides[0](), (lambda: early, sides[1])
+        recv_CPL = counted.wait(handover=False).transpose(0, 1)
         in_splits, out_splits = send_CPL.sum(2).tolist(), recv_CPL.sum(2).tolist()
         local_ids = [torch.arange(L, device=x_nD.device).repeat(P).repeat_interleave(r.flatten())
                      for r in recv_CPL]
@@ -354,7 +367,7 @@ class ExpertParallelExperts(nn.Module):
             y_ND = y_ND.index_add(0, tok, back.wait() * w)
         return y_ND, side_out
 
-    def _hierarchical(self, x_nD, ids_nK, w_nK, sides, chunks):
+    def _hierarchical(self, x_nD, ids_nK, w_nK, sides, chunks, paired=False):
         """Stage 1: one copy per (token, node) over the rail group; stage 2: the flat exchange
         inside the node. Chunk by chunk, the next chunk's rail transfers and the previous one's
         way back are in flight while a chunk's node stage runs."""
@@ -372,15 +385,18 @@ class ExpertParallelExperts(nn.Module):
             plans.append((torch.cat(toks), torch.cat(ids), torch.cat(ws), [len(t) for t in toks]))
         ones = [1] * rail.size
         send_CM = torch.tensor([p[3] for p in plans], device=x_nD.device)
-        recv_CM = start_a2a(send_CM.t().contiguous(), ones, ones, rail, self.counter,
-                            self.link).wait().t()
+        counted = start_a2a(send_CM.t().contiguous(), ones, ones, rail, self.counter, self.link)
+        early = None
+        if sides and paired:  # (as `_pipeline`: the first shared half under the counts' exchange)
+            early, sides = sides[0](), (lambda: early, sides[1])
+        recv_CM = counted.wait(handover=False).t()
         out_splits = recv_CM.tolist()
         def send(c):
             tok, ids, ws, in_splits = plans[c]
             return [Transfer(t, out_splits[c], in_splits, rail, self.counter, self.link) for t in (x_nD[tok], ids, ws)]
 
         def node_stage(c, sent):
-            rx_RD, rids_RK, rw_RK = (t.wait() for t in sent)
+            rx_RD, rids_RK, rw_RK = (t.wait(handover=i == 0) for i, t in enumerate(sent))
             y_RD, _ = self._pipeline(rx_RD, rids_RK.long(), rw_RK, self.node, 0)
             return Transfer(y_RD, plans[c][3], out_splits[c], rail, self.counter, self.link)
 

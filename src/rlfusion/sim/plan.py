@@ -33,7 +33,7 @@ class ParallelPlan:
     swap: bool = False  # swap MoE expert activations to host memory (planned: may swap)
     distributed_optimizer: bool = True  # shard optimizer states over (E)DP
     hierarchical_a2a: bool = True
-    ep_overlap: bool = True  # overlap EP all-to-all with compute of another micro-batch
+    ep_overlap: bool = True  # hide EP all-to-all behind computation (step.py: the measured mechanism)
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "vpp", "ep", "dp", "micro_batch"):

@@ -8,11 +8,13 @@ memory formulas in `memory.py`, collective formulas in `comm.py`. Step time:
 with `m` micro-batches and `t_stage` the slowest stage's fwd+bwd time per micro-batch
 (compute, recompute, TP collectives, exposed EP all-to-all, PP send/recv, exposed swap).
 This is the 1F1B bubble `(PP-1) t_stage`, divided by VPP for the interleaved schedule.
-Overlap rules: EP all-to-all hides behind the compute of the same layer's MoE block (router,
-shared and routed experts; not attention) when `ep_overlap`, as far as the overlapped
-execution (`parallel.expert_parallel`, `layout.a2a_chunks`) was measured to hide it:
-exposed = a2a - efficiency * min(a2a, MoE compute), the efficiency read from
-`ep_overlap.json` beside this file (`python bench/ep_overlap.py --record` writes it); the DP gradient
+Overlap rules: with `ep_overlap`, EP all-to-all hides behind computation as far as the
+mechanism `ep_overlap.json` beside this file names was measured to hide it (`python
+bench/ep_overlap.py --record` writes it): "overlap_fb" (Adaptive Pipe, `parallel/overlap.py`:
+the forward of one micro-batch paired with the backward of another, so a layer's transfers
+hide behind the other pass's whole layers, attention included) covers them with the layer's
+whole fwd+bwd compute; "chunked" (`layout.a2a_chunks`) with the same layer's MoE block only
+(router, shared and routed experts). exposed = a2a - efficiency * min(a2a, cover); the DP gradient
 reduce-scatter hides behind the last micro-batch's backward and the parameter all-gather
 behind the first micro-batch's forward; TP collectives and PP sends are fully exposed.
 
@@ -48,7 +50,8 @@ EP_OVERLAP_FILE = Path(__file__).with_name("ep_overlap.json")
 def ep_overlap_measurement() -> dict:
     """The measured overlap of the expert all-to-all (`bench/ep_overlap.py --record`): its
     `efficiency` is the share of the all-to-all that computation hid where there was compute
-    enough to cover it (1 - exposed overlapped / exposed blocking), with how it was measured."""
+    enough to cover it (1 - exposed overlapped / exposed blocking), its `mechanism` ("overlap_fb"
+    or "chunked") and how it was measured."""
     return json.loads(EP_OVERLAP_FILE.read_text())
 
 
@@ -117,8 +120,9 @@ def _efficiency(cluster: ClusterSpec, rows: float) -> float:
 def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: ClusterSpec
                 ) -> tuple[float, float, float, float, float]:
     """(fwd+bwd compute, recompute, tp comm, ep comm, cover) seconds of one layer, one
-    micro-batch; `cover`: the fwd+bwd compute of its MoE block (router, shared and routed
-    experts), the work the overlapped all-to-all hides behind (attention is not)."""
+    micro-batch; `cover`: the work the overlapped all-to-all hides behind — the layer's whole
+    fwd+bwd compute with Adaptive Pipe (the paired pass's), else its MoE block's (router,
+    shared and routed experts; attention is not)."""
     model, peak = job.model, cluster.chip.peak_tflops * 1e12
     tokens = plan.micro_batch * job.seq_len
     local = tokens / plan.tp  # tokens per rank (sequence parallel)
@@ -135,6 +139,8 @@ def _layer_time(layer: LayerCost, job: TrainJob, plan: ParallelPlan, cluster: Cl
         moe_matmuls = layer.matmul_flops - 2.0 * attention_matmul_params(model)
         cover = 3.0 * (routed + max(0.0, moe_matmuls) * local / dense_rate)
     compute = 3.0 * fwd + attn_bwd
+    if layer.expert_flops and ep_overlap_measurement().get("mechanism") == "overlap_fb":
+        cover = compute
     recompute = {"none": 0.0, "full": fwd, "planned": 0.0,  # planned: added per stage later
                  "selective": layer.recompute_flops * local / dense_rate}[plan.recompute]
     tp_comm = 0.0
