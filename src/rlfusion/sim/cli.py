@@ -258,7 +258,7 @@ def plan_assumptions(job: TrainJob, result: SearchResult, chip: ChipSpec) -> lis
         f"{FRAGMENTATION:.0%} of the allocation for fragmentation, {COMM_BUFFER_GB:g} GB of collective buffers, "
         "MoE dispatch buffers, fp32 logits of one micro-batch and their gradient, one staging layer",
         "communication: alpha-beta ring collectives; TP all-gather/reduce-scatter exposed; EP "
-        f"all-to-all hierarchical, overlapped with "
+        "all-to-all hierarchical, overlapped with "
         + ("the paired micro-batch's whole layers (Adaptive Pipe: forward of one micro-batch against the backward of "
            "another)" if overlap.get("mechanism") == "overlap_fb" else
            "the layer's MoE compute (router, shared and routed experts; the chunked overlap)")
