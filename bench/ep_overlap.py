@@ -218,7 +218,7 @@ def main() -> None:
           f"step the emulated waits alone would give: {(block_step - block_wait + over_wait) / block_step:.2f}x")
     ratio = over_wait / block_wait
     print(f"all-to-all share of the blocking step: {block_wait / block_step:.2f} (sized for {A2A_SHARE})")
-    pipe = pipeline_part(reps, PIPE_ROWS if not args.smoke else 8, seq)
+    pipe = pipeline_part(reps, PIPE_ROWS if not args.smoke else 4, seq)  # (smoke: 4 micro-batches, the fewest)
     fb, inter = pipe["overlap_fb"], pipe["interleaved"]
     if args.record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
