@@ -80,6 +80,11 @@ class ParallelModel:
         """This rank holds the last stage: it computes the loss (pp rank 0 in the V)."""
         return self.layout.num_stages - 1 in self.stages
 
+    @property
+    def loss_pp_index(self) -> int:
+        """The pipeline index of the ranks that hold the last stage (the loss and its metrics)."""
+        return 0 if self.layout.overlap_fb else self.layout.pp - 1
+
     def train(self, mode: bool = True) -> "ParallelModel":
         for chunk in self.chunks:
             chunk.train(mode)
@@ -115,7 +120,8 @@ class ParallelModel:
         reads: targets, masks, advantages, old logprobs...) is split into micro-batches like
         the rows and reaches `loss_fn(logits_bTV, side_bTK)` on the last stage, whose losses are
         summed, not averaged (a loss normalized by the global batch); with `backward`
-        gradients accumulate (1F1B or interleaved 1F1B), else the pass is forward only.
+        gradients accumulate (the layout's schedule: 1F1B, interleaved 1F1B or Adaptive Pipe),
+        else the pass is forward only.
         `valid_BT` marks real tokens: only they count in the routers' load. `routes_BTX`: MoE
         routes to replay (`PipelineChunk.forward`), split into micro-batches like the rows and
         given to every stage. Every rank of the pipeline passes the same shapes (the first and
@@ -142,9 +148,9 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         args = (tokens_BT,) if self.is_first_stage else ()
         if self.is_last_stage:
-            self._schedule.step(*args, target=targets_BT, losses=losses)
+            self._schedule.step(*args, target=targets_BT, losses=losses, return_outputs=False)
         else:
-            self._schedule.step(*args)
+            self._schedule.step(*args, return_outputs=False)
         if self.overlap is not None:
             self.overlap.settle()
         local = (torch.stack(losses).mean().detach() if losses

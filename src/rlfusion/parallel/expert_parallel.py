@@ -37,7 +37,7 @@ from torch import nn
 
 from rlfusion.model.moe import GroupedExperts
 from rlfusion.parallel.mesh import A2AGroup, ParallelMesh
-from rlfusion.parallel.overlap import in_pair, yield_turn
+from rlfusion.parallel.overlap import paired_structure, yield_turn
 
 
 TRACE_MIN_WAIT_S = 5e-4
@@ -300,9 +300,10 @@ class ExpertParallelExperts(nn.Module):
         # overlapped: the shared experts' first half of the rows computes under the first
         # chunk's dispatch, the second under the last chunk's combine (and in backward, in
         # reverse, under the first combine's and the last dispatch's gradients)
-        # inside a forward/backward pair (`overlap.py`) the other half is the cover: one chunk,
-        # the shared experts' halves under the routing counts' exchange and the combine
-        paired = in_pair()
+        # inside a forward/backward pair (`overlap.py`) the other half is the cover: at most one
+        # chunk, the shared experts' halves under the routing counts' exchange and the combine
+        # (a recompute's replay splits as its original forward did)
+        paired = paired_structure()
         chunks = min(self.chunks, 1) if paired else self.chunks
         half = len(full_ND) // 2
         sides = ((lambda: shared(full_ND[:half])), (lambda: shared(full_ND[half:]))) if shared and chunks else None

@@ -15,9 +15,17 @@ Every rank of a stage's expert groups runs the same halves in the same turn orde
 collectives both threads issue pair up across ranks (no rank decides a turn from timing).
 
 Adaptive order: which half computes first in a pair. The first `PROBE_PASSES` passes with a
-backward alternate it pair by pair and time each pair; then the order with the lower mean pair
-time (summed over every rank of the layout, so all agree) is kept for the run (`OverlapOrder`,
-reported by `ParallelModel.overlap_report`).
+backward take one order each (forward first, then backward first) and time every pair; then the
+order with the lower mean pair time (summed over every rank of the layout, so all agree) is kept
+for the run (`OverlapOrder`, reported by `ParallelModel.overlap_report`).
+
+A layer recomputed in backward (activation checkpointing) replays its forward inside the
+backward half; `paired_structure` makes the replay split its all-to-all as the original forward
+did, paired or not (`PairingRecord`, `PairingReplay`: the contexts `recompute.py` gives torch's
+checkpoint).
+
+On CUDA, autograd runs a backward in its device thread, which holds no turn: the pairs' halves
+then run one after the other (the same results, nothing overlapped).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class _Turns:
         self.cv = threading.Condition()
         self.turn: str | None = None
         self.alive: set[str] = set()
+        self.failed = False  # a half raised: the other stops at its next hand-over
         self.local = threading.local()
         self.switches = 0
 
@@ -50,6 +59,8 @@ class _Turns:
             fn()
         except BaseException as e:  # re-raised by `run_pair` in the caller's thread
             errors.append(e)
+            with self.cv:
+                self.failed = True
         finally:
             self.local.role = None
             with self.cv:
@@ -62,6 +73,8 @@ class _Turns:
         if role is None:
             return
         with self.cv:
+            if self.failed:  # (going on alone would issue collectives the other ranks pair differently)
+                raise RuntimeError("the other half of this forward/backward pair failed")
             partner = "B" if role == "F" else "F"
             if partner not in self.alive:
                 return
@@ -80,6 +93,39 @@ def in_pair() -> bool:
     return getattr(_TURNS.local, "role", None) is not None
 
 
+def paired_structure() -> bool:
+    """Whether an expert layer's forward runs as inside a pair (`in_pair`), or, in a recompute's
+    replay, as its original forward did."""
+    replayed = getattr(_TURNS.local, "replayed", None)
+    return in_pair() if replayed is None else replayed
+
+
+class PairingRecord:
+    """Context around a checkpointed forward: records whether it ran inside a pair."""
+
+    paired = False
+
+    def __enter__(self) -> None:
+        self.paired = paired_structure()
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class PairingReplay:
+    """Context around that forward's replay: the expert layers split as the record says."""
+
+    def __init__(self, record: PairingRecord):
+        self.record = record
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_TURNS.local, "replayed", None)
+        _TURNS.local.replayed = self.record.paired
+
+    def __exit__(self, *exc) -> None:
+        _TURNS.local.replayed = self.saved
+
+
 def yield_turn() -> None:
     """Called before waiting on an expert all-to-all: inside a pair, the other half computes
     while the transfer is in flight; elsewhere, nothing."""
@@ -93,10 +139,13 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None], first: s
     t = _TURNS
     errors: list[BaseException] = []
     with t.cv:
-        t.alive, t.turn = {"F", "B"}, first
+        t.alive, t.turn, t.failed = {"F", "B"}, first, False
     grad = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def backward_thread() -> None:
+        if device is not None:  # (the current device is per thread)
+            torch.cuda.set_device(device)
         with torch.set_grad_enabled(grad):
             backward()
 
@@ -105,7 +154,8 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None], first: s
     t.run("F", forward, errors)
     thread.join()
     if errors:
-        raise errors[0]
+        original = [e for e in errors if "other half of this forward/backward pair failed" not in str(e)]
+        raise (original or errors)[0]
 
 
 class OverlapOrder:
@@ -116,15 +166,11 @@ class OverlapOrder:
         self.times: dict[str, list[float]] = {"F": [], "B": []}
         self.chosen: str | None = None
         self.means: dict[str, float] = {}
-        self._probe = 0
         self._passes = 0
 
     def next_first(self) -> str:
-        if self.chosen is not None:
-            return self.chosen
-        order = "FB"[self._probe % 2]
-        self._probe += 1
-        return order
+        """While probing, one order per pass (every pair kind timed in both orders)."""
+        return self.chosen if self.chosen is not None else "FB"[self._passes % 2]
 
     def record(self, first: str, seconds: float) -> None:
         if self.chosen is None:
@@ -197,7 +243,7 @@ def _overlap_action(action, ctx, order: OverlapOrder) -> None:
     def forward() -> None:
         schedule._assert_unsharded(fs)
         mb = f.microbatch_index
-        out = fs.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb])
+        out = fs.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
         schedule._maybe_compute_loss(fs, out, ctx.target_mbs, mb)
         if f.stage_index + 1 in stages:
             stages[f.stage_index + 1].set_local_fwd_input(out, mb)

@@ -1,9 +1,11 @@
 """Pipeline parallelism: cutting the plain model into stage chunks and running them with
-1F1B (`vpp=1`) or interleaved 1F1B (`vpp>1`) from `torch.distributed.pipelining`.
+1F1B (`vpp=1`) or interleaved 1F1B (`vpp>1`) from `torch.distributed.pipelining`, or with
+Adaptive Pipe (`overlap_fb`, `overlap.py`).
 
 Owns the layer split (`stage_layers`: each of the `S = pp*vpp` stages holds a contiguous,
 non-empty range of layers, the ranges balanced by cost, so any `num_layers >= S` works; pipeline
-rank `p` holds stages `p, p+pp, p+2pp, ...`, the looped placement interleaving needs) and the
+rank `p` holds stages `p, p+pp, p+2pp, ...`, the looped placement interleaving needs, or with
+`overlap_fb` the V `p, 2pp-1-p`) and the
 `PipelineChunk` module that runs one stage. Chunks keep the plain model's parameter
 names (`layers.3.attn.wq.weight`), so state dicts merge back without renaming. It does not know
 about TP, EP or FSDP, which are applied to the chunks afterwards.

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlfusion.memory_plan import CHILDREN, MemoryPlan, ModuleProfile, plan_memory
 from rlfusion.model.moe import Router
+from rlfusion.parallel.overlap import PairingRecord, PairingReplay
 
 _state = threading.local()
 
@@ -163,8 +164,26 @@ def _checkpointed(module: nn.Module, forward, *args, **kwargs):
             if isinstance(a, torch.Tensor):
                 meter.add(a)  # checkpoint keeps its inputs alive until backward
     routers = [m for m in module.modules() if isinstance(m, Router)]
-    contexts = lambda: (contextlib.nullcontext(), _Replay(routers))
+
+    def contexts():
+        record = PairingRecord()  # (Adaptive Pipe: the replay splits its all-to-all as the forward did)
+        return record, _ReplayAll(_Replay(routers), PairingReplay(record))
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+class _ReplayAll:
+    """Several contexts around a replay, entered in order, left in reverse."""
+
+    def __init__(self, *contexts):
+        self.stack = contextlib.ExitStack()
+        self.contexts = contexts
+
+    def __enter__(self) -> None:
+        for c in self.contexts:
+            self.stack.enter_context(c)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.__exit__(*exc)
 
 
 def _swapped(pool: HostPool, forward, *args, **kwargs):

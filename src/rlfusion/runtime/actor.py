@@ -170,10 +170,10 @@ class ActorStage:
             raise NonFiniteLossError(f"loss became {bad_loss} at policy version {self.version}")
         if self.dp_group is not None:
             metrics = self._sync(metrics)
-        if self.pipeline:  # the loss (and its metrics) lives on the last stage
+        if self.pipeline:  # the loss (and its metrics) lives on the last stage's pipeline device
             parts: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(self.stage_group))]
             dist.all_gather_object(parts, metrics, group=self.stage_group)
-            metrics = parts[-1]
+            metrics = parts[self.pm.loss_pp_index]
         grad_norm = clip_grad_norm(self.params, self.optim_cfg.grad_clip, self.expert_params, self.ep_group,
                                    self.stage_group)
         if not torch.isfinite(grad_norm):

@@ -176,8 +176,9 @@ class DeployConfig:
         if s == "interleaved":
             return vpp > 1, "needs train_vpp >= 2 (model chunks per pipeline stage)"
         if s == "overlap_fb":
-            return pp > 1 and vpp in (1, 2), ("needs train_pp > 1 and train_vpp 1 or 2 (it holds two stages per "
-                                              "pipeline device, in a V)")
+            return pp > 1 and vpp in (1, 2) and self.train_ep > 1, (
+                "needs train_pp > 1, train_vpp 1 or 2 (it holds two stages per pipeline device, in a V) and "
+                "train_ep > 1 (it overlaps the expert all-to-all)")
         return True, ""
 
     @property
