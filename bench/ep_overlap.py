@@ -125,16 +125,6 @@ PIPE_SCHEDULES = {  # part 2: name → the layout's overlap settings
 }
 
 
-def _pipe_step(pm, tokens) -> tuple[float, float]:
-    for p in pm.parameters():
-        p.grad = None
-    pm.reset_comm_counters()
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    pm.forward_backward(tokens[:, :-1], tokens[:, 1:])
-    return time.perf_counter() - start, pm.comm_counter().wait_s
-
-
 def _pipe_rank_main(reps: int, rows: int, seq: int) -> dict:
     torch.set_num_threads(1)
     cfg = pipe_config(seq)
@@ -148,7 +138,7 @@ def _pipe_rank_main(reps: int, rows: int, seq: int) -> dict:
                                    n_microbatches=micro)
     base = models["interleaved"]
     for _ in range(2):  # size the link from the blocking interleaved step on loopback
-        free = [_pipe_step(base, tokens)[0] for _ in range(3)]
+        free = [_step(base, tokens)[0] for _ in range(3)]
     step_s = statistics.median(free)
     c = base.comm_counter()
     # one bandwidth for every rank's link, sized on the ranks' totals (their byte counts differ:
@@ -161,7 +151,7 @@ def _pipe_rank_main(reps: int, rows: int, seq: int) -> dict:
     runs = {name: [] for name in models}
     for _ in range(reps + 2):  # the first two rounds warm up (and let Adaptive Pipe pick its order)
         for name, pm in models.items():
-            runs[name].append(_pipe_step(pm, tokens))
+            runs[name].append(_step(pm, tokens)[:2])
     out = {name: {"step_s": statistics.median(t for t, _ in r[2:]), "wait_s": statistics.median(w for _, w in r[2:])}
            for name, r in runs.items()}
     return {**out, "bandwidth": float(bandwidth), "free_step_s": step_s,
