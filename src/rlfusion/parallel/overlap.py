@@ -39,6 +39,10 @@ import torch
 PROBE_PASSES = 2  # backward passes that time both orders before one is kept
 
 
+class PartnerFailed(RuntimeError):
+    """Raised in the half of a pair whose partner raised (the partner's error is the one reported)."""
+
+
 class _Turns:
     """Two threads ("F" and "B") of which only the one holding the turn runs."""
 
@@ -74,7 +78,7 @@ class _Turns:
             return
         with self.cv:
             if self.failed:  # (going on alone would issue collectives the other ranks pair differently)
-                raise RuntimeError("the other half of this forward/backward pair failed")
+                raise PartnerFailed("the other half of this forward/backward pair failed")
             partner = "B" if role == "F" else "F"
             if partner not in self.alive:
                 return
@@ -154,27 +158,27 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None], first: s
     t.run("F", forward, errors)
     thread.join()
     if errors:
-        original = [e for e in errors if "other half of this forward/backward pair failed" not in str(e)]
-        raise (original or errors)[0]
+        raise next((e for e in errors if not isinstance(e, PartnerFailed)), errors[0])
 
 
 class OverlapOrder:
     """Which half of a pair computes first, chosen from measured pair times (module doc)."""
 
-    def __init__(self, agree: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self, agree: Callable[[torch.Tensor], None]):
         self.agree = agree  # sums a tensor over the ranks that must pick the same order
         self.times: dict[str, list[float]] = {"F": [], "B": []}
         self.chosen: str | None = None
         self.means: dict[str, float] = {}
         self._passes = 0
 
-    def next_first(self) -> str:
-        """While probing, one order per pass (every pair kind timed in both orders)."""
-        return self.chosen if self.chosen is not None else "FB"[self._passes % 2]
-
-    def record(self, first: str, seconds: float) -> None:
+    def run(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
+        """One pair, in the kept order; while probing, one order per pass (every pair kind timed
+        in both orders)."""
+        first = self.chosen if self.chosen is not None else "FB"[self._passes % 2]
+        start = time.perf_counter()
+        run_pair(forward, backward, first)
         if self.chosen is None:
-            self.times[first].append(seconds)
+            self.times[first].append(time.perf_counter() - start)
 
     def settle(self) -> None:
         """After each pass with a backward, on every rank of the layout (the same count
@@ -184,8 +188,7 @@ class OverlapOrder:
             return
         means = torch.tensor([sum(v) / len(v) if v else 0.0 for v in (self.times["F"], self.times["B"])],
                              dtype=torch.float64)
-        if self.agree is not None:
-            self.agree(means)
+        self.agree(means)
         self.chosen = "F" if means[0] <= means[1] else "B"
         self.means = {"F": float(means[0]), "B": float(means[1])}
 
@@ -197,13 +200,6 @@ class OverlapOrder:
         return {"overlap_fb_forward_first": float(self.chosen == "F"),
                 "overlap_fb_pair_s_forward_first": self.means["F"],
                 "overlap_fb_pair_s_backward_first": self.means["B"]}
-
-
-def timed_pair(order: OverlapOrder, forward: Callable[[], None], backward: Callable[[], None]) -> None:
-    first = order.next_first()
-    start = time.perf_counter()
-    run_pair(forward, backward, first)
-    order.record(first, time.perf_counter() - start)
 
 
 # ---- the schedule: DualPipeV's order, every backward whole, pairs run by `run_pair` ---------
@@ -260,4 +256,4 @@ def _overlap_action(action, ctx, order: OverlapOrder) -> None:
     if not bs.has_backward:  # a forward-only pass: the backward half is nothing
         forward()
         return
-    timed_pair(order, forward, backward)
+    order.run(forward, backward)
