@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlfusion.model.config import ModelConfig
+from rlfusion.model import lora
 from rlfusion.model.layers import SwiGLU
 from rlfusion.model.routes import NO_ROUTE, Routes
 
@@ -38,6 +39,9 @@ class Router(nn.Module):
         router's scores of the experts routed to, so its gradient flows either way. The top-k
         it chose by itself is kept as `own_NK` (until the next call)."""
         logits_NE = F.linear(x_ND.float(), self.weight.float())
+        if getattr(self, "lora_A", None) is not None and not self.lora_merged and lora.active():
+            logits_NE = logits_NE + F.linear(F.linear(x_ND.float(), self.lora_A.float()),
+                                             self.lora_B.float()) * self.lora_scale
         scores_NE = logits_NE.softmax(-1) if self.score_func == "softmax" else logits_NE.sigmoid()
         choice_NE = scores_NE + self.expert_bias
         if self.num_groups > 1:
@@ -74,6 +78,14 @@ class Router(nn.Module):
         frac_E = counts_E.float() / counts_E.sum()
         return self.aux_loss_coef * self.num_experts * (frac_E * probs_NE.mean(0)).sum()
 
+    def add_adapter(self, rank: int, scale: float, generator: torch.Generator) -> None:
+        """A LoRA adapter on the router's scores (`optim.lora_targets=router`)."""
+        E, D = self.weight.shape
+        A = torch.empty(rank, D).uniform_(-D ** -0.5, D ** -0.5, generator=generator)
+        self.lora_A = nn.Parameter(A.to(self.weight.device, self.weight.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(E, rank, device=self.weight.device, dtype=self.weight.dtype))
+        self.lora_scale, self.lora_merged = scale, False
+
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
@@ -81,6 +93,14 @@ class Router(nn.Module):
         if rate > 0 and load.sum() > 0:
             self.expert_bias += rate * torch.sign(load.mean() - load)
         load.zero_()
+
+
+def expert_ffn(experts: nn.Module, e: int | None, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU (`e`; None: every expert at once, batched), its adapters included
+    when `experts` has them (`model/lora.py`)."""
+    mm = lora.expert_matmul
+    return mm(experts, "down", e, F.silu(mm(experts, "gate", e, x, gate)) * mm(experts, "up", e, x, up), down)
 
 
 class GroupedExperts(nn.Module):
@@ -100,7 +120,7 @@ class GroupedExperts(nn.Module):
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
 
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x_ND @ self.w_gate_EDF[e]) * (x_ND @ self.w_up_EDF[e])) @ self.w_down_EFD[e]
+        return expert_ffn(self, e, x_ND, self.w_gate_EDF[e], self.w_up_EDF[e], self.w_down_EFD[e])
 
     def forward(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor,
                 weights_NK: torch.Tensor, shared=None) -> torch.Tensor:
@@ -127,7 +147,7 @@ class GroupedExperts(nn.Module):
         for e, count in enumerate(counts):
             if count:
                 x = x_sorted[start:start + count]
-                outs.append((F.silu(x @ gate[e]) * (x @ up[e])) @ down[e])
+                outs.append(expert_ffn(self, e, x, gate[e], up[e], down[e]))
                 start += count
         y_sorted = torch.cat(outs) * weights_NK.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x_ND).index_add_(0, token_idx, y_sorted)
@@ -135,8 +155,7 @@ class GroupedExperts(nn.Module):
     def _dense(self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         E, N = self.w_gate_EDF.shape[0], x_ND.shape[0]
         x_END = x_ND.unsqueeze(0).expand(E, -1, -1)
-        h_ENF = F.silu(torch.bmm(x_END, self.w_gate_EDF)) * torch.bmm(x_END, self.w_up_EDF)
-        y_NED = torch.bmm(h_ENF, self.w_down_EFD).transpose(0, 1)
+        y_NED = expert_ffn(self, None, x_END, self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD).transpose(0, 1)
         # only the chosen experts' outputs are combined (an unchosen expert's inf/nan stays out)
         y_NKD = y_NED[torch.arange(N, device=x_ND.device).unsqueeze(1), topk_ids_NK]
         return (y_NKD * weights_NK.unsqueeze(-1)).sum(1)

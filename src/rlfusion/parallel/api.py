@@ -58,6 +58,10 @@ class ParallelModel:
         """This rank's parameters under the plain model's names (a pipeline chunk keeps them)."""
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
+    def trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The named parameters the optimizer updates (with LoRA only the adapters)."""
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
     def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """This rank's part of the plain model's state dict (its shards, its stages)."""
         return {k: v for chunk in self.chunks for k, v in chunk.state_dict(keep_vars=keep_vars).items()}

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from rlfusion.model.moe import GroupedExperts
+from rlfusion.model import lora
+from rlfusion.model.moe import GroupedExperts, expert_ffn
 from rlfusion.parallel.mesh import A2AGroup, ParallelMesh
 from rlfusion.parallel.overlap import paired_structure, yield_turn
 
@@ -280,6 +281,9 @@ class ExpertParallelExperts(nn.Module):
         self.w_gate_EDF = nn.Parameter(experts.w_gate_EDF.detach()[local].clone())
         self.w_up_EDF = nn.Parameter(experts.w_up_EDF.detach()[local].clone())
         self.w_down_EFD = nn.Parameter(experts.w_down_EFD.detach()[local].clone())
+        for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD):
+            w.requires_grad_(experts.w_gate_EDF.requires_grad)  # (frozen under LoRA)
+        lora.copy_expert_adapters(experts, self, local)  # per-expert adapters go with their experts
         self.counter = CommCounter()
         self.link: LinkModel | None = None  # an emulated link (benchmarks), else the real one
         # Logical expert id → physical slot after a migration (`parallel/balance.py`); slot s
@@ -414,8 +418,7 @@ class ExpertParallelExperts(nn.Module):
         for e, count in enumerate(counts):
             if count:
                 x = x_sorted[start:start + count]
-                outs.append((F.silu(x @ self.w_gate_EDF[e]) * (x @ self.w_up_EDF[e]))
-                            @ self.w_down_EFD[e])
+                outs.append(expert_ffn(self, e, x, self.w_gate_EDF[e], self.w_up_EDF[e], self.w_down_EFD[e]))
                 start += count
         if not outs:  # keep the autograd path so every rank runs the backward all-to-all
             return x_RD * 0
@@ -431,6 +434,8 @@ class ExpertParallelExperts(nn.Module):
         the sum of `ep/tp` replicas' mean losses; the EDP group holds the other replicas.
         """
         for p in self.parameters():
+            if not p.requires_grad:  # a frozen base (LoRA)
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if self.edp_group is not None:

@@ -20,7 +20,8 @@ from rlfusion.parallel.sharded import is_dtensor
 
 
 class LayoutState:
-    """`param_index`: the plain model's parameter name → its position (the optimizer key)."""
+    """`param_index`: the plain model's trained parameter name → its position among them (the
+    optimizer key: every weight, or with LoRA the adapters)."""
 
     def __init__(self, pm: ParallelModel, param_index: dict[str, int]):
         self.pm, self.param_index = pm, param_index
@@ -57,8 +58,8 @@ class LayoutState:
         """`optimizer.state_dict()` of this rank's parameters → whole tensors keyed by the plain
         model's order (collective; with pipeline stages every stage's part travels to all).
         A rank with `keep=False` joins and returns None."""
-        names = [name for name, _ in self.pm.named_parameters()]
-        params = [p for _, p in self.pm.named_parameters()]
+        names = [name for name, _ in self.pm.trained_parameters()]
+        params = [p for _, p in self.pm.trained_parameters()]
         pipeline = self.pm.layout.pp > 1
         whole = {}
         for i, st in sorted(optimizer["state"].items()):
@@ -79,7 +80,7 @@ class LayoutState:
         optimizer over `pm.parameters()` whose own param groups are `local_groups`."""
         states = {int(i): st for i, st in saved["state"].items()}
         mine: dict[int, Any] = {}
-        for i, (name, p) in enumerate(self.pm.named_parameters()):
+        for i, (name, p) in enumerate(self.pm.trained_parameters()):
             st = states.get(self.param_index[name])
             if st is not None:
                 mine[i] = {k: self.part(v, p) if k != "step" else v for k, v in st.items()}

@@ -66,6 +66,28 @@ def _reduce_rope_key_grad(attn: nn.Module, tp_mesh: DeviceMesh) -> None:
         lambda module, args, out: _AllReduceGradTail.apply(out, start, group))
 
 
+def _place_adapters(block: Block, plan: dict, tp_mesh: DeviceMesh) -> None:
+    """LoRA adapters (`model/lora.py`) of the split Linears: a column-parallel `W [out, in]`
+    keeps `A [r, in]` whole and splits `B [out, r]` by rows with W's; a row-parallel one splits
+    `A` by columns with W's (its `x A^T` is a partial sum, reduced with the layer's output) and
+    keeps `B` whole. The styles shard every parameter of a column-parallel Linear by rows and
+    leave a row-parallel one's others alone, so both are placed here."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    for name, style in plan.items():
+        module = block.get_submodule(name)
+        if getattr(module, "lora_A", None) is None:
+            continue
+        column = isinstance(style, ColwiseParallel)
+        for attr, placement in (("lora_A", Replicate() if column else Shard(1)),
+                                ("lora_B", Shard(0) if column else Replicate())):
+            t = getattr(module, attr)
+            t = t.redistribute(tp_mesh, [placement]) if isinstance(t, DTensor) else distribute_tensor(
+                t.detach(), tp_mesh, [placement])
+            module.register_parameter(attr, nn.Parameter(t.detach() if isinstance(t, DTensor) else t))
+
+
 def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -75,7 +97,11 @@ def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:
         plan |= _swiglu_plan("mlp")
     elif block.mlp.shared is not None:
         plan |= _swiglu_plan("mlp.shared")
+    trains = {name: p.requires_grad for name, p in block.named_parameters()}
     parallelize_module(block, tp_mesh, plan)
+    _place_adapters(block, plan, tp_mesh)
+    for name, p in block.named_parameters():  # (the styles make every parameter anew, trainable)
+        p.requires_grad_(trains[name])
     # Column-parallel projections now produce this rank's heads only.
     block.attn.num_heads //= tp
     if isinstance(block.attn, GroupedQueryAttention):

@@ -51,7 +51,8 @@ class ActorStage:
         self.pm = layout
         self.pipeline = layout is not None and layout.layout.pp > 1
         self.stage_group = layout.mesh.group("pp") if self.pipeline else None
-        self.params = list(layout.parameters() if self.pipeline else model.parameters())
+        # what the optimizer updates: every weight, or only the adapters (LoRA: the base is frozen)
+        self.params = [p for p in (layout.parameters() if self.pipeline else model.parameters()) if p.requires_grad]
         self.device = layout.device if layout is not None else self.params[0].device  # where batches go
         # `layout`: the `ParallelModel` when `model` is split over a training layout. Its routed
         # experts' shards are summed over their expert-data-parallel group (not the dp group),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlfusion.config import check_fields
+from rlfusion.model.lora import TARGETS as LORA_TARGETS, LoraSpec
 from rlfusion.engine.scheduler import MAX_NUM_SEQS
 from rlfusion.rl.datasets import DataConfig
 from rlfusion.rl.env import EnvConfig
@@ -192,9 +193,24 @@ class OptimConfig:
     # "cost" (equal a*tokens + b*tokens^2, attention's quadratic term included, from the model
     # shape: a long sequence costs more than the same tokens in short ones)
     dp_balance: str = "tokens"
+    # LoRA (0 = full fine-tuning): adapters of rank `lora_rank` scaled by `lora_alpha / lora_rank`
+    # on `lora_targets` (comma-separated: attn, mlp (dense layers), shared, experts (per expert),
+    # router); the base stays frozen, outside the optimizer, and is the reference policy; only
+    # the adapters are synced to rollout devices and checkpointed (with a pointer to the base).
+    # `lora_rollout`: how a rollout replica applies them, "unmerged" (beside the weights, in
+    # every forward) or "merged" (folded into the replica's weights while it generates)
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: str = "attn,mlp,shared,experts"
+    lora_rollout: str = "unmerged"
 
     def __post_init__(self) -> None:
         check_fields("optim", {
+            "lora_rank": (self.lora_rank >= 0, "must be >= 0 (0: full fine-tuning)"),
+            "lora_alpha": (self.lora_alpha > 0, "must be > 0"),
+            "lora_targets": (bool(self.lora_targets) and all(t in LORA_TARGETS for t in self.lora_targets.split(",")),
+                             f"a comma-separated list of {', '.join(LORA_TARGETS)}"),
+            "lora_rollout": (self.lora_rollout in ("unmerged", "merged"), "allowed: unmerged, merged"),
             "lr": (0 < self.lr <= 1e-2, "must be in (0, 0.01]; 3e-4 is the tested default"),
             "beta1": (0 <= self.beta1 < 1, "must be in [0, 1)"),
             "beta2": (0 <= self.beta2 < 1, "must be in [0, 1)"),
@@ -212,6 +228,13 @@ class OptimConfig:
             "expert_balance_source": (self.expert_balance_source in ("trainer", "rollout"), "allowed: trainer, rollout"),
             "dp_balance": (self.dp_balance in DP_BALANCE, f"allowed: {', '.join(DP_BALANCE)}"),
         }, self)
+
+
+    def lora_spec(self, seed: int) -> LoraSpec | None:
+        """The adapters to put on the base (None: full fine-tuning)."""
+        if not self.lora_rank:
+            return None
+        return LoraSpec(self.lora_rank, self.lora_alpha, tuple(self.lora_targets.split(",")), seed)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,267 @@
+"""LoRA adapters on the MoE decoder: low-rank updates `W + (alpha / r) * B A` trained while the
+base weights stay frozen.
+
+Owns where adapters go (`TARGETS`: attention projections, dense MLPs, shared experts, routed
+experts, and the router only when named), their tensors, their switching off (the frozen base
+is the reference policy: `base_only()`), merging them into the weights and back, and their
+names. Knows nothing about parallel layouts: an adapted `nn.Linear` stays an `nn.Linear`
+(tensor parallelism places its adapter, `parallel/tensor_parallel.py`), and a routed expert's
+adapter is stacked by expert like its weights, so expert parallelism slices both alike.
+
+Shapes (PEFT's, per expert for the routed ones): a Linear `[out, in]` gets `lora_A [r, in]`
+(random, seeded) and `lora_B [out, r]` (zeros: the adapted model starts equal to the base);
+a routed expert's `x @ W_e` (`W_e [in, out]`) gets `x @ A_e @ B_e` with `lora_A_* [E, in, r]`
+and `lora_B_* [E, r, out]`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# target → what it adapts. "router" is off by default: a changed router re-routes the tokens
+# the rollout sampled (what routing replay exists to avoid) and its scores feed every expert.
+TARGETS = {"attn": "attention projections", "mlp": "dense layers' MLPs", "shared": "shared experts",
+           "experts": "routed experts", "router": "routers"}
+DEFAULT_TARGETS = ("attn", "mlp", "shared", "experts")
+EXPERT_PROJS = ("gate", "up", "down")
+_state = threading.local()
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    seed: int = 0  # the adapters' initial A (every device draws the same)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoraSpec":
+        return cls(int(d["rank"]), float(d["alpha"]), tuple(d["targets"]), int(d.get("seed", 0)))
+
+
+def active() -> bool:
+    """Whether adapters apply in this thread (not inside `base_only()`)."""
+    return not getattr(_state, "base_only", False)
+
+
+@contextmanager
+def base_only() -> Iterator[None]:
+    """Forwards in this thread (only: another may generate meanwhile) use the frozen base alone:
+    the reference policy, without a second copy of the weights."""
+    before = getattr(_state, "base_only", False)
+    _state.base_only = True
+    try:
+        yield
+    finally:
+        _state.base_only = before
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter (state-dict) name is an adapter's."""
+    return name.rpartition(".")[2].startswith("lora_")
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` with a low-rank update: `x W^T + b + scale * (x A^T) B^T`. `lora_merged`:
+    the update is folded into `weight` (`merge`), so the forward is the plain one."""
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float, generator: torch.Generator):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.lora_scale, self.lora_merged = scale, False
+        w = base.weight
+        self.lora_A = nn.Parameter(_kaiming(torch.empty(rank, self.in_features), generator).to(w.device, w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_merged or not active():
+            return y
+        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+
+
+def _kaiming(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """PEFT's (and nn.Linear's) init of A: uniform in ±1/sqrt(in)."""
+    bound = 1.0 / math.sqrt(t.shape[-1])
+    return t.uniform_(-bound, bound, generator=generator)
+
+
+def expert_matmul(experts: nn.Module, proj: str, e, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w` (expert `e`'s `proj` weight, or all experts' with `e` None and batched `x`) plus
+    the expert's adapter when `experts` has adapters that apply."""
+    y = x @ w
+    A = getattr(experts, f"lora_A_{proj}", None)
+    if A is None or experts.lora_merged or not active():
+        return y
+    B = getattr(experts, f"lora_B_{proj}")
+    if e is not None:
+        A, B = A[e], B[e]
+    return y + (x @ A) @ B * experts.lora_scale
+
+
+def add_expert_adapters(experts: nn.Module, rank: int, scale: float, generator: torch.Generator) -> None:
+    """Per-expert adapters on a `GroupedExperts` (stacked by expert, like its weights)."""
+    for proj, w in zip(EXPERT_PROJS, expert_weights(experts)):
+        E, din, dout = w.shape
+        A = _kaiming(torch.empty(E, rank, din), generator).transpose(1, 2).contiguous()
+        experts.register_parameter(f"lora_A_{proj}", nn.Parameter(A.to(w.device, w.dtype)))
+        experts.register_parameter(f"lora_B_{proj}", nn.Parameter(torch.zeros(E, rank, dout, device=w.device,
+                                                                              dtype=w.dtype)))
+    experts.lora_scale, experts.lora_merged = scale, False
+
+
+def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return experts.w_gate_EDF, experts.w_up_EDF, experts.w_down_EFD
+
+
+def has_expert_adapters(experts: nn.Module) -> bool:
+    return getattr(experts, "lora_A_gate", None) is not None
+
+
+def copy_expert_adapters(src: nn.Module, dst: nn.Module, rows: slice) -> None:
+    """`dst` (an expert-parallel shard holding experts `rows` of `src`) takes their adapters."""
+    if not has_expert_adapters(src):
+        return
+    for proj in EXPERT_PROJS:
+        for kind in "AB":
+            t = getattr(src, f"lora_{kind}_{proj}")
+            p = nn.Parameter(t.detach()[rows].clone(), requires_grad=t.requires_grad)
+            dst.register_parameter(f"lora_{kind}_{proj}", p)
+    dst.lora_scale, dst.lora_merged = src.lora_scale, False
+
+
+# ---- putting adapters on a model ------------------------------------------------------------
+
+def _linear_targets(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """`(name, parent, attribute, linear)` of every Linear the targets adapt, in module order."""
+    out = []
+    for name, module in model.named_modules():
+        for attr, child in module.named_children():
+            if not isinstance(child, nn.Linear):
+                continue
+            full = f"{name}.{attr}" if name else attr
+            parts = full.split(".")
+            kind = ("attn" if ".attn." in f".{full}" else "shared" if ".mlp.shared." in f".{full}"
+                    else "mlp" if ".mlp." in f".{full}" and "shared_gate" not in full else None)
+            if kind in targets and parts[0] == "layers":
+                out.append((full, module, attr, child))
+    return out
+
+
+def check_spec(model: nn.Module, spec: LoraSpec) -> None:
+    """One line (`ValueError`) for targets this model has none of and a rank larger than a
+    targeted layer's smaller side."""
+    bad = [t for t in spec.targets if t not in TARGETS]
+    if bad or not spec.targets:
+        raise ValueError(f"optim.lora_targets={','.join(spec.targets) or '(empty)'}: unknown target "
+                         f"{','.join(bad) or '(none given)'}; allowed: {', '.join(TARGETS)}")
+    if spec.rank < 1 or spec.alpha <= 0:
+        raise ValueError(f"optim.lora_rank={spec.rank}, optim.lora_alpha={spec.alpha}: the rank must be >= 1 "
+                         f"and alpha > 0")
+    moe = [layer.mlp for layer in model.layers if layer.is_moe]
+    have = {"attn": True, "mlp": len(moe) < len(model.layers), "shared": any(m.shared is not None for m in moe),
+            "experts": bool(moe), "router": bool(moe)}
+    for t in spec.targets:
+        if not have[t]:
+            raise ValueError(f"optim.lora_targets names {t!r} ({TARGETS[t]}), which this model does not have; "
+                             f"it has: {', '.join(k for k, v in have.items() if v)}")
+    sides = [min(lin.in_features, lin.out_features) for *_, lin in _linear_targets(model, spec.targets)]
+    if "experts" in spec.targets:
+        sides += [min(w.shape[1:]) for m in moe for w in expert_weights(m.experts)]
+    if "router" in spec.targets:
+        sides += [min(m.router.weight.shape) for m in moe]
+    if spec.rank > min(sides):
+        raise ValueError(f"optim.lora_rank={spec.rank} is larger than the smallest targeted layer's side "
+                         f"({min(sides)}): a rank above it adds nothing; allowed: 1..{min(sides)}")
+
+
+def attach(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    """Put adapters on `model` (in place, before any parallel layout) and freeze everything
+    else. Every process given the same spec draws the same adapters."""
+    check_spec(model, spec)
+    generator = torch.Generator().manual_seed(spec.seed)
+    for _, parent, attr, lin in _linear_targets(model, spec.targets):
+        setattr(parent, attr, LoRALinear(lin, spec.rank, spec.scale, generator))
+    for layer in model.layers:
+        if not layer.is_moe:
+            continue
+        if "experts" in spec.targets:
+            add_expert_adapters(layer.mlp.experts, spec.rank, spec.scale, generator)
+        if "router" in spec.targets:
+            layer.mlp.router.add_adapter(spec.rank, spec.scale, generator)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    model.lora = spec
+    return model
+
+
+def spec_of(model: nn.Module) -> LoraSpec | None:
+    return getattr(model, "lora", None)
+
+
+def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The named parameters an optimizer updates: every weight, or with adapters only theirs."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors by state-dict name (the module's own, not copies)."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if is_adapter(k)}
+
+
+# ---- merging --------------------------------------------------------------------------------
+
+def _adapted(model: nn.Module) -> Iterator[nn.Module]:
+    for m in model.modules():
+        if has_expert_adapters(m) or getattr(m, "lora_A", None) is not None:
+            yield m
+
+
+@torch.no_grad()
+def merge(model: nn.Module, sign: float = 1.0) -> None:
+    """Fold every adapter into its weight (`sign` -1: take it out again, `unmerge`); the
+    forward then skips the adapters. In floating point merge-then-unmerge leaves each weight
+    within an ulp of where it was."""
+    for m in _adapted(model):
+        if has_expert_adapters(m):
+            for proj, w in zip(EXPERT_PROJS, expert_weights(m)):
+                w.add_(torch.bmm(getattr(m, f"lora_A_{proj}"), getattr(m, f"lora_B_{proj}")), alpha=sign * m.lora_scale)
+        else:  # an adapted Linear or router: weight [out, in]
+            m.weight.add_(m.lora_B @ m.lora_A, alpha=sign * m.lora_scale)
+        m.lora_merged = sign > 0
+
+
+def unmerge(model: nn.Module) -> None:
+    merge(model, sign=-1.0)
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (no adapter names) with every adapter folded into its weight:
+    what an export or a merged rollout replica holds. New tensors; `model` is unchanged."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
+    out = dict(state)
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if has_expert_adapters(m):
+            for proj, wname in zip(EXPERT_PROJS, ("w_gate_EDF", "w_up_EDF", "w_down_EFD")):
+                delta = torch.bmm(getattr(m, f"lora_A_{proj}").detach(), getattr(m, f"lora_B_{proj}").detach())
+                out[prefix + wname] = state[prefix + wname] + delta * m.lora_scale
+        elif getattr(m, "lora_A", None) is not None:  # an adapted Linear or router
+            out[prefix + "weight"] = state[prefix + "weight"] + (m.lora_B.detach() @ m.lora_A.detach()) * m.lora_scale
+    return out

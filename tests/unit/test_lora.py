@@ -1,0 +1,127 @@
+"""LoRA adapters on the model: where they go, what trains, merging, the frozen base as reference,
+and one-line errors for bad specs."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from rlfusion.model import lora
+from rlfusion.model.config import get_preset
+from rlfusion.model.transformer import MoETransformer
+from rlfusion.runtime.train_config import OptimConfig
+
+ATOL = 1e-5
+
+
+def _model(preset="tiny", seed=0, **spec) -> MoETransformer:
+    torch.manual_seed(seed)
+    model = MoETransformer(get_preset(preset))
+    return lora.attach(model, lora.LoraSpec(**{"rank": 4, "alpha": 8.0, **spec}))
+
+
+def _nudge(model, seed=1):
+    """Non-zero B (a fresh adapter is zero: the model starts equal to its base)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.adapter_state(model).items():
+            if name.rpartition(".")[2].startswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])
+def test_fresh_adapters_leave_the_model_equal_to_its_base(preset):
+    torch.manual_seed(0)
+    base = MoETransformer(get_preset(preset)).eval()
+    adapted = lora.attach(copy.deepcopy(base), lora.LoraSpec(4, 8.0)).eval()
+    tokens = torch.randint(3, 17, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(tokens), base(tokens), atol=0, rtol=0)
+
+
+def test_only_adapters_train_and_every_target_gets_them():
+    model = _model(targets=("attn", "mlp", "shared", "experts", "router"))
+    names = [n for n, _ in lora.trained_parameters(model)]
+    assert names and all(lora.is_adapter(n) for n in names)
+    kinds = {"attn": ".attn.", "mlp": "mlp.gate.", "shared": ".mlp.shared.", "experts": "mlp.experts.lora_",
+             "router": "mlp.router.lora_"}
+    for kind, marker in kinds.items():
+        assert any(marker in n for n in names), kind
+    _nudge(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for _, p in lora.trained_parameters(model)], lr=1e-2)
+    tokens = torch.randint(3, 17, (4, 24))
+    model.train()
+    model(tokens).logsumexp(-1).mean().backward()
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert all(p.grad is not None for _, p in lora.trained_parameters(model))
+    opt.step()
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]), n
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])
+def test_merged_equals_unmerged_and_unmerge_restores(preset):
+    model = _model(preset, targets=("attn", "mlp", "shared", "experts", "router")).eval()
+    _nudge(model)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.randint(3, 17, (3, 18))
+    with torch.no_grad():
+        unmerged = model(tokens)
+        # the decode path (few tokens: every expert batched) as well as the sorted one
+        decode = model(tokens[:, :2])
+        lora.merge(model)
+        torch.testing.assert_close(model(tokens), unmerged, atol=ATOL, rtol=0)
+        torch.testing.assert_close(model(tokens[:, :2]), decode, atol=ATOL, rtol=0)
+        lora.unmerge(model)
+        torch.testing.assert_close(model(tokens), unmerged, atol=ATOL, rtol=0)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, base[k], atol=1e-6, rtol=0)
+        # the merged state in a plain model (an export, a merged replica) gives the same logits
+        torch.manual_seed(5)
+        plain = MoETransformer(get_preset(preset)).eval()
+        plain.load_state_dict(lora.merged_state(model))
+        torch.testing.assert_close(plain(tokens), unmerged, atol=ATOL, rtol=0)
+
+
+def test_base_only_is_the_base_in_this_thread():
+    torch.manual_seed(0)
+    base = MoETransformer(get_preset("tiny")).eval()
+    model = lora.attach(copy.deepcopy(base), lora.LoraSpec(4, 8.0)).eval()
+    _nudge(model)
+    tokens = torch.randint(3, 17, (2, 16))
+    with torch.no_grad():
+        assert (model(tokens) - base(tokens)).abs().max() > 1e-3
+        with lora.base_only():
+            torch.testing.assert_close(model(tokens), base(tokens), atol=0, rtol=0)
+        assert lora.active()
+
+
+def test_every_process_draws_the_same_adapters():
+    a, b = _model(seed=0), _model(seed=3)  # (other base weights, same adapter seed)
+    for (na, ta), (nb, tb) in zip(lora.adapter_state(a).items(), lora.adapter_state(b).items()):
+        assert na == nb and torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("spec,message", [
+    (dict(rank=200, targets=("attn", "experts")), "optim.lora_rank=200 is larger than the smallest targeted layer's side (128)"),
+    (dict(targets=("shared",)), "names 'shared' (shared experts), which this model does not have"),
+    (dict(targets=("bogus",)), "unknown target bogus"),
+])
+def test_bad_specs_are_one_line(spec, message):
+    torch.manual_seed(0)
+    model = MoETransformer(dataclasses.replace(get_preset("tiny"), num_shared_experts=0))
+    with pytest.raises(ValueError) as e:
+        lora.attach(model, lora.LoraSpec(**{"rank": 4, "alpha": 8.0, **spec}))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_keys_are_checked():
+    with pytest.raises(ValueError, match="optim.lora_targets"):
+        OptimConfig(lora_rank=4, lora_targets="attn,heads")
+    with pytest.raises(ValueError, match="optim.lora_rollout"):
+        OptimConfig(lora_rank=4, lora_rollout="fused")
+    assert OptimConfig(lora_rank=8).lora_spec(3) == lora.LoraSpec(8, 32.0, ("attn", "mlp", "shared", "experts"), 3)
+    assert OptimConfig().lora_spec(0) is None
