@@ -106,7 +106,7 @@ def test_every_process_draws_the_same_adapters():
 
 
 @pytest.mark.parametrize("spec,message", [
-    (dict(rank=200, targets=("attn", "experts")), "optim.lora_rank=200 is larger than the smallest targeted layer's side (128)"),
+    (dict(rank=200, targets=("attn", "experts")), "optim.lora_rank=200 is larger than the smallest targeted layer's side (64)"),
     (dict(targets=("shared",)), "names 'shared' (shared experts), which this model does not have"),
     (dict(targets=("bogus",)), "unknown target bogus"),
 ])
