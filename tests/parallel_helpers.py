@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlfusion.fusion.memory import MemoryLedger
+from rlfusion.model import lora
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel import ParallelLayout, lm_loss, overlap, parallelize
@@ -34,10 +35,24 @@ def make_batches(cfg: ModelConfig, steps: int, rows: int, seq: int, seed: int = 
     return [torch.randint(3, cfg.vocab_size, (rows, seq + 1), generator=g) for _ in range(steps)]
 
 
-def reference_run(cfg: ModelConfig, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _model(cfg: ModelConfig, adapters: dict | None) -> MoETransformer:
+    """The seeded model; with `adapters` (LoRA spec kwargs) adapted, their B nudged off zero (a
+    fresh B is zero, and A's first gradient with it) the same way on every rank."""
     torch.manual_seed(0)
     model = MoETransformer(cfg).train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if adapters:
+        lora.attach(model, lora.LoraSpec(**adapters))
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in lora.adapter_state(model).items():
+                if name.rpartition(".")[2].startswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def reference_run(cfg: ModelConfig, batches, adapters: dict | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(cfg, adapters)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for tokens in batches:
         opt.zero_grad()
@@ -51,13 +66,12 @@ def reference_run(cfg: ModelConfig, batches) -> tuple[list[float], dict[str, tor
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def parallel_run(cfg, layout: ParallelLayout, batches, n_microbatches: int = 1):
+def parallel_run(cfg, layout: ParallelLayout, batches, n_microbatches: int = 1, adapters: dict | None = None):
     """Losses, the gathered state dict, the expert all-to-all counters and Adaptive Pipe's
     report (its chosen order; {} for other layouts)."""
-    torch.manual_seed(0)
-    model = MoETransformer(cfg).train()
+    model = _model(cfg, adapters)
     pm = parallelize(model, layout, n_microbatches=n_microbatches)
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    opt = torch.optim.SGD([p for _, p in pm.trained_parameters()], lr=LR)
     losses = []
     for tokens in batches:
         opt.zero_grad()
@@ -72,31 +86,31 @@ def parallel_run(cfg, layout: ParallelLayout, batches, n_microbatches: int = 1):
 
 def train_and_compare(cases: list[tuple[str, dict, dict, int]], steps: int = 2,
                       rows: int = 8, seq: int = 12) -> dict[str, dict]:
-    """cases: (name, layout kwargs, config changes, n_microbatches). Runs on every rank."""
+    """cases: (name, layout kwargs, config changes, n_microbatches). Runs on every rank. A
+    config change `lora` (LoRA spec kwargs) adapts the model: only its adapters train."""
     out = {}
     for name, layout_kw, cfg_changes, n_micro in cases:
+        cfg_changes = dict(cfg_changes)
+        adapters = cfg_changes.pop("lora", None)
         cfg = small_config(**cfg_changes)
         batches = make_batches(cfg, steps, rows, seq)
-        ref_losses, ref_state = reference_run(cfg, batches)
+        ref_losses, ref_state = reference_run(cfg, batches, adapters)
         switches = overlap._TURNS.switches
-        losses, state, counter, report, weight_bytes = parallel_run(cfg, ParallelLayout(**layout_kw), batches, n_micro)
+        losses, state, counter, report, weight_bytes = parallel_run(cfg, ParallelLayout(**layout_kw), batches, n_micro,
+                                                                    adapters)
         diffs = {k: (state[k] - ref_state[k]).abs().max().item() for k in ref_state if k in state}
+        initial = _model(cfg, adapters).state_dict()
         out[name] = {
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "losses": losses, "ref_losses": ref_losses,
             "missing": sorted(set(ref_state) ^ set(state)),
             "weight_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get),
-            "moved": max((state[k] - v).abs().max().item() for k, v in
-                         reference_initial_state(cfg).items()),
+            "moved": max((state[k] - v).abs().max().item() for k, v in initial.items()),
+            "base_moved": max((state[k] - v).abs().max().item() for k, v in initial.items() if not lora.is_adapter(k)),
             "sent_bytes": counter.sent_bytes, "internode_bytes": counter.internode_bytes,
             "overlap": report, "turn_switches": overlap._TURNS.switches - switches, "weight_bytes": weight_bytes,
         }
     return out
-
-
-def reference_initial_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return {k: v for k, v in MoETransformer(cfg).state_dict().items()}
 
 
 def _one_step(cfg, layout: ParallelLayout, tokens):

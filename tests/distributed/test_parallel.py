@@ -17,6 +17,7 @@ from rlfusion.parallel import ParallelLayout
 from rlfusion.parallel.pipeline import stage_layers
 
 ATOL = 1e-5
+LORA = dict(rank=4, alpha=8.0, targets=("attn", "mlp", "shared", "experts"))
 CASES = [
     # name, ParallelLayout kwargs, ModelConfig changes, micro-batches
     ("dp2×tp2", dict(dp=2, tp=2), {}, 1),
@@ -39,6 +40,14 @@ CASES = [
     ("pp2×vpp2×ep2 overlap_fb", dict(pp=2, vpp=2, dp=2, ep=2, overlap_fb=True), {}, 4),
     ("pp2×ep2 overlap_fb hierarchical a2a, 2 nodes", dict(pp=2, vpp=2, dp=2, ep=2, ranks_per_node=1,
                                                          hierarchical_a2a=True, overlap_fb=True), {}, 4),
+    # LoRA (model/lora.py): only the adapters train, in every layout (FSDP over dp, TP placing
+    # them with their Linears' shards, EP slicing per-expert adapters with their experts, PP)
+    ("lora dp2×tp2", dict(dp=2, tp=2), dict(lora=LORA, bias_update_rate=0.0), 1),
+    ("lora tp2×ep2 mla", dict(dp=2, tp=2, ep=4), dict(lora=LORA, bias_update_rate=0.0, attention="mla"), 1),
+    ("lora ep4 router", dict(dp=4, ep=4), dict(lora={**LORA, "targets": ("attn", "experts", "router")},
+                                                 bias_update_rate=0.0), 1),
+    ("lora pp2×vpp2×ep2 overlap_fb", dict(pp=2, vpp=2, dp=2, ep=2, overlap_fb=True),
+     dict(lora=LORA, bias_update_rate=0.0), 4),
 ]
 # each overlap_fb case and the interleaved schedule's case of the same layout
 FB_VS_INTERLEAVED = [("pp2×vpp2×ep2 overlap_fb", "pp2×vpp2×ep2 (interleaved 1F1B)")]
@@ -72,6 +81,8 @@ def test_layout_matches_single_process(world, name):
         assert r["loss_diff"] <= ATOL, (r["losses"], r["ref_losses"])
         assert r["weight_diff"] <= ATOL, (r["worst"], r["weight_diff"])
         assert r["moved"] > 100 * ATOL
+        if name.startswith("lora"):  # the frozen base stayed as it was, to the bit
+            assert r["base_moved"] == 0.0, r["base_moved"]
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES if "overlap_fb" in c[0]])
