@@ -39,6 +39,7 @@ from torch import nn
 
 from rlfusion.fusion.buckets import Bucket, TensorSpec, empty_bucket, plan_buckets, slot_view
 from rlfusion.fusion.offload import HostPool, OffloadStats, grad_tensors, optimizer_tensors
+from rlfusion.model import lora
 from rlfusion.model.config import ModelConfig
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.parallel.api import ParallelModel
@@ -208,10 +209,11 @@ def _destinations(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice | Non
 
 
 @torch.no_grad()
-def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_whole(model: nn.Module, state: dict[str, torch.Tensor], part=None) -> None:
     """Copy a whole state dict (a checkpoint's) into a replica, which keeps only its experts'
-    rows of an expert tensor where its experts are split (`split_experts`)."""
-    dst = _destinations(model)
+    rows of an expert tensor where its experts are split (`split_experts`). `part`: which of
+    the replica's names `state` holds (None: all; `lora.is_adapter`: its adapters)."""
+    dst = {k: v for k, v in _destinations(model).items() if part is None or part(k)}
     if set(dst) != set(state):
         raise ValueError(f"state dict does not match the replica: {sorted(set(dst) ^ set(state))[:3]}")
     for name, (t, rows) in dst.items():
@@ -221,7 +223,10 @@ def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 def plan_switch(cfg: ModelConfig, infer_model: nn.Module, bucket_bytes: int) -> list[Bucket]:
     """Buckets over the plain model's state dict (full shapes), in the replica's dtypes."""
     with torch.device("meta"):
-        full = MoETransformer(cfg).state_dict()
+        plain = MoETransformer(cfg)
+        if lora.spec_of(infer_model) is not None:  # the replica's adapters are filled too
+            lora.attach(plain, lora.spec_of(infer_model))
+        full = plain.state_dict()
     dst = _state_tensors(infer_model)
     missing = sorted(set(full) ^ set(dst))
     if missing:

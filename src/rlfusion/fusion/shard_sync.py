@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlfusion.model import lora
 from rlfusion.parallel.expert_parallel import ExpertParallelExperts
 from rlfusion.parallel.sharded import is_dtensor
 
@@ -180,14 +181,16 @@ def _expert_held(name: str, t: torch.Tensor, m: ExpertParallelExperts) -> list[H
     return out
 
 
-def held_by(pm: Any) -> tuple[list[Held], dict[str, torch.Tensor]]:
+def held_by(pm: Any, adapters_only: bool = False) -> tuple[list[Held], dict[str, torch.Tensor]]:
     """A ParallelModel's blocks (its shards and stages), or a whole model's (a train rank that
-    trains a full replica), and its local tensors by name."""
+    trains a full replica), and its local tensors by name (`adapters_only`: LoRA's only)."""
     held, local = [], {}
     for chunk in _chunks(pm):
         owner = {id(p): m for m in chunk.modules() if isinstance(m, ExpertParallelExperts)
                  for p in m.parameters(recurse=False)}
         for name, t in chunk.state_dict(keep_vars=True).items():
+            if adapters_only and not lora.is_adapter(name):  # LoRA: the frozen base never travels
+                continue
             if is_dtensor(t):
                 held.append(_dtensor_held(name, t))
                 local[name] = t.to_local().detach()
@@ -209,12 +212,16 @@ def _device(trained: Any) -> torch.device:
     return trained.device if hasattr(trained, "chunks") else next(trained.parameters()).device
 
 
-def wanted_by(replica: nn.Module) -> tuple[list[Wanted], dict[str, tuple[torch.Tensor, tuple]]]:
-    """A replica's boxes and, by name, its tensor with the full-tensor index of its element 0."""
+def wanted_by(replica: nn.Module, adapters_only: bool = False
+              ) -> tuple[list[Wanted], dict[str, tuple[torch.Tensor, tuple]]]:
+    """A replica's boxes and, by name, its tensor with the full-tensor index of its element 0
+    (`adapters_only`: LoRA's only)."""
     first = {id(p): m.first_expert for m in replica.modules() if isinstance(m, ExpertParallelExperts)
              for p in m.parameters(recurse=False)}
     wanted, dest = [], {}
     for name, t in replica.state_dict(keep_vars=True).items():
+        if adapters_only and not lora.is_adapter(name):
+            continue
         if is_dtensor(t):
             raise ValueError(f"replica tensor {name} is a DTensor: the rollout replica must keep "
                              "dense tensors whole (build_inference_model)")
@@ -357,7 +364,8 @@ class ShardSync:
     passes the model itself as `pm` (every train rank then holds every tensor, and they share
     the sending)."""
 
-    def __init__(self, train_ranks: list[int], rollout_ranks: list[int], bucket_bytes: int):
+    def __init__(self, train_ranks: list[int], rollout_ranks: list[int], bucket_bytes: int,
+                 adapters_only: bool = False):
         train, rollout = list(train_ranks), list(rollout_ranks)
         if not train or not rollout or len(set(train + rollout)) != len(train) + len(rollout):
             raise ValueError(f"train_ranks={train} and rollout_ranks={rollout} are invalid: both "
@@ -365,6 +373,7 @@ class ShardSync:
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} is invalid: must be an integer >= 1")
         self.train, self.rollout, self.bucket_bytes = train, rollout, bucket_bytes
+        self.adapters_only = adapters_only  # LoRA: only the adapters change, so only they travel
         self.plan: SyncPlan | None = None
         self._mine: list[list[Transfer]] = []
         self._fingerprint: int | None = None
@@ -395,7 +404,7 @@ class ShardSync:
                                  "model) only")
             meta |= {"role": "train", "config": pm.config}
             try:
-                meta["pieces"], local = held_by(pm)
+                meta["pieces"], local = held_by(pm, self.adapters_only)
             except ValueError as e:
                 meta["error"] = str(e)
             return meta, local, dest, _device(pm)
@@ -406,7 +415,7 @@ class ShardSync:
             raise ValueError(f"rollout rank {me} must call sync(replica=...) with its replica only")
         meta |= {"role": "rollout", "config": getattr(replica, "config", None)}
         try:
-            meta["pieces"], dest = wanted_by(replica)
+            meta["pieces"], dest = wanted_by(replica, self.adapters_only)
         except ValueError as e:
             meta["error"] = str(e)
         return meta, local, dest, next(replica.parameters()).device

@@ -36,6 +36,7 @@ from rlfusion.fusion.buckets import pack, plan_buckets, specs_of, unpack
 from rlfusion.fusion.memory import MemoryLedger
 from rlfusion.fusion.offload import HostPool, optimizer_tensors
 from rlfusion.fusion.reshard import infer_to_train, train_to_infer
+from rlfusion.model import lora
 
 
 class DeviceSwitch:
@@ -54,8 +55,11 @@ class DeviceSwitch:
 
     def __init__(self, device: int, policy: torch.nn.Module, train_model: torch.nn.Module, engine: Any,
                  bucket_bytes: int, fully_shared: bool, span: Callable[[str], Any],
-                 where: torch.device = torch.device("cpu"), budget_bytes: int = 0):
+                 where: torch.device = torch.device("cpu"), budget_bytes: int = 0, merge_adapters: bool = False):
         self.device, self.policy, self.train_model, self.engine = device, policy, train_model, engine
+        # LoRA with `optim.lora_rollout=merged`: the replica (never the trained model itself)
+        # generates with its adapters folded into its weights
+        self.merge_adapters = merge_adapters
         self.bucket_bytes, self.fully_shared, self.span = bucket_bytes, fully_shared, span
         self.where = torch.device(where)
         self.ledger = _ledger(device, self.where, budget_bytes)
@@ -115,6 +119,8 @@ class DeviceSwitch:
             stats = train_to_infer(self.pm, self.policy, self.bucket_bytes,
                                    optimizer=self.optimizer if offload else None,
                                    pool=self.optimizer_pool if offload else None)
+            if self.merge_adapters:  # folded into the replica, which is refilled for the next rollout
+                lora.merge(self.policy)
             self.offloads += offload and bool(self.optimizer_pool.entries)
             # the state before the bucket: the optimizer state and grads went to host before the
             # first bucket came (else the peak would count them and the bucket at once)
@@ -191,7 +197,8 @@ class DeviceSwitch:
 
     def broadcast_weights(self, src: int, group: Any, joins: bool) -> int:
         """Hybrid mode (full replicas): every parameter and persistent buffer (the routers'
-        expert biases) from global rank `src` to the other members of `group`, packed into
+        expert biases), or with LoRA only the adapters (the base is frozen and every device
+        loaded it), from global rank `src` to the other members of `group`, packed into
         buckets of `bucket_bytes`; returns bytes sent or received (0 on a device that is not a
         member: `joins` False)."""
         if not joins:
@@ -199,8 +206,8 @@ class DeviceSwitch:
         # meet first, outside the span: with StaleSync's overlap the train device gets here while
         # the rollout device is still generating, and waiting is idle time, not transfer
         dist.barrier(group=group)
-        with self.span("transfer"):
-            state = self.policy.state_dict()
+        with self.span("transfer"), lora.taken_out(self.policy, self.merge_adapters):
+            state = lora.trained_state(self.policy)  # every tensor, or with LoRA the adapters only
             moved = 0
             with torch.no_grad():
                 for bucket in plan_buckets(specs_of(state), self.bucket_bytes):

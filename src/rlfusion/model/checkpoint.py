@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from rlfusion.model import lora
 from rlfusion.model.config import ModelConfig, config_from_dict, config_to_dict
 from rlfusion.model.files import first_line, load_weights_into, read_json_file, read_safetensors_file
 from rlfusion.model.hf_tokenizer import tokenizer_from_dict
@@ -27,6 +28,7 @@ from rlfusion.model.tokenizer import Tokenizer
 from rlfusion.model.transformer import MoETransformer
 
 WEIGHTS = "model.safetensors"
+ADAPTERS = "adapters.safetensors"  # a LoRA run's checkpoint: the adapters only, beside a pointer to its base
 CONFIG = "config.json"
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_BASE = ASSETS / "base-tiny"  # made by `rlfusion pretrain`
@@ -36,20 +38,28 @@ SHIPPED_BASE = ASSETS / "base-tiny"  # made by `rlfusion pretrain`
 
 def save_checkpoint(path: str | Path, model: MoETransformer, tokenizer: Tokenizer | None = None,
                     extra: dict | None = None) -> Path:
-    """Write weights and config atomically enough for our use: files go to a temp name first."""
+    """Write weights and config atomically enough for our use: files go to a temp name first.
+    A model with LoRA adapters (`model/lora.py`) writes only the adapters (`adapters.safetensors`)
+    and, in `config.json`, their spec and the base they adapt (`model.lora_base`: its path and
+    fingerprint), which `load_checkpoint` loads them onto."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = path / (WEIGHTS + ".tmp")
+    spec = lora.spec_of(model)
+    state = {k: v.detach().contiguous().cpu() for k, v in
+             (lora.adapter_state(model) if spec else model.state_dict()).items()}
+    file = ADAPTERS if spec else WEIGHTS
+    tmp = path / (file + ".tmp")
     try:
         save_file(state, str(tmp))
     except SafetensorError as e:  # e.g. the disk filled: an OS failure, reported as one
         tmp.unlink(missing_ok=True)
         raise OSError(errno.EIO, f"cannot write safetensors ({first_line(e)})", str(tmp)) from None
-    tmp.replace(path / WEIGHTS)
+    tmp.replace(path / file)
     meta = {"model": config_to_dict(model.config),
             "tokenizer": tokenizer.to_dict() if tokenizer is not None else None,
             "extra": extra or {}}
+    if spec:
+        meta["lora"] = {**spec.to_dict(), **model.lora_base}
     (path / (CONFIG + ".tmp")).write_text(json.dumps(meta, indent=2))
     (path / (CONFIG + ".tmp")).replace(path / CONFIG)
     return path
@@ -71,10 +81,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", max_se
     `max_seq_len` replaces the checkpoint's context length (rotary positions are derived from
     it, not stored, so the same weights load at any length)."""
     path = Path(path)
-    for name in (WEIGHTS, CONFIG):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"checkpoint {path} has no {name} (expected {WEIGHTS} + {CONFIG})")
+    if not (path / CONFIG).is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {CONFIG} (expected {WEIGHTS} + {CONFIG})")
     meta = read_json_file(path / CONFIG)
+    if isinstance(meta, dict) and isinstance(meta.get("lora"), dict):
+        return _load_adapters(path, meta, device, max_seq_len)
+    if not (path / WEIGHTS).is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {WEIGHTS} (expected {WEIGHTS} + {CONFIG}, "
+                                f"or {ADAPTERS} + {CONFIG} with a 'lora' table)")
     if max_seq_len and isinstance(meta, dict) and isinstance(meta.get("model"), dict):
         meta["model"]["max_seq_len"] = max_seq_len
     model = _model_of(meta, path / CONFIG)
@@ -84,6 +98,36 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", max_se
     if tok is not None and tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"{path / CONFIG}: the tokenizer has {tok.vocab_size} tokens but the "
                          f"model's vocab_size is {model.config.vocab_size}")
+    return model.to(device), tok, meta.get("extra", {})
+
+
+def _load_adapters(path: Path, meta: dict, device, max_seq_len: int | None
+                   ) -> tuple[MoETransformer, Tokenizer | None, dict]:
+    """A LoRA checkpoint: its base (where `lora.base` points, checked against the fingerprint it
+    was trained on) with the adapters put on and loaded."""
+    where = path / CONFIG
+    info = meta["lora"]
+    try:
+        spec = lora.LoraSpec.from_dict(info)
+        base = Path(info["base"])
+        expected = info["fingerprint"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: bad 'lora' table ({first_line(e)}); expected rank, alpha, targets, base, "
+                         f"fingerprint") from None
+    if not (path / ADAPTERS).is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {ADAPTERS} (its {CONFIG} says it holds LoRA adapters)")
+    if not base.exists():
+        raise FileNotFoundError(f"{where}: the adapters' base {base} does not exist (a LoRA checkpoint holds "
+                                f"only adapters; put the base back there)")
+    model, base_tok, _ = load_base(base, max_seq_len=max_seq_len)
+    found = lora.fingerprint(model)
+    if found != expected:
+        raise ValueError(f"{where}: the adapters were trained on base {base} with fingerprint {expected}, "
+                         f"but it now holds other weights ({found})")
+    lora.attach(model, spec, base=base)
+    load_weights_into(model, read_safetensors_file(path / ADAPTERS), str(path / ADAPTERS),
+                      mismatch=f"does not match the adapters {where} describes", part=lora.is_adapter)
+    tok = tokenizer_from_dict(meta["tokenizer"], str(where)) if meta.get("tokenizer") else base_tok
     return model.to(device), tok, meta.get("extra", {})
 
 

@@ -7,7 +7,7 @@ the CLI prints as its error line. Knows no model family or checkpoint layout.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -55,12 +55,14 @@ def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], where: str,
-                      mismatch: str = "does not fit this run's model", assign: bool = False) -> None:
+                      mismatch: str = "does not fit this run's model", assign: bool = False,
+                      part: Callable[[str], bool] | None = None) -> None:
     """Copy `state_dict` into `model`: same names, same shapes, nothing left over. Anything else
     is a one-line `ValueError`, `{where} {mismatch}: ...` naming the first tensor that differs
     (torch's own error lists every tensor, over many lines). For resuming from, or loading, a
-    checkpoint that may come from another architecture."""
-    own = model.state_dict()
+    checkpoint that may come from another architecture. `part`: which of the model's tensors
+    `state_dict` holds (by name; None: all of them), e.g. only a LoRA model's adapters."""
+    own = {k: v for k, v in model.state_dict().items() if part is None or part(k)}
     for name, t in state_dict.items():
         if name in own and tuple(t.shape) != tuple(own[name].shape):
             raise ValueError(f"{where} {mismatch}: tensor {name!r} has shape {list(t.shape)}, "
@@ -74,4 +76,4 @@ def load_weights_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Ten
         problems.append(f"{len(unexpected)} tensors are not in the model (e.g. {unexpected[0]!r})")
     if problems:
         raise ValueError(f"{where} {mismatch}: {'; '.join(problems)}")
-    model.load_state_dict(state_dict, strict=True, assign=assign)  # assign: a meta-built model takes the tensors
+    model.load_state_dict(state_dict, strict=part is None, assign=assign)  # assign: a meta-built model takes the tensors

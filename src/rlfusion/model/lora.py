@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -191,10 +192,14 @@ def check_spec(model: nn.Module, spec: LoraSpec) -> None:
                          f"({min(sides)}): a rank above it adds nothing; allowed: 1..{min(sides)}")
 
 
-def attach(model: nn.Module, spec: LoraSpec) -> nn.Module:
+def attach(model: nn.Module, spec: LoraSpec, base: str | None = None) -> nn.Module:
     """Put adapters on `model` (in place, before any parallel layout) and freeze everything
-    else. Every process given the same spec draws the same adapters."""
+    else. Every process given the same spec draws the same adapters. `base`: where the base
+    weights come from, recorded with their fingerprint (`model.lora_base`) for checkpoints that
+    hold only the adapters."""
     check_spec(model, spec)
+    if base is not None:
+        model.lora_base = {"base": str(Path(base).resolve()), "fingerprint": fingerprint(model)}
     generator = torch.Generator().manual_seed(spec.seed)
     for _, parent, attr, lin in _linear_targets(model, spec.targets):
         setattr(parent, attr, LoRALinear(lin, spec.rank, spec.scale, generator))
@@ -218,6 +223,18 @@ def spec_of(model: nn.Module) -> LoraSpec | None:
 def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The named parameters an optimizer updates: every weight, or with adapters only theirs."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def trained_part(model: nn.Module):
+    """Which of `model`'s state-dict names training changes: None (all of them), or with
+    adapters `is_adapter`."""
+    return is_adapter if spec_of(model) is not None else None
+
+
+def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What training changes of `model`'s state dict: all of it, or with adapters only theirs."""
+    part = trained_part(model)
+    return {k: v for k, v in model.state_dict().items() if part is None or part(k)}
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -265,3 +282,31 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
         elif getattr(m, "lora_A", None) is not None:  # an adapted Linear or router
             out[prefix + "weight"] = state[prefix + "weight"] + (m.lora_B.detach() @ m.lora_A.detach()) * m.lora_scale
     return out
+
+
+@contextmanager
+def taken_out(model: nn.Module, merged: bool) -> Iterator[None]:
+    """With `merged` adapters: out of the weights while the body writes new adapter values,
+    folded in again afterwards (the body may raise: they go back in either way)."""
+    if merged:
+        unmerge(model)
+    try:
+        yield
+    finally:
+        if merged:
+            merge(model)
+
+
+# ---- the base an adapter checkpoint points to ------------------------------------------------
+
+def fingerprint(model: nn.Module) -> str:
+    """A short digest of the frozen base's tensors (names, shapes, float64 sums): what an
+    adapter checkpoint records of the base it was trained on, checked when it is loaded."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        if is_adapter(name):
+            continue
+        h.update(f"{name}{tuple(t.shape)}{t.detach().double().sum().item():.6e}".encode())
+    return h.hexdigest()[:16]

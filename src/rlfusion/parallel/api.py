@@ -225,13 +225,14 @@ class ParallelModel:
             e.counter.reset()
 
     @torch.no_grad()
-    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, keep: bool = True, part=None) -> dict[str, torch.Tensor] | None:
         """The plain model's state dict (same keys, full tensors, on CPU) on every rank.
 
         Collective over the whole world: TP/FSDP DTensors are gathered with `full_tensor()`,
         expert shards over their EP group, pipeline stages over the pp group. A rank with
         `keep=False` joins every gather, drops each tensor at once (unless its stage's part must
-        travel to the other stages) and returns None.
+        travel to the other stages) and returns None. `part`: only the names it accepts (None:
+        all; `lora.is_adapter`: a LoRA model's adapters).
         """
         out: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
@@ -239,6 +240,8 @@ class ParallelModel:
                      for p in m.parameters(recurse=False)}
             tensors = dict(chunk.named_parameters()) | dict(chunk.named_buffers())
             for name in chunk.state_dict():
+                if part is not None and not part(name):
+                    continue
                 t = tensors[name]
                 if is_dtensor(t):
                     t = t.full_tensor()

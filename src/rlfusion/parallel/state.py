@@ -88,10 +88,12 @@ class LayoutState:
                                                 for g, own in zip(saved["param_groups"], local_groups)]}
 
     @torch.no_grad()
-    def load_weights(self, model_state: dict[str, torch.Tensor]) -> None:
-        """Whole weights → this rank's shards and stages, in place."""
+    def load_weights(self, model_state: dict[str, torch.Tensor], part=None) -> None:
+        """Whole weights → this rank's shards and stages, in place (`part`: which names
+        `model_state` holds, None: all; `lora.is_adapter`: the adapters)."""
         for name, t in self.pm.state_dict(keep_vars=True).items():
-            local_tensor(t).copy_(local_tensor(self.part(model_state[name], t)))
+            if part is None or part(name):
+                local_tensor(t).copy_(local_tensor(self.part(model_state[name], t)))
 
 
 def _host(value):

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from rlfusion.model import lora
+from rlfusion.model.files import load_weights_into
+
 from rlfusion.obs.metrics import NumberUnpacker
 from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue
@@ -202,7 +205,9 @@ class Devices(ABC):
     # ---- state ----
 
     def pull_weights(self, model: torch.nn.Module) -> None:
-        model.load_state_dict(self.on_train_devices("weights"))
+        """The trained state into `model`: every weight, or with LoRA its adapters."""
+        load_weights_into(model, self.on_train_devices("weights"), "the train devices' weights",
+                          part=lora.trained_part(model))
 
     def on_train_devices(self, method: str) -> Any:
         """The first train device's answer to `weights` or `state`, whole tensors that every train

@@ -27,6 +27,8 @@ from rlfusion.queue.controller import runs_rows
 from rlfusion.engine.runner import autocast
 from rlfusion.errors import RunError
 from rlfusion.model.flops import causal_positions, forward_flops
+from rlfusion.model import lora
+from rlfusion.model.files import load_weights_into
 from rlfusion.model.lora import trained_parameters
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.obs.metrics import NumberPacker
@@ -63,6 +65,7 @@ class Learner:
         self.split_cost = SeqCost.from_config(model.config) if cfg.optim.dp_balance == "cost" else None
         self.train_group = self.dp_group = train_group if len(plan.train) > 1 else None
         self.train_model: MoETransformer | None = model
+        self.part = lora.trained_part(model)  # the state's names that change (LoRA: the adapters)
         self.pm = self.layout_state = None  # the layout's model, its shards ↔ whole tensors (checkpoints)
         self.reads: Any = ctx.queue  # where `update` reads its rows: the queue, or its TP group's reader
         if plan.train_layout:
@@ -214,11 +217,12 @@ class Learner:
     # ---- the trained state ----
 
     def weights(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
-        """The policy's full weights (in a training layout: gathered, collective over the train
-        devices; with `keep=False` this device only joins the gathers and returns None)."""
+        """The policy's full weights, or with LoRA only its adapters (the base never changes) (in
+        a training layout: gathered, collective over the train devices; with `keep=False` this
+        device only joins the gathers and returns None)."""
         if self.pm is not None:
-            return self.pm.full_state_dict(keep=keep)
-        return on_host(self.policy.state_dict()) if keep else None
+            return self.pm.full_state_dict(keep=keep, part=self.part)
+        return on_host(lora.trained_state(self.policy)) if keep else None
 
     def state(self, keep: bool = True) -> dict[str, Any] | None:
         """The policy weights, optimizer state and version, whole (train devices hold identical
@@ -233,9 +237,9 @@ class Learner:
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.pm is None:
-            self.policy.load_state_dict(state["model"])
+            load_weights_into(self.policy, state["model"], "the loaded state", part=self.part)
         else:  # each device keeps its shard (its stages) of the whole tensors; the replica is filled per rollout
-            self.layout_state.load_weights(state["model"])
+            self.layout_state.load_weights(state["model"], part=self.part)
         self.ctx.switch.policy_changed()
         self.ctx.switch.enter_train()
         optimizer = state["optimizer"]

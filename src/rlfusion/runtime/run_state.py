@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from rlfusion.errors import RunError
+from rlfusion.model import lora
 from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
 from rlfusion.model.files import load_weights_into
 from rlfusion.obs.files import fresh_dir, refuse_links, replace_dir
@@ -121,7 +122,11 @@ def load(trainer) -> None:
     if not (path / STATE).is_file():
         raise FileNotFoundError(no_state_message(trainer.run_dir))
     model, _, _ = load_checkpoint(path)
-    load_weights_into(trainer.model, model.state_dict(), str(path))
+    saved, now = _lora_settings(model), _lora_settings(trainer.model)
+    if saved != now:
+        raise ValueError(f"{path} was written with {saved}, this run has {now}; resume it with the settings "
+                         f"it was saved with")
+    load_weights_into(trainer.model, lora.trained_state(model), str(path), part=lora.trained_part(trainer.model))
     file = path / STATE
     state = read_state(file)
     try:
@@ -134,6 +139,13 @@ def load(trainer) -> None:
                          f"this version of rlfusion for this run's settings") from None
 
 
+def _lora_settings(model) -> str:
+    spec = lora.spec_of(model)
+    if spec is None:
+        return "optim.lora_rank=0 (full fine-tuning)"
+    return f"optim.lora_rank={spec.rank} lora_alpha={spec.alpha:g} lora_targets={','.join(spec.targets)}"
+
+
 def _restore(trainer, state: dict, path: Path) -> None:
     """Put every part of a trainer state back; a part of the wrong kind raises (see `load`)."""
     if not isinstance(state["step"], int) or state["step"] < 0:
@@ -141,8 +153,8 @@ def _restore(trainer, state: dict, path: Path) -> None:
     trainer.step, trainer.elapsed = state["step"], float(state["elapsed"])
     trainer.saved_step = trainer.step
     trainer.base_accuracy = state["base_accuracy"]
-    _check_optimizer_shapes(state["optimizer"], list(trainer.model.parameters()))
-    trainer.devices.load_state({"model": trainer.model.state_dict(), "optimizer": state["optimizer"],
+    _check_optimizer_shapes(state["optimizer"], [p for _, p in lora.trained_parameters(trainer.model)])
+    trainer.devices.load_state({"model": lora.trained_state(trainer.model), "optimizer": state["optimizer"],
                                 "version": state["actor_version"]})
     trainer.devices.set_rng_state(state["engine_rng"])
     torch.set_rng_state(state["torch_rng"])

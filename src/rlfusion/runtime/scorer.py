@@ -27,6 +27,7 @@ from rlfusion.model.transformer import MoETransformer
 from rlfusion.rl.rewards import load_reward_fn
 from rlfusion.rl.trajectory import Trajectory
 from rlfusion.runtime import dataflow
+from rlfusion.model import lora
 from rlfusion.runtime.reference_stage import ReferenceStage, add_summed_kl
 from rlfusion.runtime.reward_stage import RewardStage
 from rlfusion.runtime.role_context import RoleContext
@@ -44,7 +45,7 @@ class Scorer:
 
     def __init__(self, ctx: RoleContext, reward: RewardStage | None, reference: ReferenceStage | None):
         self.ctx, self.reward, self.reference = ctx, reward, reference
-        if reference is not None:
+        if reference is not None and not reference.shares_policy:  # (a shared base moves with the policy)
             ctx.switch.attach(reference=reference.model)
 
     @classmethod
@@ -60,9 +61,16 @@ class Scorer:
             reward = RewardStage(reward_fn, tokenizer, cfg.algo, budget, name=cfg.reward,
                                  timeout_s=cfg.reward_timeout_s, reward_range=(cfg.reward_min, cfg.reward_max),
                                  failure_limit=cfg.reward_failure_limit)
-        reference = (ReferenceStage(copy.deepcopy(model), cfg.rollout.temperature, cfg.optim.microbatch_tokens,
-                                    replay=cfg.algo.routing_replay_reference)
-                     if "reference" in roles and cfg.algo.kl_coef else None)
+        reference = None
+        if "reference" in roles and cfg.algo.kl_coef:
+            # LoRA: the frozen base under the adapters is the reference, no copy of it — unless
+            # the device trains in a layout, which splits `model` into its shards and stages, or
+            # generates with the adapters merged into the base
+            shared = (lora.spec_of(model) is not None and not ctx.switch.merge_adapters
+                      and not (ctx.plan.train_layout and ctx.device in ctx.plan.train))
+            reference = ReferenceStage(model if shared else copy.deepcopy(model), cfg.rollout.temperature,
+                                       cfg.optim.microbatch_tokens, replay=cfg.algo.routing_replay_reference,
+                                       shares_policy=shared)
         return cls(ctx, reward, reference)
 
     @property

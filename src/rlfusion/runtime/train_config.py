@@ -338,6 +338,17 @@ class TrainConfig:
         if self.optim.expert_balance and self.deploy.train_ep < 2:
             raise ValueError(f"optim.expert_balance=true is invalid with deploy.train_ep={self.deploy.train_ep}: "
                              "it migrates experts between expert-parallel devices (set deploy.train_ep >= 2)")
+        if self.optim.lora_rank:
+            for bad, why in ((self.optim.router_bias_update, "optim.router_bias_update=true (it moves the routers' "
+                              "biases, which are the frozen base's; set it false)"),
+                             (self.optim.expert_balance, "optim.expert_balance=true (migrating experts moves frozen "
+                              "weights between devices; set it false)"),
+                             (self.algo.advantage == "gae", "algo.advantage=gae (the critic trains a full model; "
+                              "allowed: grpo, rloo, reinforce_pp)"),
+                             (self.rollout.backend != "native", f"rollout.backend={self.rollout.backend} (this vLLM "
+                              "backend loads full weights, not adapters; allowed: native)")):
+                if bad:
+                    raise ValueError(f"optim.lora_rank={self.optim.lora_rank} is invalid with {why}")
         if self.optim.recompute == "plan" and self.deploy.train_pp > 1:
             raise ValueError(f"optim.recompute=plan is invalid with deploy.train_pp={self.deploy.train_pp}: "
                              "the planner measures a whole model's forward (use none, selective, full or swap)")

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from rlfusion.config import from_dict
 from rlfusion.errors import CollapseError, RunError
 from rlfusion.evaluate import EvalResult, eval_max_new_tokens, summarize
+from rlfusion.model import lora
 from rlfusion.model.checkpoint import load_base
 from rlfusion.obs.files import atomic_write_text
 from rlfusion.obs.metrics import MetricsWriter, truncate_metrics
@@ -79,6 +80,9 @@ class RLTrainer:
             raise ValueError(f"env.max_episode_tokens={cfg.env.max_episode_tokens} leaves no room for a prompt in the "
                              f"model's context of {model.config.max_seq_len} tokens (base {base_path}); lower it or "
                              f"set context_len > {cfg.env.max_episode_tokens}")
+        spec = cfg.optim.lora_spec(cfg.seed)
+        if spec is not None:  # adapters on the frozen base, as on every device (checkpoints hold them only)
+            lora.attach(model, spec, base=base_path)
         self.tokenizer, self.model = tokenizer, model  # the controller's copy: checkpoints are written from it
         self.task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))

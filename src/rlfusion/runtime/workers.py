@@ -16,6 +16,7 @@ import torch.distributed as dist
 from rlfusion.fusion.reshard import build_inference_model, load_whole, release, split_experts
 from rlfusion.fusion.shard_sync import ShardSync
 from rlfusion.fusion.switch import DeviceSwitch
+from rlfusion.model import lora
 from rlfusion.model.checkpoint import load_base
 from rlfusion.model.hf import is_hf_checkpoint
 from rlfusion.obs.metrics import NumberPacker
@@ -48,9 +49,19 @@ class DeviceWorker(StorageHost):
         where = bind_device(plan.device, device)  # this device's torch device
         roles = plan.roles(device)
         model, tokenizer, _ = load_base(base_path, device=where, max_seq_len=cfg.context_len or None)
+        spec = cfg.optim.lora_spec(cfg.seed)
+        if spec is not None:  # LoRA: adapters on the frozen base (drawn alike on every device)
+            lora.attach(model, spec)
         # the engine's `policy`: the model, or in a training layout a replica filled for each rollout only
         in_layout = plan.train_layout and device in plan.train
         self.policy = build_inference_model(model.config, device=where) if in_layout else model
+        if spec is not None and in_layout:
+            lora.attach(self.policy, spec)
+        # a policy this device does not train (a rollout device's, or a training layout's replica)
+        # may generate with the adapters folded into its weights
+        merged = spec is not None and cfg.optim.lora_rollout == "merged" and (in_layout or device not in plan.train)
+        if merged and device not in plan.train:
+            lora.merge(self.policy)  # (kept merged: each sync takes the old adapters out, puts the new in)
         dtype = COMPUTE_DTYPES[cfg.deploy.precision]
         self.matmul_peak_flops = matmul_peak_flops(repeats=3, device=where, dtype=dtype)  # rates' yardstick
         hf_base = base_path if is_hf_checkpoint(base_path) else None  # what vLLM can serve as it is
@@ -66,7 +77,7 @@ class DeviceWorker(StorageHost):
         spans = SpanLog()
         switch = DeviceSwitch(device, self.policy, model, stage.engine if stage is not None else None,
                               int(cfg.deploy.bucket_mb * 2**20), plan.mode == "fully_shared", spans.span, where,
-                              budget_bytes=device_budget(cfg))
+                              budget_bytes=device_budget(cfg), merge_adapters=merged)
         self.ctx = RoleContext(device, plan, cfg, where, dtype, switch, queue, spans)
         task = make_task(cfg.task, cfg.data, tokenizer, model.config.max_seq_len - cfg.rollout.max_new_tokens)
         scores = {"reward", "reference"} & set(roles)
@@ -76,8 +87,8 @@ class DeviceWorker(StorageHost):
         self._model = model  # the learner's to train, until `connect`
         self.sync_group: Any = None  # hybrid: the first train device and the rollout devices (the weight broadcast)
         # separated: the weight sync, shard to shard
-        self.shard_sync = (ShardSync(list(plan.train), list(plan.rollout), int(cfg.deploy.bucket_mb * 2**20))
-                           if plan.separated else None)
+        self.shard_sync = (ShardSync(list(plan.train), list(plan.rollout), int(cfg.deploy.bucket_mb * 2**20),
+                                     adapters_only=spec is not None) if plan.separated else None)
         self._store = None  # device 0: the rendezvous store of the device world
         self._packer = NumberPacker()  # the report recurs every step
 
@@ -146,16 +157,18 @@ class DeviceWorker(StorageHost):
     def load_critic_state(self, *args, **kw): self.learner.load_critic_state(*args, **kw)
 
     def weights(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
-        """The policy's full weights (a train device's: `Learner.weights`)."""
-        own = on_host(self.policy.state_dict()) if keep and self.learner is None else None
+        """The policy's full weights, or with LoRA its adapters (a train device's: `Learner.weights`)."""
+        own = on_host(lora.trained_state(self.policy)) if keep and self.learner is None else None
         return self.learner.weights(keep) if self.learner is not None else own
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """A checkpoint's policy weights (and on a train device its optimizer state and version)."""
+        """A checkpoint's policy weights, or adapters (and on a train device its optimizer state
+        and version)."""
         if self.learner is not None:
             self.learner.load_state(state)
         else:
-            load_whole(self.policy, state["model"])
+            with lora.taken_out(self.policy, self.ctx.switch.merge_adapters):
+                load_whole(self.policy, state["model"], part=lora.trained_part(self.policy))
             self.ctx.switch.policy_changed()
 
     def sync_weights(self) -> int:
@@ -172,7 +185,8 @@ class DeviceWorker(StorageHost):
         with self.ctx.spans.span("transfer"):
             if self.learner is not None:
                 return self.shard_sync.sync(self.learner.trained).sent_bytes
-            stats = self.shard_sync.sync(replica=self.policy)
+            with lora.taken_out(self.policy, self.ctx.switch.merge_adapters):
+                stats = self.shard_sync.sync(replica=self.policy)
             self.ctx.switch.policy_changed()
             return stats.recv_bytes
 
