@@ -94,3 +94,51 @@ def test_lora_update_equals_one_process_and_the_replica_generates_its_tokens(ray
         assert all(ids == want_ids for ids in got_ids)
     finally:
         trainer.close()
+
+
+def test_hybrid_lora_run_syncs_adapters_checkpoints_them_and_resumes(ray_session, tmp_path):
+    """Hybrid (the train device also generates): each update broadcasts only the adapters to the
+    rollout device; the checkpoint holds only the adapters (and the base's path and fingerprint),
+    optimizer state for them alone; a resumed run picks them up and goes on."""
+    from rlfusion.runtime.trainer import resume
+
+    cfg = td._cfg(tmp_path, "hybrid", max_steps=2, checkpoint_every=1, eval_every=100, run_name="r",
+                  **{**LORA, "stalesync.enabled": "true", "stalesync.max_staleness": 1})
+    trainer = RLTrainer(cfg, tmp_path / "r", find_base())
+    try:
+        trainer.run(progress=False)
+        adapters = lora.adapter_state(trainer.model)
+        assert trainer.devices.weight_sync_bytes == sum(t.numel() * t.element_size() for t in adapters.values())
+        rollout, train = (td._worker_params(trainer, d) for d in (0, 1))
+        assert set(rollout) == set(adapters) and all(torch.equal(rollout[k], train[k]) for k in train)
+    finally:
+        trainer.close()
+    ckpt = tmp_path / "r" / "checkpoint"
+    assert (ckpt / "adapters.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert len(state["optimizer"]["state"]) == len(adapters)  # the adapters' moments only
+    loaded, _, _ = load_checkpoint(ckpt)
+    assert lora.spec_of(loaded) == cfg.optim.lora_spec(cfg.seed)
+    assert all(torch.equal(lora.adapter_state(loaded)[k], v.cpu()) for k, v in adapters.items())
+    again = resume(tmp_path / "r", {"max_steps": 3})
+    try:
+        assert again.step == 2
+        assert all(torch.equal(lora.adapter_state(again.model)[k], v) for k, v in adapters.items())
+        assert again.run(progress=False).steps == 3
+    finally:
+        again.close()
+
+
+def test_resuming_with_other_lora_settings_is_one_line(ray_session, tmp_path):
+    from rlfusion.runtime.trainer import resume
+
+    cfg = td._cfg(tmp_path, "colocated", max_steps=1, checkpoint_every=1, eval_every=100, run_name="r",
+                  **{**LORA, "deploy.num_devices": 1, "deploy.backend": "local"})
+    trainer = RLTrainer(cfg, tmp_path / "r", find_base())
+    try:
+        trainer.run(progress=False)
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match=r"was written with optim.lora_rank=8 .*, this run has optim.lora_rank=4 ") as e:
+        resume(tmp_path / "r", {"optim": {"lora_rank": 4}, "max_steps": 2})
+    assert "\n" not in str(e.value)
