@@ -182,17 +182,23 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
+    from rlfusion.model import lora
     from rlfusion.model.checkpoint import load_checkpoint
     from rlfusion.model.hf import save_hf
+    from rlfusion.model.peft_export import BASE_DIR, PEFT_DIR, save_lora_hf
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not an empty folder; export-hf writes a new folder "
                          f"and never overwrites one (a checkpoint could be lost)")
     model, tokenizer, _ = load_checkpoint(args.ckpt)
-    out = save_hf(model, out, tokenizer, family=args.family)
+    adapted = lora.spec_of(model) is not None
+    # a LoRA checkpoint: the merged model, and beside it the adapters in PEFT's format with their base
+    out = (save_lora_hf if adapted else save_hf)(model, out, tokenizer, family=args.family)
     print(f"wrote Hugging Face folder {out} (model_type "
           f"{json.loads((out / 'config.json').read_text())['model_type']})")
+    if adapted:
+        print(f"wrote PEFT adapters {out / PEFT_DIR} for the base {out / PEFT_DIR / BASE_DIR} (merged: {out})")
 
 
 def build_parser() -> argparse.ArgumentParser:

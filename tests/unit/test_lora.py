@@ -123,5 +123,13 @@ def test_config_keys_are_checked():
         OptimConfig(lora_rank=4, lora_targets="attn,heads")
     with pytest.raises(ValueError, match="optim.lora_rollout"):
         OptimConfig(lora_rank=4, lora_rollout="fused")
-    assert OptimConfig(lora_rank=8).lora_spec(3) == lora.LoraSpec(8, 32.0, ("attn", "mlp", "shared", "experts"), 3)
+    assert OptimConfig(lora_rank=8).lora_spec(3) == lora.LoraSpec(8, 32.0, (), 3)
+    assert OptimConfig(lora_rank=8, lora_targets="attn,router").lora_spec(3).targets == ("attn", "router")
+
+
+def test_default_targets_are_those_the_model_has():
+    torch.manual_seed(0)
+    dense = MoETransformer(dataclasses.replace(get_preset("tiny"), num_dense_layers=4))
+    assert lora.spec_of(lora.attach(dense, lora.LoraSpec(4, 8.0))).targets == ("attn", "mlp")
+    assert lora.spec_of(_model()).targets == ("attn", "mlp", "shared", "experts")
     assert OptimConfig().lora_spec(0) is None

@@ -16,6 +16,7 @@ and `lora_B_* [E, r, out]`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from torch import nn
 # the rollout sampled (what routing replay exists to avoid) and its scores feed every expert.
 TARGETS = {"attn": "attention projections", "mlp": "dense layers' MLPs", "shared": "shared experts",
            "experts": "routed experts", "router": "routers"}
-DEFAULT_TARGETS = ("attn", "mlp", "shared", "experts")
+DEFAULT_TARGETS = ("attn", "mlp", "shared", "experts")  # (those of them a model has: `LoraSpec.targets` ())
 EXPERT_PROJS = ("gate", "up", "down")
 _state = threading.local()
 
@@ -40,7 +41,7 @@ _state = threading.local()
 class LoraSpec:
     rank: int
     alpha: float
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] = ()  # () = every default target the model has
     seed: int = 0  # the adapters' initial A (every device draws the same)
 
     @property
@@ -165,6 +166,14 @@ def _linear_targets(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[st
     return out
 
 
+def available(model: nn.Module) -> tuple[str, ...]:
+    """The targets `model` has modules for."""
+    moe = [layer.mlp for layer in model.layers if layer.is_moe]
+    have = {"attn": True, "mlp": len(moe) < len(model.layers), "shared": any(m.shared is not None for m in moe),
+            "experts": bool(moe), "router": bool(moe)}
+    return tuple(t for t, ok in have.items() if ok)
+
+
 def check_spec(model: nn.Module, spec: LoraSpec) -> None:
     """One line (`ValueError`) for targets this model has none of and a rank larger than a
     targeted layer's smaller side."""
@@ -176,12 +185,11 @@ def check_spec(model: nn.Module, spec: LoraSpec) -> None:
         raise ValueError(f"optim.lora_rank={spec.rank}, optim.lora_alpha={spec.alpha}: the rank must be >= 1 "
                          f"and alpha > 0")
     moe = [layer.mlp for layer in model.layers if layer.is_moe]
-    have = {"attn": True, "mlp": len(moe) < len(model.layers), "shared": any(m.shared is not None for m in moe),
-            "experts": bool(moe), "router": bool(moe)}
+    have = available(model)
     for t in spec.targets:
-        if not have[t]:
+        if t not in have:
             raise ValueError(f"optim.lora_targets names {t!r} ({TARGETS[t]}), which this model does not have; "
-                             f"it has: {', '.join(k for k, v in have.items() if v)}")
+                             f"it has: {', '.join(have)}")
     sides = [min(lin.in_features, lin.out_features) for *_, lin in _linear_targets(model, spec.targets)]
     if "experts" in spec.targets:
         sides += [min(w.shape[1:]) for m in moe for w in expert_weights(m.experts)]
@@ -197,6 +205,8 @@ def attach(model: nn.Module, spec: LoraSpec, base: str | None = None) -> nn.Modu
     else. Every process given the same spec draws the same adapters. `base`: where the base
     weights come from, recorded with their fingerprint (`model.lora_base`) for checkpoints that
     hold only the adapters."""
+    if not spec.targets:  # the defaults this model has (a dense model has no experts)
+        spec = dataclasses.replace(spec, targets=tuple(t for t in DEFAULT_TARGETS if t in available(model)))
     check_spec(model, spec)
     if base is not None:
         model.lora_base = {"base": str(Path(base).resolve()), "fingerprint": fingerprint(model)}

@@ -195,21 +195,21 @@ class OptimConfig:
     dp_balance: str = "tokens"
     # LoRA (0 = full fine-tuning): adapters of rank `lora_rank` scaled by `lora_alpha / lora_rank`
     # on `lora_targets` (comma-separated: attn, mlp (dense layers), shared, experts (per expert),
-    # router); the base stays frozen, outside the optimizer, and is the reference policy; only
+    # router; "" = those of attn, mlp, shared, experts the model has); the base stays frozen, outside the optimizer, and is the reference policy; only
     # the adapters are synced to rollout devices and checkpointed (with a pointer to the base).
     # `lora_rollout`: how a rollout replica applies them, "unmerged" (beside the weights, in
     # every forward) or "merged" (folded into the replica's weights while it generates)
     lora_rank: int = 0
     lora_alpha: float = 32.0
-    lora_targets: str = "attn,mlp,shared,experts"
+    lora_targets: str = ""
     lora_rollout: str = "unmerged"
 
     def __post_init__(self) -> None:
         check_fields("optim", {
             "lora_rank": (self.lora_rank >= 0, "must be >= 0 (0: full fine-tuning)"),
             "lora_alpha": (self.lora_alpha > 0, "must be > 0"),
-            "lora_targets": (bool(self.lora_targets) and all(t in LORA_TARGETS for t in self.lora_targets.split(",")),
-                             f"a comma-separated list of {', '.join(LORA_TARGETS)}"),
+            "lora_targets": (all(t in LORA_TARGETS for t in self.lora_targets.split(",") if self.lora_targets),
+                             f"a comma-separated list of {', '.join(LORA_TARGETS)} (\"\": the model's defaults)"),
             "lora_rollout": (self.lora_rollout in ("unmerged", "merged"), "allowed: unmerged, merged"),
             "lr": (0 < self.lr <= 1e-2, "must be in (0, 0.01]; 3e-4 is the tested default"),
             "beta1": (0 <= self.beta1 < 1, "must be in [0, 1)"),
@@ -234,7 +234,7 @@ class OptimConfig:
         """The adapters to put on the base (None: full fine-tuning)."""
         if not self.lora_rank:
             return None
-        return LoraSpec(self.lora_rank, self.lora_alpha, tuple(self.lora_targets.split(",")), seed)
+        return LoraSpec(self.lora_rank, self.lora_alpha, tuple(t for t in self.lora_targets.split(",") if t), seed)
 
 
 @dataclass(frozen=True)
