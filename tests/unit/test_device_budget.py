@@ -180,3 +180,19 @@ def test_the_budget_is_reported_beside_the_phase_peaks():
     assert memory["budget_bytes"] == 40 * MIB
     assert memory["peaks/rollout"] <= memory["peaks/train"] <= 40 * MIB
     assert switch.memory()["budget_bytes"] == 40 * MIB  # the next step's ledger keeps it
+
+
+def test_lora_trains_where_full_fine_tuning_does_not_fit():
+    """LoRA keeps gradients and AdamW moments of the adapters only, and the reference is the
+    policy's frozen base: a budget full fine-tuning's train phase overflows fits."""
+    message = _refusal(_cfg("deploy.device_memory_mb=28"))
+    assert "train phase needs at least 33.0 MiB" in message
+    base_fit.check_fits(_cfg("deploy.device_memory_mb=28", "optim.lora_rank=4"), TINY, CONFIG, overlap=False)
+    phases = base_fit._device_phases(0, _cfg("optim.lora_rank=4"), DeploymentPlan.build(_cfg().deploy), TINY)
+    parts = dict(phases["train"].parts)
+    share = base_fit._adapter_share(_cfg("optim.lora_rank=4"), TINY)
+    assert 0 < share < 0.1 and parts["grads"] == round(4 * TINY.param_counts()["total"] * share)
+    full = base_fit._device_phases(0, _cfg(), DeploymentPlan.build(_cfg().deploy), TINY)
+    one_copy = 4 * TINY.param_counts()["total"]
+    assert dict(full["train"].parts)["weights"] == 2 * one_copy  # the policy and the reference's copy
+    assert parts["weights"] == one_copy  # the reference is the policy's frozen base

@@ -16,7 +16,9 @@ float32: under bf16 autocast the weights stay the fp32 master copy):
                   aside in host memory
     switch        in a training layout the replica fills from the shards while they are still in:
                   both, and one bucket
-    reference     a full copy where `algo.kl_coef` > 0 (in host memory when fully shared)
+    reference     a full copy where `algo.kl_coef` > 0 (in host memory when fully shared); with LoRA
+                  none where the device holds the policy whole (its frozen base is the reference)
+    LoRA          gradients and AdamW moments of the adapters only (`optim.lora_rank`)
     critic        `algo.advantage=gae`: a full copy with its gradients and moments per train device
     vLLM engine   a bf16 copy of the replica on each rollout device while it generates
     scorer        a device that only scores holds the full copy it loaded
@@ -43,6 +45,7 @@ and an explicit budget are checked here, and `load_hf` checks each device's copy
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,13 +216,16 @@ def _device_phases(device: int, cfg: TrainConfig, plan: DeploymentPlan, model_cf
     full = FP32_BYTES * model_cfg.param_counts()["total"]
     roles, trains, generates = plan.roles(device), device in plan.train, device in plan.rollout
     shard = FP32_BYTES * _trained_params(model_cfg, plan) if trains else 0  # all of it on a full replica
+    trained = round(shard * _adapter_share(cfg, model_cfg))  # what has gradients and moments (LoRA: the adapters)
     ledger, phases = MemoryLedger(), {}
 
     def held() -> PhaseBytes:
         on_device = tuple((cat, n) for cat, n in ledger.snapshot()["device"].items() if n)
         return PhaseBytes(ledger.total("device"), ledger.total("host"), on_device)
 
-    if cfg.algo.kl_coef > 0 and "reference" in roles:
+    # (LoRA: the base under the policy's adapters, no copy, where the device holds it whole)
+    shared_base = cfg.optim.lora_rank and not (plan.train_layout and trains) and cfg.optim.lora_rollout == "unmerged"
+    if cfg.algo.kl_coef > 0 and "reference" in roles and not shared_base:
         ledger.set("weights", full, name="reference", location="host" if plan.mode == "fully_shared" else "device")
     if trains and cfg.algo.advantage == "gae":
         ledger.set("weights", full * (2 + ADAM_MOMENTS), name="critic")  # its weights, grads, moments
@@ -228,7 +234,7 @@ def _device_phases(device: int, cfg: TrainConfig, plan: DeploymentPlan, model_cf
         if not trains or plan.train_layout:  # a replica of its own (co-located infer_ep > 1: a layout)
             ledger.set("weights", replica, name="replica")
         if trains:  # the moments wait on the host; a full replica's weights are the model that trains
-            ledger.set("optimizer", ADAM_MOMENTS * shard, location="host")
+            ledger.set("optimizer", ADAM_MOMENTS * trained, location="host")
             ledger.set("weights", shard, name="trained")
         if generates and cfg.rollout.backend == "vllm":
             ledger.set("weights", BF16_BYTES * replica // FP32_BYTES, name="engine")
@@ -243,10 +249,31 @@ def _device_phases(device: int, cfg: TrainConfig, plan: DeploymentPlan, model_cf
         ledger.clear("weights", location="host", name="trained")
         ledger.clear("optimizer", location="host")
         ledger.set("weights", shard, name="trained")
-        ledger.set("grads", shard)
-        ledger.set("optimizer", ADAM_MOMENTS * shard)
+        ledger.set("grads", trained)
+        ledger.set("optimizer", ADAM_MOMENTS * trained)
         phases["train"] = held()
     return phases
+
+
+def _adapter_share(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
+    """The share of the weights that has gradients and AdamW moments: 1, or with LoRA its
+    adapters' parameters over the base's (counted on a model of meta tensors; the adapters of a
+    sharded layer are sharded alike, closely enough for a bound)."""
+    spec = cfg.optim.lora_spec(0)
+    return 1.0 if spec is None else _share(spec, model_cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def _share(spec, model_cfg: ModelConfig) -> float:
+    import torch
+
+    from rlfusion.model import lora
+    from rlfusion.model.transformer import MoETransformer
+
+    with torch.device("meta"):
+        model = lora.attach(MoETransformer(model_cfg), spec)
+    adapters = sum(p.numel() for _, p in lora.trained_parameters(model))
+    return adapters / model_cfg.param_counts()["total"]
 
 
 def _trained_params(model_cfg: ModelConfig, plan: DeploymentPlan) -> int:
