@@ -133,3 +133,29 @@ def test_default_targets_are_those_the_model_has():
     assert lora.spec_of(lora.attach(dense, lora.LoraSpec(4, 8.0))).targets == ("attn", "mlp")
     assert lora.spec_of(_model()).targets == ("attn", "mlp", "shared", "experts")
     assert OptimConfig().lora_spec(0) is None
+
+
+@pytest.mark.parametrize("over, match", [
+    ("optim.router_bias_update=true", "is invalid with optim.router_bias_update=true"),
+    ("optim.expert_balance=true deploy.train_ep=2 deploy.num_devices=2", "is invalid with optim.expert_balance=true"),
+    ("algo.advantage=gae", "is invalid with algo.advantage=gae"),
+    ("rollout.backend=vllm", "is invalid with rollout.backend=vllm"),
+])
+def test_combinations_lora_cannot_run_are_one_line(over, match):
+    from rlfusion.config import load_config
+    from rlfusion.runtime.train_config import TrainConfig
+
+    with pytest.raises(ValueError, match=match) as e:
+        load_config(TrainConfig, None, ["optim.lora_rank=8", *over.split()])
+    assert "\n" not in str(e.value) and str(e.value).startswith("optim.lora_rank=8 ")
+
+
+def test_a_rank_the_base_cannot_take_is_refused_before_any_device_starts(tmp_path):
+    from rlfusion.config import load_config
+    from rlfusion.model.checkpoint import find_base
+    from rlfusion.runtime.train_config import TrainConfig
+    from rlfusion.runtime.trainer import RLTrainer
+
+    cfg = load_config(TrainConfig, None, [f'out_dir="{tmp_path}"', "optim.lora_rank=100"])
+    with pytest.raises(ValueError, match=r"optim.lora_rank=100 is larger than the smallest targeted layer's side"):
+        RLTrainer(cfg, tmp_path / "run", find_base())

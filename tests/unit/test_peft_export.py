@@ -33,7 +33,7 @@ def _tiny_base(path):
     with torch.no_grad():  # larger weights than the init: decisive routing, far-from-uniform logits
         for p in model.parameters():
             if p.dim() > 1:
-                p.mul_(5.0)
+                p.mul_(2.0)
     save_checkpoint(path, model, CharTokenizer.arithmetic())
     return model, CharTokenizer.arithmetic()
 
