@@ -120,4 +120,4 @@ def _stacked(prefix: str, A_ERI: torch.Tensor, B: list[torch.Tensor]) -> dict[st
     """A `ParamWrapper`'s tensors from per-expert `A_e [R, in]` and `B_e [out, R]`: `lora_A`
     `[E*R, in]` (expert-major rows), `lora_B` `[out, R*E]` (expert-minor columns)."""
     return {f"{prefix}.lora_A.weight": A_ERI.reshape(-1, A_ERI.shape[-1]),
-            f"{prefix}.lora_B.weight": torch.stack(B, dim=-1).flatten(1)}
+            f"{prefix}.lora_B.weight": torch.cat(B, dim=1)}
