@@ -159,3 +159,15 @@ def test_a_rank_the_base_cannot_take_is_refused_before_any_device_starts(tmp_pat
     cfg = load_config(TrainConfig, None, [f'out_dir="{tmp_path}"', "optim.lora_rank=100"])
     with pytest.raises(ValueError, match=r"optim.lora_rank=100 is larger than the smallest targeted layer's side"):
         RLTrainer(cfg, tmp_path / "run", find_base())
+
+
+def test_merged_rollout_without_a_replica_to_merge_into_is_one_line(tmp_path):
+    from rlfusion.config import load_config
+    from rlfusion.model.checkpoint import find_base
+    from rlfusion.runtime.train_config import TrainConfig
+    from rlfusion.runtime.trainer import RLTrainer
+
+    cfg = load_config(TrainConfig, None, [f'out_dir="{tmp_path}"', "optim.lora_rank=8", "optim.lora_rollout=merged"])
+    with pytest.raises(ValueError, match=r"optim.lora_rollout=merged is invalid with .*: every rollout device") as e:
+        RLTrainer(cfg, tmp_path / "run", find_base())
+    assert "\n" not in str(e.value)

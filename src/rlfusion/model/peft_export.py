@@ -98,7 +98,7 @@ def peft_tensors(model: MoETransformer, family: str) -> tuple[dict[str, torch.Te
     tensors, modules, parameters = {}, [], []
     for name, m in model.named_modules():
         if getattr(m, "lora_A", None) is not None:  # an adapted Linear or router: weight [out, in]
-            weight, B = to_hf.tensors(f"{name}.weight", m.lora_B.detach())[0]
+            weight, B = to_hf.tensors(f"{name}.weight", m.lora_B.detach())[0][0], m.lora_B.detach()
             hf = weight.removesuffix(".weight")
             tensors |= {f"{PREFIX}{hf}.lora_A.weight": m.lora_A.detach(), f"{PREFIX}{hf}.lora_B.weight": B}
             by_module = isinstance(m, lora.LoRALinear) and (".self_attn." in hf or not moe)
@@ -120,4 +120,4 @@ def _stacked(prefix: str, A_ERI: torch.Tensor, B: list[torch.Tensor]) -> dict[st
     """A `ParamWrapper`'s tensors from per-expert `A_e [R, in]` and `B_e [out, R]`: `lora_A`
     `[E*R, in]` (expert-major rows), `lora_B` `[out, R*E]` (expert-minor columns)."""
     return {f"{prefix}.lora_A.weight": A_ERI.reshape(-1, A_ERI.shape[-1]),
-            f"{prefix}.lora_B.weight": torch.cat(B, dim=1)}
+            f"{prefix}.lora_B.weight": torch.stack(B, dim=-1).flatten(1)}
