@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export-hf", help="write an rlfusion checkpoint as a Hugging Face folder")
+    p = sub.add_parser("export-hf", help="write an rlfusion checkpoint as a Hugging Face folder "
+                                         "(a LoRA checkpoint: merged, plus its PEFT adapters in OUT/peft)")
     p.add_argument("ckpt", help="rlfusion checkpoint folder, e.g. RUN_DIR/final")
     p.add_argument("out", help="output folder")
     p.add_argument("--family", help="llama, qwen2, qwen3, qwen2_moe, qwen3_moe or deepseek_v3 "

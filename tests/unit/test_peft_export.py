@@ -105,9 +105,10 @@ def test_checkpoint_without_adapters_exports_as_before(tmp_path):
     model, tok = _tiny_base(tmp_path / "ckpt")
     assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     save_hf(model, tmp_path / "direct", tok)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in (tmp_path / "direct").iterdir())
-    assert not (tmp_path / "out" / "peft").exists()
-    exported, direct = read_safetensors(tmp_path / "out"), read_safetensors(tmp_path / "direct")
-    assert sorted(exported) == sorted(direct)
-    for name, t in direct.items():
+    out, direct = tmp_path / "out", tmp_path / "direct"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in direct.iterdir())
+    assert not (out / "peft").exists()
+    exported, expected = read_safetensors(out), read_safetensors(direct)
+    assert sorted(exported) == sorted(expected)
+    for name, t in expected.items():
         torch.testing.assert_close(exported[name], t, atol=0, rtol=0, msg=name)

@@ -25,11 +25,12 @@ Transformers 5 fuses each layer's experts into `gate_up_proj [E, 2F, D]` and `do
 inside: its names have `base_layer`). Per expert e they add `scale * B_e A_e` with A_e rows
 e*R .. e*R+R-1 of `lora_A` and B_e columns k*E + e (k < R) of `lora_B`. The fused gate/up
 update has rank 2r: A_e = [A_gate[e]^T; A_up[e]^T], B_e = blockdiag(B_gate[e]^T, B_up[e]^T), with
-`rank_pattern` 2r and `alpha_pattern` 2 alpha keeping the scale alpha / r. The MLP Linears of
-the MoE families go by `target_parameters` (their `weight`), not `target_modules`: PEFT rewrites
-a target module named gate_proj, up_proj or down_proj into the fused experts' parameters for
-transformers 5 MoE models. `base_model_name_or_path` is the base folder's absolute path (PEFT
-reads a relative one from the working directory).
+`rank_pattern` 2r and `alpha_pattern` 2 alpha keeping the scale alpha / r (PEFT 0.21 warns
+that those keys match no target module: they match the target parameter). The MLP Linears of
+the MoE families go by `target_parameters` (their `weight`; dense families: `target_modules`):
+PEFT rewrites a target module named gate_proj, up_proj or down_proj of a transformers 5 MoE
+model (qwen3_moe, deepseek_v3) into the fused experts' parameters. `base_model_name_or_path` is
+the base folder's absolute path (PEFT reads a relative one from the working directory).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def save_peft(model: MoETransformer, path: str | Path, tokenizer=None, family: s
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base.resolve()),
               "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
-              "target_modules": modules or None, "target_parameters": parameters or None,
+              "target_modules": modules, "target_parameters": parameters,
               "rank_pattern": {}, "alpha_pattern": {}}
     if "experts" in spec.targets:
         config |= {"rank_pattern": {GATE_UP: 2 * spec.rank}, "alpha_pattern": {GATE_UP: 2 * spec.alpha}}
@@ -98,7 +99,7 @@ def peft_tensors(model: MoETransformer, family: str) -> tuple[dict[str, torch.Te
     tensors, modules, parameters = {}, [], []
     for name, m in model.named_modules():
         if getattr(m, "lora_A", None) is not None:  # an adapted Linear or router: weight [out, in]
-            weight, B = to_hf.tensors(f"{name}.weight", m.lora_B.detach())[0][0], m.lora_B.detach()
+            weight, B = to_hf.tensors(f"{name}.weight", m.lora_B.detach())[0]
             hf = weight.removesuffix(".weight")
             tensors |= {f"{PREFIX}{hf}.lora_A.weight": m.lora_A.detach(), f"{PREFIX}{hf}.lora_B.weight": B}
             by_module = isinstance(m, lora.LoRALinear) and (".self_attn." in hf or not moe)
