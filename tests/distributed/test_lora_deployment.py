@@ -92,6 +92,10 @@ def test_lora_update_equals_one_process_and_the_replica_generates_its_tokens(ray
         want_ids = [list(c.output_ids) for c in greedy_completions(engine, tokenizer, [heldout[i] for i in indices], 40)]
         got_ids = _greedy_on_rollout_devices(trainer, indices, 40)
         assert all(ids == want_ids for ids in got_ids)
+        if cfg.optim.lora_rollout == "merged":  # a second switch (or sync) merges the same adapters again
+            if cfg.deploy.mode == "separated":
+                trainer.devices.sync_rollout_weights()
+            assert all(ids == want_ids for ids in _greedy_on_rollout_devices(trainer, indices, 40))
     finally:
         trainer.close()
 
@@ -118,7 +122,7 @@ def test_hybrid_lora_run_syncs_adapters_checkpoints_them_and_resumes(ray_session
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     assert len(state["optimizer"]["state"]) == len(adapters)  # the adapters' moments only
     loaded, _, _ = load_checkpoint(ckpt)
-    assert lora.spec_of(loaded) == cfg.optim.lora_spec(cfg.seed)
+    assert lora.spec_of(loaded) == lora.spec_of(trainer.model)  # (the default targets, resolved)
     assert all(torch.equal(lora.adapter_state(loaded)[k], v.cpu()) for k, v in adapters.items())
     again = resume(tmp_path / "r", {"max_steps": 3})
     try:
@@ -142,3 +146,23 @@ def test_resuming_with_other_lora_settings_is_one_line(ray_session, tmp_path):
     with pytest.raises(ValueError, match=r"was written with optim.lora_rank=8 .*, this run has optim.lora_rank=4 ") as e:
         resume(tmp_path / "r", {"optim": {"lora_rank": 4}, "max_steps": 2})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("over", [
+    # fully shared: no reference copy to bring in from host (the policy's base is the reference)
+    {"deploy.backend": "local", "deploy.num_devices": 1, "deploy.mode": "fully_shared"},
+    # rollout devices whose replica splits its experts (infer_ep): their forwards are collectives in
+    # the engine's lock-step, so the reference keeps a whole copy (3 groups over 2 devices: each
+    # scores a different number of samples)
+    {"deploy.num_devices": 3, "deploy.mode": "separated", "deploy.infer_ep": 2, "rollout.prompts_per_step": 3,
+     "rollout.group_size": 2, "optim.microbatch_tokens": 64},
+])
+def test_lora_reference_where_the_policy_cannot_serve_as_it(ray_session, tmp_path, over):
+    cfg = td._cfg(tmp_path, "colocated", **{**LORA, "max_steps": 2, "eval_every": 100, **over})
+    trainer = RLTrainer(cfg, tmp_path / "run", find_base())
+    try:
+        first, second = trainer.train_step(), trainer.train_step()
+        # the first step's policy is its base (B = 0), the second's is not: the KL to the base moved
+        assert first["kl_seq_mean"] == pytest.approx(0.0, abs=1e-6) and second["kl_seq_mean"] != 0.0
+    finally:
+        trainer.close()

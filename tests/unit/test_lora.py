@@ -171,3 +171,56 @@ def test_merged_rollout_without_a_replica_to_merge_into_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"optim.lora_rollout=merged is invalid with .*: every rollout device") as e:
         RLTrainer(cfg, tmp_path / "run", find_base())
     assert "\n" not in str(e.value)
+
+
+def test_a_lora_checkpoint_loads_on_its_base_and_serves_as_a_base_folded(tmp_path):
+    """The checkpoint holds the adapters only and loads them onto its base (at the context length
+    it was saved with); read as a base (`load_base`), it is the plain merged model, which a new
+    run can adapt again."""
+    from rlfusion.model.checkpoint import ADAPTERS, WEIGHTS, load_base, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    base = MoETransformer(dataclasses.replace(get_preset("tiny"), max_seq_len=96))
+    save_checkpoint(tmp_path / "base", base)
+    model = lora.attach(load_base(tmp_path / "base", max_seq_len=128)[0], lora.LoraSpec(4, 8.0), base=tmp_path / "base")
+    _nudge(model)
+    save_checkpoint(tmp_path / "run", model.eval())
+    assert (tmp_path / "run" / ADAPTERS).is_file() and not (tmp_path / "run" / WEIGHTS).exists()
+    loaded = load_checkpoint(tmp_path / "run")[0].eval()
+    assert loaded.config.max_seq_len == 128 and lora.spec_of(loaded).rank == 4
+    tokens = torch.randint(3, 17, (2, 20))
+    with torch.no_grad():
+        want = model(tokens)
+        torch.testing.assert_close(loaded(tokens), want, atol=0, rtol=0)
+        as_base = load_base(tmp_path / "run")[0].eval()
+        assert lora.spec_of(as_base) is None and not any(lora.is_adapter(k) for k in as_base.state_dict())
+        torch.testing.assert_close(as_base(tokens), want, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="already has LoRA adapters"):
+        lora.attach(loaded, lora.LoraSpec(4, 8.0))
+    lora.attach(as_base, lora.LoraSpec(2, 4.0), base=tmp_path / "run")  # a new run on the merged model
+    # the base changed under the adapters: refused in one line
+    torch.manual_seed(1)
+    save_checkpoint(tmp_path / "base", MoETransformer(dataclasses.replace(get_preset("tiny"), max_seq_len=96)))
+    with pytest.raises(ValueError, match=r"the adapters were trained on base .* but it now holds other weights"):
+        load_checkpoint(tmp_path / "run")
+
+
+def test_merging_twice_raises():
+    model = _model().eval()
+    lora.merge(model)
+    with pytest.raises(RuntimeError, match="already merged"):
+        lora.merge(model)
+    with pytest.raises(RuntimeError, match="would add them twice"):
+        lora.merged_state(model)
+    lora.unmerge(model)
+    with pytest.raises(RuntimeError, match="already unmerged"):
+        lora.unmerge(model)
+
+
+def test_lora_keys_without_a_rank_are_one_line():
+    from rlfusion.config import load_config
+    from rlfusion.runtime.train_config import TrainConfig
+
+    for over in ("optim.lora_rollout=merged", "optim.lora_targets=attn"):
+        with pytest.raises(ValueError, match=r"invalid with optim.lora_rank=0"):
+            load_config(TrainConfig, None, [over])

@@ -120,6 +120,7 @@ class DeviceSwitch:
                                    optimizer=self.optimizer if offload else None,
                                    pool=self.optimizer_pool if offload else None)
             if self.merge_adapters:  # folded into the replica, which is refilled for the next rollout
+                lora.refilled(self.policy)
                 lora.merge(self.policy)
             self.offloads += offload and bool(self.optimizer_pool.entries)
             # the state before the bucket: the optimizer state and grads went to host before the
@@ -189,7 +190,7 @@ class DeviceSwitch:
             try:
                 yield
             finally:
-                if self.fully_shared:
+                if self.fully_shared and self.reference is not None:  # (None: LoRA's reference is the policy's base)
                     self.reference_pool.offload(self.reference.parameters())
                     self.account()
 

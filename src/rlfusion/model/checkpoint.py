@@ -119,7 +119,7 @@ def _load_adapters(path: Path, meta: dict, device, max_seq_len: int | None
     if not base.exists():
         raise FileNotFoundError(f"{where}: the adapters' base {base} does not exist (a LoRA checkpoint holds "
                                 f"only adapters; put the base back there)")
-    model, base_tok, _ = load_base(base, max_seq_len=max_seq_len)
+    model, base_tok, _ = load_base(base, max_seq_len=max_seq_len or meta["model"].get("max_seq_len"))
     found = lora.fingerprint(model)
     if found != expected:
         raise ValueError(f"{where}: the adapters were trained on base {base} with fingerprint {expected}, "
@@ -133,15 +133,19 @@ def _load_adapters(path: Path, meta: dict, device, max_seq_len: int | None
 
 def load_base(path: str | Path, device: str | torch.device = "cpu", max_seq_len: int | None = None
               ) -> tuple[MoETransformer, Tokenizer | None, dict]:
-    """The one place a base model is read: an rlfusion checkpoint, or a local Hugging Face
-    folder (`config.json` with a `model_type`, see `model/hf.py`). `max_seq_len`: the context
-    length to build the model with (None: the checkpoint's)."""
+    """The one place a base model is read: an rlfusion checkpoint (a LoRA run's as its merged
+    model), or a local Hugging Face folder (`config.json` with a `model_type`, see
+    `model/hf.py`). `max_seq_len`: the context length to build the model with (None: the
+    checkpoint's)."""
     from rlfusion.model.hf import is_hf_checkpoint, load_hf
 
     if is_hf_checkpoint(path):
         model, tokenizer, meta = load_hf(path, max_seq_len)
         return model.to(device), tokenizer, meta
-    return load_checkpoint(path, device, max_seq_len)
+    model, tokenizer, extra = load_checkpoint(path, device, max_seq_len)
+    if lora.spec_of(model) is not None:  # a LoRA run's checkpoint as a base: its adapters folded in
+        model = lora.folded(model)
+    return model, tokenizer, extra
 
 
 def default_base_path(model: str = "tiny") -> Path:

@@ -63,8 +63,9 @@ def active() -> bool:
 
 @contextmanager
 def base_only() -> Iterator[None]:
-    """Forwards in this thread (only: another may generate meanwhile) use the frozen base alone:
-    the reference policy, without a second copy of the weights."""
+    """Forwards in this thread use the frozen base alone (the reference policy, without a second
+    copy of the weights); modules whose adapters are merged are not the base (a device that
+    merges keeps a copy for its reference)."""
     before = getattr(_state, "base_only", False)
     _state.base_only = True
     try:
@@ -88,7 +89,7 @@ class LoRALinear(nn.Linear):
         self.weight, self.bias = base.weight, base.bias
         self.lora_scale, self.lora_merged = scale, False
         w = base.weight
-        self.lora_A = nn.Parameter(_kaiming(torch.empty(rank, self.in_features), generator).to(w.device, w.dtype))
+        self.lora_A = nn.Parameter(init_a(torch.empty(rank, self.in_features), generator).to(w.device, w.dtype))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ class LoRALinear(nn.Linear):
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
 
 
-def _kaiming(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def init_a(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """PEFT's (and nn.Linear's) init of A: uniform in ±1/sqrt(in)."""
     bound = 1.0 / math.sqrt(t.shape[-1])
     return t.uniform_(-bound, bound, generator=generator)
@@ -121,7 +122,7 @@ def add_expert_adapters(experts: nn.Module, rank: int, scale: float, generator: 
     """Per-expert adapters on a `GroupedExperts` (stacked by expert, like its weights)."""
     for proj, w in zip(EXPERT_PROJS, expert_weights(experts)):
         E, din, dout = w.shape
-        A = _kaiming(torch.empty(E, rank, din), generator).transpose(1, 2).contiguous()
+        A = init_a(torch.empty(E, rank, din), generator).transpose(1, 2).contiguous()
         experts.register_parameter(f"lora_A_{proj}", nn.Parameter(A.to(w.device, w.dtype)))
         experts.register_parameter(f"lora_B_{proj}", nn.Parameter(torch.zeros(E, rank, dout, device=w.device,
                                                                               dtype=w.dtype)))
@@ -145,7 +146,7 @@ def copy_expert_adapters(src: nn.Module, dst: nn.Module, rows: slice) -> None:
             t = getattr(src, f"lora_{kind}_{proj}")
             p = nn.Parameter(t.detach()[rows].clone(), requires_grad=t.requires_grad)
             dst.register_parameter(f"lora_{kind}_{proj}", p)
-    dst.lora_scale, dst.lora_merged = src.lora_scale, False
+    dst.lora_scale, dst.lora_merged = src.lora_scale, src.lora_merged  # (the weights are copied as they are)
 
 
 # ---- putting adapters on a model ------------------------------------------------------------
@@ -205,6 +206,8 @@ def attach(model: nn.Module, spec: LoraSpec, base: str | None = None) -> nn.Modu
     else. Every process given the same spec draws the same adapters. `base`: where the base
     weights come from, recorded with their fingerprint (`model.lora_base`) for checkpoints that
     hold only the adapters."""
+    if spec_of(model) is not None:
+        raise ValueError("the model already has LoRA adapters; fold them in first (lora.folded) to adapt it again")
     if not spec.targets:  # the defaults this model has (a dense model has no experts)
         spec = dataclasses.replace(spec, targets=tuple(t for t in DEFAULT_TARGETS if t in available(model)))
     check_spec(model, spec)
@@ -264,8 +267,12 @@ def _adapted(model: nn.Module) -> Iterator[nn.Module]:
 def merge(model: nn.Module, sign: float = 1.0) -> None:
     """Fold every adapter into its weight (`sign` -1: take it out again, `unmerge`); the
     forward then skips the adapters. In floating point merge-then-unmerge leaves each weight
-    within an ulp of where it was."""
+    within an ulp of where it was (a rollout device that does it around every sync drifts by
+    rounding only: logits ~1e-6 after 1000 syncs in fp32). Merging a merged module (or unmerging
+    an unmerged one) raises: it would add the update twice."""
     for m in _adapted(model):
+        if m.lora_merged == (sign > 0):
+            raise RuntimeError(f"LoRA adapters are already {'merged' if sign > 0 else 'unmerged'}")
         if has_expert_adapters(m):
             for proj, w in zip(EXPERT_PROJS, expert_weights(m)):
                 w.add_(torch.bmm(getattr(m, f"lora_A_{proj}"), getattr(m, f"lora_B_{proj}")), alpha=sign * m.lora_scale)
@@ -278,9 +285,18 @@ def unmerge(model: nn.Module) -> None:
     merge(model, sign=-1.0)
 
 
+def refilled(model: nn.Module) -> None:
+    """`model`'s weights were overwritten with the plain base (a replica filled anew from the
+    training layout): its adapters are no longer merged into them."""
+    for m in _adapted(model):
+        m.lora_merged = False
+
+
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict (no adapter names) with every adapter folded into its weight:
     what an export or a merged rollout replica holds. New tensors; `model` is unchanged."""
+    if any(m.lora_merged for m in _adapted(model)):
+        raise RuntimeError("merged_state of a model whose adapters are merged would add them twice")
     state = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
     out = dict(state)
     for name, m in model.named_modules():
@@ -292,6 +308,17 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
         elif getattr(m, "lora_A", None) is not None:  # an adapted Linear or router
             out[prefix + "weight"] = state[prefix + "weight"] + (m.lora_B.detach() @ m.lora_A.detach()) * m.lora_scale
     return out
+
+
+def folded(model: nn.Module) -> nn.Module:
+    """A plain model (no adapters) whose weights are `model`'s with its adapters folded in."""
+    from rlfusion.model.transformer import MoETransformer  # (the model imports this module's users)
+
+    with torch.device("meta"):
+        plain = MoETransformer(model.config)
+    plain.load_state_dict(merged_state(model), assign=True)
+    plain.derive_buffers()
+    return plain.to(next(model.parameters()).device).train(model.training)
 
 
 @contextmanager

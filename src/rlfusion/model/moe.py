@@ -81,7 +81,7 @@ class Router(nn.Module):
     def add_adapter(self, rank: int, scale: float, generator: torch.Generator) -> None:
         """A LoRA adapter on the router's scores (`optim.lora_targets=router`)."""
         E, D = self.weight.shape
-        A = torch.empty(rank, D).uniform_(-D ** -0.5, D ** -0.5, generator=generator)
+        A = lora.init_a(torch.empty(rank, D), generator)
         self.lora_A = nn.Parameter(A.to(self.weight.device, self.weight.dtype))
         self.lora_B = nn.Parameter(torch.zeros(E, rank, device=self.weight.device, dtype=self.weight.dtype))
         self.lora_scale, self.lora_merged = scale, False

@@ -52,7 +52,7 @@ from pathlib import Path
 from rlfusion.fusion.memory import MemoryLedger
 from rlfusion.model.base_info import FP32_BYTES, base_config, base_tokenizer, billions, cuda_memory, gib, host_memory
 from rlfusion.model.config import ModelConfig
-from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan
+from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan, lora_merged, lora_reference_shares_policy
 from rlfusion.runtime.train_config import TrainConfig
 
 ADAM_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, fp32 like the weights
@@ -224,7 +224,8 @@ def _device_phases(device: int, cfg: TrainConfig, plan: DeploymentPlan, model_cf
         return PhaseBytes(ledger.total("device"), ledger.total("host"), on_device)
 
     # (LoRA: the base under the policy's adapters, no copy, where the device holds it whole)
-    shared_base = cfg.optim.lora_rank and not (plan.train_layout and trains) and cfg.optim.lora_rollout == "unmerged"
+    shared_base = cfg.optim.lora_rank and lora_reference_shares_policy(
+        plan, device, lora_merged(plan, device, cfg.optim.lora_rollout))
     if cfg.algo.kl_coef > 0 and "reference" in roles and not shared_base:
         ledger.set("weights", full, name="reference", location="host" if plan.mode == "fully_shared" else "device")
     if trains and cfg.algo.advantage == "gae":

@@ -427,3 +427,21 @@ def _layout_fields(cfg: DeployConfig) -> dict:
                 train_vpp=cfg.train_vpp, train_schedule=cfg.schedule, train_a2a_chunks=cfg.train_a2a_chunks,
                 ranks_per_node=cfg.ranks_per_node,
                 infer_ep=cfg.infer_ep, infer_tp=cfg.infer_tp)
+
+
+def lora_merged(plan: DeploymentPlan, device: int, lora_rollout: str) -> bool:
+    """With LoRA and `optim.lora_rollout`, whether `device` generates with the adapters merged
+    into its weights: only a policy it does not train (a rollout device's, or a training
+    layout's replica); the trained model itself always applies them unmerged."""
+    in_layout = plan.train_layout and device in plan.train
+    return lora_rollout == "merged" and (in_layout or device not in plan.train)
+
+
+def lora_reference_shares_policy(plan, device: int, merged: bool) -> bool:
+    """With LoRA, whether the device's reference is its policy's frozen base (no copy): where the
+    device holds the policy whole and unmerged — not where it trains in a layout (which splits
+    the model into shards and stages), generates with the adapters merged into the base, or
+    splits its replica's experts over an inference EP group (whose forwards are collectives in
+    the engine's lock-step, which the reference's own passes would not keep)."""
+    return not (merged or (plan.train_layout and device in plan.train)
+                or (plan.infer_ep > 1 and device in plan.rollout))

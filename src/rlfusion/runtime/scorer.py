@@ -30,6 +30,7 @@ from rlfusion.runtime import dataflow
 from rlfusion.model import lora
 from rlfusion.runtime.reference_stage import ReferenceStage, add_summed_kl
 from rlfusion.runtime.reward_stage import RewardStage
+from rlfusion.runtime.deployment import lora_reference_shares_policy
 from rlfusion.runtime.role_context import RoleContext
 
 # shared scoring: a device takes the step's rows in chunks of about 1/SHARE_TAKES of them (each
@@ -63,11 +64,8 @@ class Scorer:
                                  failure_limit=cfg.reward_failure_limit)
         reference = None
         if "reference" in roles and cfg.algo.kl_coef:
-            # LoRA: the frozen base under the adapters is the reference, no copy of it — unless
-            # the device trains in a layout, which splits `model` into its shards and stages, or
-            # generates with the adapters merged into the base
-            shared = (lora.spec_of(model) is not None and not ctx.switch.merge_adapters
-                      and not (ctx.plan.train_layout and ctx.device in ctx.plan.train))
+            shared = lora.spec_of(model) is not None and lora_reference_shares_policy(ctx.plan, ctx.device,
+                                                                                      ctx.switch.merge_adapters)
             reference = ReferenceStage(model if shared else copy.deepcopy(model), cfg.rollout.temperature,
                                        cfg.optim.microbatch_tokens, replay=cfg.algo.routing_replay_reference,
                                        shares_policy=shared)

@@ -338,6 +338,9 @@ class TrainConfig:
         if self.optim.expert_balance and self.deploy.train_ep < 2:
             raise ValueError(f"optim.expert_balance=true is invalid with deploy.train_ep={self.deploy.train_ep}: "
                              "it migrates experts between expert-parallel devices (set deploy.train_ep >= 2)")
+        if not self.optim.lora_rank and (self.optim.lora_rollout != "unmerged" or self.optim.lora_targets):
+            raise ValueError("optim.lora_rollout / optim.lora_targets are invalid with optim.lora_rank=0 (full "
+                             "fine-tuning has no adapters): set optim.lora_rank >= 1 or leave them out")
         if self.optim.lora_rank:
             for bad, why in ((self.optim.router_bias_update, "optim.router_bias_update=true (it moves the routers' "
                               "biases, which are the frozen base's; set it false)"),

@@ -26,7 +26,7 @@ from rlfusion.queue.shard_host import StorageHost
 from rlfusion.rl.tasks import make_task
 from rlfusion.runtime.base_fit import device_budget, rollout_kv_rows
 from rlfusion.runtime.dataflow import records_routes
-from rlfusion.runtime.deployment import DeploymentPlan
+from rlfusion.runtime.deployment import DeploymentPlan, lora_merged
 from rlfusion.runtime.device_binding import bind_device, join_world, listening_store, on_host
 from rlfusion.runtime.generator import Generator
 from rlfusion.runtime.heap import freeze_long_lived
@@ -59,7 +59,7 @@ class DeviceWorker(StorageHost):
             lora.attach(self.policy, spec)
         # a policy this device does not train (a rollout device's, or a training layout's replica)
         # may generate with the adapters folded into its weights
-        merged = spec is not None and cfg.optim.lora_rollout == "merged" and (in_layout or device not in plan.train)
+        merged = spec is not None and lora_merged(plan, device, cfg.optim.lora_rollout)
         if merged and device not in plan.train:
             lora.merge(self.policy)  # (kept merged: each sync takes the old adapters out, puts the new in)
         dtype = COMPUTE_DTYPES[cfg.deploy.precision]
