@@ -185,8 +185,8 @@ def main() -> None:
     n, max_new = (8, 16) if args.smoke else (64, 64)
     print(f"rollout, tiny base with rank-{RANK} adapters, {n} greedy problems x up to {max_new} tokens:")
     speed, switch_share = rollout_speed(reps, n, max_new)
-    print(f"lora_merged_vs_unmerged_rollout_tokens_per_s: {speed:.2f} (reported; the default is "
-          f"optim.lora_rollout=unmerged)")
+    print(f"lora_merged_vs_unmerged_rollout_tokens_per_s: {speed:.2f} (reported; optim.lora_rollout=auto "
+          f"merges replicas, =merged the trained model too)")
     print(f"lora_merge_unmerge_over_rollout: {switch_share:.4f} (reported)")
     print(f"lora_optimizer_bytes_over_full, tiny base: {opt_ratio['tiny']:.3f} (reported; rank 16 is 1/8 of its width)")
     print(f"lora_sync_bytes_over_full, tiny base: {sync_ratio['tiny']:.3f} (reported)")

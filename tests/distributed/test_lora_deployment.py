@@ -50,14 +50,17 @@ def _greedy_on_rollout_devices(trainer, indices, max_new_tokens):
 
 
 @pytest.mark.parametrize("layout", [
-    {},  # two colocated replicas (data parallel), the trained model generates with its adapters
-    {"deploy.train_tp": 2},
+    # two colocated replicas (data parallel): the trained model generates with its adapters
+    # beside its weights (lora_rollout=auto), or merged into them for each rollout
+    {},
+    {"optim.lora_rollout": "merged"},
+    # training layouts: the replica the switch fills generates merged (auto), or unmerged
     {"deploy.train_ep": 2, "deploy.train_a2a_chunks": 2, "optim.recompute": "full"},
-    {"deploy.train_fsdp": "true", "deploy.train_ep": 2, "optim.lora_rollout": "merged"},
+    {"deploy.train_fsdp": "true", "deploy.train_ep": 2, "optim.lora_rollout": "unmerged"},
     {"deploy.train_pp": 2, "deploy.train_vpp": 2, "optim.lora_targets": "attn,experts,router"},
     # separated: a pipeline over the 2 train devices sends the 2 rollout devices the adapters,
-    # which they fold into their weights
-    {"deploy.num_devices": 4, "deploy.mode": "separated", "deploy.train_pp": 2, "optim.lora_rollout": "merged"},
+    # which they keep folded into their weights (taken out and put back around each sync)
+    {"deploy.num_devices": 4, "deploy.mode": "separated", "deploy.train_pp": 2},
 ])
 def test_lora_update_equals_one_process_and_the_replica_generates_its_tokens(ray_session, tmp_path, layout):
     cfg = td._cfg(tmp_path, "colocated", **{**LORA, **layout, "deploy.bucket_mb": 0.25})
@@ -92,10 +95,10 @@ def test_lora_update_equals_one_process_and_the_replica_generates_its_tokens(ray
         want_ids = [list(c.output_ids) for c in greedy_completions(engine, tokenizer, [heldout[i] for i in indices], 40)]
         got_ids = _greedy_on_rollout_devices(trainer, indices, 40)
         assert all(ids == want_ids for ids in got_ids)
-        if cfg.optim.lora_rollout == "merged":  # a second switch (or sync) merges the same adapters again
-            if cfg.deploy.mode == "separated":
-                trainer.devices.sync_rollout_weights()
-            assert all(ids == want_ids for ids in _greedy_on_rollout_devices(trainer, indices, 40))
+        # a second switch (or sync) applies the same adapters again (merged: once, not twice)
+        if cfg.deploy.mode == "separated":
+            trainer.devices.sync_rollout_weights()
+        assert all(ids == want_ids for ids in _greedy_on_rollout_devices(trainer, indices, 40))
     finally:
         trainer.close()
 

@@ -161,16 +161,17 @@ def test_a_rank_the_base_cannot_take_is_refused_before_any_device_starts(tmp_pat
         RLTrainer(cfg, tmp_path / "run", find_base())
 
 
-def test_merged_rollout_without_a_replica_to_merge_into_is_one_line(tmp_path):
-    from rlfusion.config import load_config
-    from rlfusion.model.checkpoint import find_base
-    from rlfusion.runtime.train_config import TrainConfig
-    from rlfusion.runtime.trainer import RLTrainer
+def test_where_adapters_are_merged_for_the_rollout():
+    from rlfusion.runtime.deployment import DeployConfig, DeploymentPlan, lora_merged
 
-    cfg = load_config(TrainConfig, None, [f'out_dir="{tmp_path}"', "optim.lora_rank=8", "optim.lora_rollout=merged"])
-    with pytest.raises(ValueError, match=r"optim.lora_rollout=merged is invalid with .*: every rollout device") as e:
-        RLTrainer(cfg, tmp_path / "run", find_base())
-    assert "\n" not in str(e.value)
+    plain = DeploymentPlan.build(DeployConfig(mode="colocated", num_devices=2, backend="ray"))
+    layout = DeploymentPlan.build(DeployConfig(mode="colocated", num_devices=2, backend="ray", train_tp=2))
+    separated = DeploymentPlan.build(DeployConfig(mode="separated", num_devices=2, backend="ray"))
+    assert [lora_merged(plain, d, "auto") for d in (0, 1)] == [False, False]  # the trained model: exact
+    assert [lora_merged(plain, d, "merged") for d in (0, 1)] == [True, True]
+    assert [lora_merged(layout, d, "auto") for d in (0, 1)] == [True, True]  # the refilled replicas
+    assert [lora_merged(separated, d, "auto") for d in (0, 1)] == [True, False]  # the rollout device only
+    assert not any(lora_merged(p, d, "unmerged") for p in (plain, layout, separated) for d in (0, 1))
 
 
 def test_a_lora_checkpoint_loads_on_its_base_and_serves_as_a_base_folded(tmp_path):
@@ -221,6 +222,6 @@ def test_lora_keys_without_a_rank_are_one_line():
     from rlfusion.config import load_config
     from rlfusion.runtime.train_config import TrainConfig
 
-    for over in ("optim.lora_rollout=merged", "optim.lora_targets=attn"):
+    for over in ("optim.lora_rollout=merged", "optim.lora_rollout=unmerged", "optim.lora_targets=attn"):
         with pytest.raises(ValueError, match=r"invalid with optim.lora_rank=0"):
             load_config(TrainConfig, None, [over])

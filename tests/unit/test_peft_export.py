@@ -18,7 +18,6 @@ from rlfusion.model import lora  # noqa: E402
 from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rlfusion.model.config import get_preset  # noqa: E402
 from rlfusion.model.hf import load_hf, read_safetensors, save_hf  # noqa: E402
-from rlfusion.model.peft_export import plain_model  # noqa: E402
 from rlfusion.model.tokenizer import CharTokenizer  # noqa: E402
 from rlfusion.model.transformer import MoETransformer  # noqa: E402
 
@@ -80,7 +79,7 @@ def test_lora_export_merged_and_peft_match_ours(base, tmp_path):
         adapted = ours(tokens_BT)
         with lora.base_only():
             unadapted = ours(tokens_BT)
-        merged = plain_model(ours, lora.merged_state(ours))(tokens_BT)
+        merged = MoETransformer.of_state(ours.config, lora.merged_state(ours)).eval()(tokens_BT)
         got = {"merged": merged, "hf merged": hf_merged(input_ids=tokens_BT).logits,
                "peft": hf_peft(input_ids=tokens_BT).logits, "auto peft": hf_auto(input_ids=tokens_BT).logits}
     assert (adapted - unadapted).abs().max() > 1e-3  # the adapters change the function

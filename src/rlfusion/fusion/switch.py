@@ -57,8 +57,9 @@ class DeviceSwitch:
                  bucket_bytes: int, fully_shared: bool, span: Callable[[str], Any],
                  where: torch.device = torch.device("cpu"), budget_bytes: int = 0, merge_adapters: bool = False):
         self.device, self.policy, self.train_model, self.engine = device, policy, train_model, engine
-        # LoRA with `optim.lora_rollout=merged`: the replica (never the trained model itself)
-        # generates with its adapters folded into its weights
+        # LoRA (`optim.lora_rollout`, `deployment.lora_merged`): the policy generates with its
+        # adapters folded into its weights — a replica as it is filled (or a rollout device's,
+        # kept merged), the trained model itself for the rollout only
         self.merge_adapters = merge_adapters
         self.bucket_bytes, self.fully_shared, self.span = bucket_bytes, fully_shared, span
         self.where = torch.device(where)
@@ -135,6 +136,8 @@ class DeviceSwitch:
             moved = self.optimizer_pool.offload(optimizer_tensors(self.optimizer))
             self.offloads += moved.num_storages > 0  # (none before the first update: AdamW's state is lazy)
             self.account()
+        if self._merges_trained_model:
+            lora.merge(self.policy)  # (out again after the rollout: the optimizer steps the adapters alone)
         self._return_memory()
         self.engine.wake_up()
         if self.stale_engine:
@@ -150,8 +153,17 @@ class DeviceSwitch:
         self.stale_engine = self.stale_engine or (self.engine.holds_weights and level == 2)
         if self.pm is not None:  # the replica never outlives the rollout; the shards come back
             infer_to_train(self.pm, self.policy, pool=self.weight_pool)
+        if self._merges_trained_model and lora.is_merged(self.policy):
+            lora.unmerge(self.policy)
         self._return_memory()
         self.account()
+
+    @property
+    def _merges_trained_model(self) -> bool:
+        """LoRA, merged rollout on a device whose policy is the model it trains (no layout): the
+        adapters go into its weights for each rollout and out after it; each merge and unmerge
+        rounds the frozen base by up to an ulp (logits ~1e-6 after 1000 rollouts, fp32)."""
+        return self.merge_adapters and self.pm is None and self.optimizer is not None
 
     def policy_changed(self) -> None:
         """The policy's weights changed outside an update (a checkpoint loaded): an engine
@@ -207,7 +219,7 @@ class DeviceSwitch:
         # meet first, outside the span: with StaleSync's overlap the train device gets here while
         # the rollout device is still generating, and waiting is idle time, not transfer
         dist.barrier(group=group)
-        with self.span("transfer"), lora.taken_out(self.policy, self.merge_adapters):
+        with self.span("transfer"), lora.taken_out(self.policy):
             state = lora.trained_state(self.policy)  # every tensor, or with LoRA the adapters only
             moved = 0
             with torch.no_grad():

@@ -144,8 +144,14 @@ def load_base(path: str | Path, device: str | torch.device = "cpu", max_seq_len:
         return model.to(device), tokenizer, meta
     model, tokenizer, extra = load_checkpoint(path, device, max_seq_len)
     if lora.spec_of(model) is not None:  # a LoRA run's checkpoint as a base: its adapters folded in
-        model = lora.folded(model)
+        model = folded(model)
     return model, tokenizer, extra
+
+
+def folded(model: MoETransformer) -> MoETransformer:
+    """A plain model (no adapters) whose weights are `model`'s with its LoRA adapters folded in."""
+    plain = MoETransformer.of_state(model.config, lora.merged_state(model))
+    return plain.to(next(model.parameters()).device).train(model.training)
 
 
 def default_base_path(model: str = "tiny") -> Path:

@@ -207,7 +207,8 @@ def attach(model: nn.Module, spec: LoraSpec, base: str | None = None) -> nn.Modu
     weights come from, recorded with their fingerprint (`model.lora_base`) for checkpoints that
     hold only the adapters."""
     if spec_of(model) is not None:
-        raise ValueError("the model already has LoRA adapters; fold them in first (lora.folded) to adapt it again")
+        raise ValueError("the model already has LoRA adapters; fold them in first (a plain model of "
+                         "lora.merged_state) to adapt it again")
     if not spec.targets:  # the defaults this model has (a dense model has no experts)
         spec = dataclasses.replace(spec, targets=tuple(t for t in DEFAULT_TARGETS if t in available(model)))
     check_spec(model, spec)
@@ -295,7 +296,7 @@ def refilled(model: nn.Module) -> None:
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict (no adapter names) with every adapter folded into its weight:
     what an export or a merged rollout replica holds. New tensors; `model` is unchanged."""
-    if any(m.lora_merged for m in _adapted(model)):
+    if is_merged(model):
         raise RuntimeError("merged_state of a model whose adapters are merged would add them twice")
     state = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
     out = dict(state)
@@ -310,21 +311,16 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def folded(model: nn.Module) -> nn.Module:
-    """A plain model (no adapters) whose weights are `model`'s with its adapters folded in."""
-    from rlfusion.model.transformer import MoETransformer  # (the model imports this module's users)
-
-    with torch.device("meta"):
-        plain = MoETransformer(model.config)
-    plain.load_state_dict(merged_state(model), assign=True)
-    plain.derive_buffers()
-    return plain.to(next(model.parameters()).device).train(model.training)
+def is_merged(model: nn.Module) -> bool:
+    return any(m.lora_merged for m in _adapted(model))
 
 
 @contextmanager
-def taken_out(model: nn.Module, merged: bool) -> Iterator[None]:
-    """With `merged` adapters: out of the weights while the body writes new adapter values,
-    folded in again afterwards (the body may raise: they go back in either way)."""
+def taken_out(model: nn.Module) -> Iterator[None]:
+    """Adapters merged into `model`'s weights out of them while the body writes new adapter
+    values, folded in again afterwards (the body may raise: they go back in either way); a
+    model without merged adapters as it is."""
+    merged = is_merged(model)
     if merged:
         unmerge(model)
     try:

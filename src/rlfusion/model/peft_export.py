@@ -57,7 +57,7 @@ def save_lora_hf(model: MoETransformer, path: str | Path, tokenizer=None, family
     loads as the same function as `path`."""
     path = Path(path)
     family = family or infer_family(model.config)
-    save_hf(plain_model(model, lora.merged_state(model)), path, tokenizer, family)
+    save_hf(MoETransformer.of_state(model.config, lora.merged_state(model)).eval(), path, tokenizer, family)
     save_peft(model, path / PEFT_DIR, tokenizer, family)
     return path
 
@@ -70,7 +70,7 @@ def save_peft(model: MoETransformer, path: str | Path, tokenizer=None, family: s
         raise ValueError("the model has no LoRA adapters; a PEFT export needs a LoRA checkpoint")
     family = family or infer_family(model.config)
     base_state = {k: v.detach() for k, v in model.state_dict().items() if not lora.is_adapter(k)}
-    base = save_hf(plain_model(model, base_state), path / BASE_DIR, tokenizer, family)
+    base = save_hf(MoETransformer.of_state(model.config, base_state).eval(), path / BASE_DIR, tokenizer, family)
     tensors, modules, parameters = peft_tensors(model, family)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base.resolve()),
               "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
@@ -82,14 +82,6 @@ def save_peft(model: MoETransformer, path: str | Path, tokenizer=None, family: s
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
-
-
-def plain_model(model: MoETransformer, state: dict[str, torch.Tensor]) -> MoETransformer:
-    """A model without adapters of `model`'s config holding `state` (its tensors, not copies)."""
-    plain = MoETransformer.meta(model.config)
-    plain.load_state_dict(state, assign=True)
-    plain.derive_buffers()
-    return plain.eval()
 
 
 def peft_tensors(model: MoETransformer, family: str) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:

@@ -101,6 +101,14 @@ class MoETransformer(nn.Module):
         with torch.device("meta"):
             return cls(cfg)
 
+    @classmethod
+    def of_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> MoETransformer:
+        """The model holding `state`'s tensors (not copies; built on the meta device)."""
+        model = cls.meta(cfg)
+        model.load_state_dict(state, assign=True)
+        model.derive_buffers()
+        return model
+
     def derive_buffers(self) -> None:
         """Compute the buffers checkpoints do not hold (RoPE tables, routing counts) on the
         weights' device: what a `meta()` model needs once it has taken its weights."""

@@ -431,17 +431,21 @@ def _layout_fields(cfg: DeployConfig) -> dict:
 
 def lora_merged(plan: DeploymentPlan, device: int, lora_rollout: str) -> bool:
     """With LoRA and `optim.lora_rollout`, whether `device` generates with the adapters merged
-    into its weights: only a policy it does not train (a rollout device's, or a training
-    layout's replica); the trained model itself always applies them unmerged."""
+    into its weights: "merged" wherever it generates; "auto" where it generates from a policy
+    it does not train (a rollout device's, or a training layout's replica, refilled each time:
+    no rounding reaches the trained base), the trained model itself unmerged; "unmerged" nowhere."""
+    if lora_rollout == "merged":
+        return device in plan.rollout
     in_layout = plan.train_layout and device in plan.train
-    return lora_rollout == "merged" and (in_layout or device not in plan.train)
+    return lora_rollout == "auto" and device in plan.rollout and (in_layout or device not in plan.train)
 
 
-def lora_reference_shares_policy(plan, device: int, merged: bool) -> bool:
+def lora_reference_shares_policy(plan: DeploymentPlan, device: int, merged: bool) -> bool:
     """With LoRA, whether the device's reference is its policy's frozen base (no copy): where the
-    device holds the policy whole and unmerged — not where it trains in a layout (which splits
-    the model into shards and stages), generates with the adapters merged into the base, or
-    splits its replica's experts over an inference EP group (whose forwards are collectives in
-    the engine's lock-step, which the reference's own passes would not keep)."""
-    return not (merged or (plan.train_layout and device in plan.train)
+    device holds the policy whole and unmerged when it scores — not where it trains in a layout
+    (which splits the model into shards and stages), keeps a policy it does not train merged
+    (`merged`: `lora_merged`; the trained model is merged only inside its rollouts, and scoring
+    runs after them), or splits its replica's experts over an inference EP group (whose forwards
+    are collectives in the engine's lock-step, which the reference's own passes would not keep)."""
+    return not ((merged and device not in plan.train) or (plan.train_layout and device in plan.train)
                 or (plan.infer_ep > 1 and device in plan.rollout))

@@ -88,12 +88,6 @@ class RLTrainer:
         plan = DeploymentPlan.build(cfg.deploy, overlap=stalesync_overlaps(cfg))
         if plan.train_layout or plan.infer_ep > 1:
             _check_train_layout(cfg, plan, model.config)
-        if spec is not None and cfg.optim.lora_rollout == "merged" and not (plan.train_layout or
-                                                                             set(plan.rollout) - set(plan.train)):
-            raise ValueError(f"optim.lora_rollout=merged is invalid with {plan.describe()}: every rollout device "
-                             "generates from the model it trains, which applies its adapters unmerged (merging would "
-                             "round its frozen base each step); merged needs a training layout or rollout devices of "
-                             "their own (deploy.mode=separated or hybrid)")
         if (cfg.algo.routing_replay != "none" or cfg.rollout.record_routes) and not model.config.num_moe_layers:
             raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} / rollout.record_routes is invalid with "
                              f"the base {base_path}: it has no MoE layer, so there are no routes to record or replay")

@@ -167,7 +167,7 @@ class DeviceWorker(StorageHost):
         if self.learner is not None:
             self.learner.load_state(state)
         else:
-            with lora.taken_out(self.policy, self.ctx.switch.merge_adapters):
+            with lora.taken_out(self.policy):
                 load_whole(self.policy, state["model"], part=lora.trained_part(self.policy))
             self.ctx.switch.policy_changed()
 
@@ -185,7 +185,7 @@ class DeviceWorker(StorageHost):
         with self.ctx.spans.span("transfer"):
             if self.learner is not None:
                 return self.shard_sync.sync(self.learner.trained).sent_bytes
-            with lora.taken_out(self.policy, self.ctx.switch.merge_adapters):
+            with lora.taken_out(self.policy):
                 stats = self.shard_sync.sync(replica=self.policy)
             self.ctx.switch.policy_changed()
             return stats.recv_bytes
