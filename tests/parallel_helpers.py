@@ -35,18 +35,23 @@ def make_batches(cfg: ModelConfig, steps: int, rows: int, seq: int, seed: int = 
     return [torch.randint(3, cfg.vocab_size, (rows, seq + 1), generator=g) for _ in range(steps)]
 
 
+def nudge_adapters(model, std: float, seed: int) -> None:
+    """Every LoRA B drawn from N(0, std) (a fresh B is zero: the adapted model equals its base,
+    and A's first gradient is zero), the same on every rank for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.adapter_state(model).items():
+            if name.rpartition(".")[2].startswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
 def _model(cfg: ModelConfig, adapters: dict | None) -> MoETransformer:
     """The seeded model; with `adapters` (LoRA spec kwargs) adapted, their B nudged off zero (a
     fresh B is zero, and A's first gradient with it) the same way on every rank."""
     torch.manual_seed(0)
     model = MoETransformer(cfg).train()
     if adapters:
-        lora.attach(model, lora.LoraSpec(**adapters))
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in lora.adapter_state(model).items():
-                if name.rpartition(".")[2].startswith("lora_B"):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        nudge_adapters(lora.attach(model, lora.LoraSpec(**adapters)), 0.1, seed=7)
     return model
 
 

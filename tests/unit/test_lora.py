@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from parallel_helpers import nudge_adapters
 from rlfusion.model import lora
 from rlfusion.model.config import get_preset
 from rlfusion.model.transformer import MoETransformer
@@ -22,12 +23,7 @@ def _model(preset="tiny", seed=0, **spec) -> MoETransformer:
 
 
 def _nudge(model, seed=1):
-    """Non-zero B (a fresh adapter is zero: the model starts equal to its base)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in lora.adapter_state(model).items():
-            if name.rpartition(".")[2].startswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    nudge_adapters(model, 0.05, seed)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mla"])

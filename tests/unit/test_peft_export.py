@@ -13,6 +13,7 @@ pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
 
 from hf_helpers import make_hf_model  # noqa: E402
+from parallel_helpers import nudge_adapters  # noqa: E402
 from rlfusion.cli import main  # noqa: E402
 from rlfusion.model import lora  # noqa: E402
 from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -45,12 +46,7 @@ def _hf_base(family, path):
 
 
 def _nudge(model, seed=1):
-    """Non-zero B (a fresh adapter is zero: the model starts equal to its base)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in lora.adapter_state(model).items():
-            if name.rpartition(".")[2].startswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    nudge_adapters(model, 0.2, seed)
 
 
 @pytest.mark.parametrize("base", ["tiny", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
