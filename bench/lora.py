@@ -89,7 +89,7 @@ def sync_bytes(cfg, adapters: bool) -> dict:
     return ranks[1]
 
 
-def separated_run_bytes(adapters: bool) -> int:
+def separated_run_bytes(adapters: bool, smoke: bool) -> int:
     """Bytes one real separated step (2 Ray devices) syncs to its rollout device."""
     from rlfusion.config import load_config
     from rlfusion.model.checkpoint import find_base
@@ -100,6 +100,8 @@ def separated_run_bytes(adapters: bool) -> int:
         items = [f'out_dir="{out}"', "deploy.backend=ray", "deploy.num_devices=2", "deploy.mode=separated",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "max_steps=1", "eval_problems=8",
                  "algo.dynamic_sampling=false"] + ([f"optim.lora_rank={RANK}"] if adapters else [])
+        if smoke:
+            items += ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16"]
         trainer = RLTrainer(load_config(TrainConfig, None, items), tempfile.mkdtemp(dir=out), find_base())
         try:
             trainer.train_step()
@@ -178,7 +180,7 @@ def main() -> None:
         sync_ratio[name] = adapted["recv"] / full["recv"]
         print(f"separated sync (ShardSync, gloo), {name}: full {full['recv'] / 1e6:,.1f} MB in {full['seconds']:.3f} s, "
               f"LoRA {adapted['recv'] / 1e6:,.2f} MB in {adapted['seconds']:.3f} s, bytes ratio {sync_ratio[name]:.4f}")
-    full_run, lora_run = separated_run_bytes(False), separated_run_bytes(True)
+    full_run, lora_run = separated_run_bytes(False, args.smoke), separated_run_bytes(True, args.smoke)
     print(f"separated rlfusion step, tiny base, 2 Ray devices: full {full_run / 1e6:.2f} MB synced, "
           f"LoRA {lora_run / 1e6:.3f} MB, ratio {lora_run / full_run:.4f}")
     reps = 1 if args.smoke else 3 if args.quick else 5
