@@ -55,6 +55,7 @@ def _greedy_on_rollout_devices(trainer, indices, max_new_tokens):
     {},
     {"optim.lora_rollout": "merged"},
     # training layouts: the replica the switch fills generates merged (auto), or unmerged
+    {"deploy.train_tp": 2},
     {"deploy.train_ep": 2, "deploy.train_a2a_chunks": 2, "optim.recompute": "full"},
     {"deploy.train_fsdp": "true", "deploy.train_ep": 2, "optim.lora_rollout": "unmerged"},
     {"deploy.train_pp": 2, "deploy.train_vpp": 2, "optim.lora_targets": "attn,experts,router"},
