@@ -161,9 +161,10 @@ def main() -> None:
     if args.smoke:
         print("smoke run: sizes too small for the figures to mean anything")
     torch.set_num_threads(2)
-    from rlfusion.model.checkpoint import load_base, resolve_base
+    from rlfusion.model.base_info import base_config
+    from rlfusion.model.checkpoint import resolve_base
 
-    tiny = load_base(resolve_base("tiny"))[0].config
+    tiny = base_config(resolve_base("tiny"))[0]  # (its config.json: no weights read)
     wide = wide_config(args.smoke)
     models = {"qwen3-30b-a3b-shaped": wide, "tiny": tiny}
     print(f"LoRA rank {RANK}, alpha {ALPHA:g}, default targets")

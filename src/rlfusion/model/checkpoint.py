@@ -101,33 +101,49 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", max_se
     return model.to(device), tok, meta.get("extra", {})
 
 
-def _load_adapters(path: Path, meta: dict, device, max_seq_len: int | None
-                   ) -> tuple[MoETransformer, Tokenizer | None, dict]:
-    """A LoRA checkpoint: its base (where `lora.base` points, checked against the fingerprint it
-    was trained on) with the adapters put on and loaded."""
-    where = path / CONFIG
-    info = meta["lora"]
+def lora_table(path: str | Path) -> dict | None:
+    """A checkpoint's `lora` table (spec, base path, fingerprint): None for a full checkpoint."""
+    meta = read_json_file(Path(path) / CONFIG)
+    return meta.get("lora") if isinstance(meta, dict) and isinstance(meta.get("lora"), dict) else None
+
+
+def lora_spec_of(info: dict, where: Path) -> lora.LoraSpec:
     try:
         spec = lora.LoraSpec.from_dict(info)
-        base = Path(info["base"])
-        expected = info["fingerprint"]
+        str(info["base"]), str(info["fingerprint"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: bad 'lora' table ({first_line(e)}); expected rank, alpha, targets, base, "
                          f"fingerprint") from None
+    return spec
+
+
+def load_adapters_into(model: MoETransformer, path: str | Path, info: dict) -> None:
+    """A LoRA checkpoint's adapters (`lora_table` `info`) into `model`, which carries the same
+    adapters on its base: refused in one line unless that base's fingerprint is the one the
+    adapters were trained on."""
+    path = Path(path)
     if not (path / ADAPTERS).is_file():
         raise FileNotFoundError(f"checkpoint {path} has no {ADAPTERS} (its {CONFIG} says it holds LoRA adapters)")
-    if not base.exists():
-        raise FileNotFoundError(f"{where}: the adapters' base {base} does not exist (a LoRA checkpoint holds "
-                                f"only adapters; put the base back there)")
-    model, base_tok, _ = load_base(base, max_seq_len=max_seq_len or meta["model"].get("max_seq_len"))
-    found = lora.fingerprint(model)
-    if found != expected:
-        raise ValueError(f"{where}: the adapters were trained on base {base} with fingerprint {expected}, "
-                         f"but it now holds other weights ({found})")
-    lora.attach(model, spec, base=base)
+    found = model.lora_base["fingerprint"]
+    if found != info["fingerprint"]:
+        raise ValueError(f"{path / CONFIG}: the adapters were trained on base {info['base']} with fingerprint "
+                         f"{info['fingerprint']}, but this base ({model.lora_base['base']}) holds other weights ({found})")
     load_weights_into(model, read_safetensors_file(path / ADAPTERS), str(path / ADAPTERS),
-                      mismatch=f"does not match the adapters {where} describes", part=lora.is_adapter)
-    tok = tokenizer_from_dict(meta["tokenizer"], str(where)) if meta.get("tokenizer") else base_tok
+                      mismatch=f"does not match the adapters {path / CONFIG} describes", part=lora.is_adapter)
+
+
+def _load_adapters(path: Path, meta: dict, device, max_seq_len: int | None
+                   ) -> tuple[MoETransformer, Tokenizer | None, dict]:
+    """A LoRA checkpoint: its base (where `lora.base` points) with the adapters put on and loaded."""
+    info = meta["lora"]
+    spec = lora_spec_of(info, path / CONFIG)
+    base = Path(info["base"])
+    if not base.exists():
+        raise FileNotFoundError(f"{path / CONFIG}: the adapters' base {base} does not exist (a LoRA checkpoint "
+                                f"holds only adapters; put the base back there)")
+    model, base_tok, _ = load_base(base, max_seq_len=max_seq_len or meta["model"].get("max_seq_len"))
+    load_adapters_into(lora.attach(model, spec, base=base), path, info)
+    tok = tokenizer_from_dict(meta["tokenizer"], str(path / CONFIG)) if meta.get("tokenizer") else base_tok
     return model.to(device), tok, meta.get("extra", {})
 
 

@@ -109,10 +109,9 @@ def expert_matmul(experts: nn.Module, proj: str, e, x: torch.Tensor, w: torch.Te
     """`x @ w` (expert `e`'s `proj` weight, or all experts' with `e` None and batched `x`) plus
     the expert's adapter when `experts` has adapters that apply."""
     y = x @ w
-    A = getattr(experts, f"lora_A_{proj}", None)
-    if A is None or experts.lora_merged or not active():
+    if experts.lora_scale is None or experts.lora_merged or not active():  # (a class default: no lookup miss)
         return y
-    B = getattr(experts, f"lora_B_{proj}")
+    A, B = getattr(experts, f"lora_A_{proj}"), getattr(experts, f"lora_B_{proj}")
     if e is not None:
         A, B = A[e], B[e]
     return y + (x @ A) @ B * experts.lora_scale
@@ -129,8 +128,19 @@ def add_expert_adapters(experts: nn.Module, rank: int, scale: float, generator: 
     experts.lora_scale, experts.lora_merged = scale, False
 
 
+def add_router_adapter(router: nn.Module, rank: int, scale: float, generator: torch.Generator) -> None:
+    """An adapter on a router's scores, `weight [E, D]` (`optim.lora_targets=router`)."""
+    w = router.weight
+    router.lora_A = nn.Parameter(init_a(torch.empty(rank, w.shape[1]), generator).to(w.device, w.dtype))
+    router.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype))
+    router.lora_scale, router.lora_merged = scale, False
+
+
+EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")  # a `GroupedExperts`' weights, `EXPERT_PROJS` order
+
+
 def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return experts.w_gate_EDF, experts.w_up_EDF, experts.w_down_EFD
+    return tuple(getattr(experts, name) for name in EXPERT_WEIGHTS)
 
 
 def has_expert_adapters(experts: nn.Module) -> bool:
@@ -151,19 +161,18 @@ def copy_expert_adapters(src: nn.Module, dst: nn.Module, rows: slice) -> None:
 
 # ---- putting adapters on a model ------------------------------------------------------------
 
-def _linear_targets(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """`(name, parent, attribute, linear)` of every Linear the targets adapt, in module order."""
+def _linear_targets(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """`(parent, attribute, linear)` of every Linear the targets adapt, in module order: all of
+    a layer's attention ("attn"), a dense layer's MLP ("mlp"), an MoE layer's shared experts
+    ("shared"; not their gate)."""
     out = []
-    for name, module in model.named_modules():
-        for attr, child in module.named_children():
-            if not isinstance(child, nn.Linear):
-                continue
-            full = f"{name}.{attr}" if name else attr
-            parts = full.split(".")
-            kind = ("attn" if ".attn." in f".{full}" else "shared" if ".mlp.shared." in f".{full}"
-                    else "mlp" if ".mlp." in f".{full}" and "shared_gate" not in full else None)
-            if kind in targets and parts[0] == "layers":
-                out.append((full, module, attr, child))
+    for layer in model.layers:
+        groups = {"attn": layer.attn, "mlp": None if layer.is_moe else layer.mlp,
+                  "shared": layer.mlp.shared if layer.is_moe else None}
+        for kind, group in groups.items():
+            if kind in targets and group is not None:
+                out += [(parent, attr, child) for parent in group.modules()
+                        for attr, child in parent.named_children() if isinstance(child, nn.Linear)]
     return out
 
 
@@ -215,7 +224,7 @@ def attach(model: nn.Module, spec: LoraSpec, base: str | None = None) -> nn.Modu
     if base is not None:
         model.lora_base = {"base": str(Path(base).resolve()), "fingerprint": fingerprint(model)}
     generator = torch.Generator().manual_seed(spec.seed)
-    for _, parent, attr, lin in _linear_targets(model, spec.targets):
+    for parent, attr, lin in _linear_targets(model, spec.targets):
         setattr(parent, attr, LoRALinear(lin, spec.rank, spec.scale, generator))
     for layer in model.layers:
         if not layer.is_moe:
@@ -223,7 +232,7 @@ def attach(model: nn.Module, spec: LoraSpec, base: str | None = None) -> nn.Modu
         if "experts" in spec.targets:
             add_expert_adapters(layer.mlp.experts, spec.rank, spec.scale, generator)
         if "router" in spec.targets:
-            layer.mlp.router.add_adapter(spec.rank, spec.scale, generator)
+            add_router_adapter(layer.mlp.router, spec.rank, spec.scale, generator)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     model.lora = spec
@@ -259,9 +268,16 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 # ---- merging --------------------------------------------------------------------------------
 
 def _adapted(model: nn.Module) -> Iterator[nn.Module]:
-    for m in model.modules():
-        if has_expert_adapters(m) or getattr(m, "lora_A", None) is not None:
-            yield m
+    return (m for m in model.modules() if getattr(m, "lora_scale", None) is not None)
+
+
+def _updates(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """An adapted module's `(weight attribute, the update its adapter stands for)`: `scale * B A`
+    for a Linear or router (`weight [out, in]`), per expert `scale * A_e B_e` for routed experts."""
+    if has_expert_adapters(m):
+        return [(name, torch.bmm(getattr(m, f"lora_A_{proj}"), getattr(m, f"lora_B_{proj}")) * m.lora_scale)
+                for proj, name in zip(EXPERT_PROJS, EXPERT_WEIGHTS)]
+    return [("weight", (m.lora_B @ m.lora_A) * m.lora_scale)]
 
 
 @torch.no_grad()
@@ -274,11 +290,8 @@ def merge(model: nn.Module, sign: float = 1.0) -> None:
     for m in _adapted(model):
         if m.lora_merged == (sign > 0):
             raise RuntimeError(f"LoRA adapters are already {'merged' if sign > 0 else 'unmerged'}")
-        if has_expert_adapters(m):
-            for proj, w in zip(EXPERT_PROJS, expert_weights(m)):
-                w.add_(torch.bmm(getattr(m, f"lora_A_{proj}"), getattr(m, f"lora_B_{proj}")), alpha=sign * m.lora_scale)
-        else:  # an adapted Linear or router: weight [out, in]
-            m.weight.add_(m.lora_B @ m.lora_A, alpha=sign * m.lora_scale)
+        for attr, delta in _updates(m):
+            getattr(m, attr).add_(delta, alpha=sign)
         m.lora_merged = sign > 0
 
 
@@ -293,21 +306,18 @@ def refilled(model: nn.Module) -> None:
         m.lora_merged = False
 
 
+@torch.no_grad()
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict (no adapter names) with every adapter folded into its weight:
     what an export or a merged rollout replica holds. New tensors; `model` is unchanged."""
     if is_merged(model):
         raise RuntimeError("merged_state of a model whose adapters are merged would add them twice")
-    state = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
-    out = dict(state)
+    out = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
     for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if has_expert_adapters(m):
-            for proj, wname in zip(EXPERT_PROJS, ("w_gate_EDF", "w_up_EDF", "w_down_EFD")):
-                delta = torch.bmm(getattr(m, f"lora_A_{proj}").detach(), getattr(m, f"lora_B_{proj}").detach())
-                out[prefix + wname] = state[prefix + wname] + delta * m.lora_scale
-        elif getattr(m, "lora_A", None) is not None:  # an adapted Linear or router
-            out[prefix + "weight"] = state[prefix + "weight"] + (m.lora_B.detach() @ m.lora_A.detach()) * m.lora_scale
+        if getattr(m, "lora_scale", None) is not None:
+            for attr, delta in _updates(m):
+                key = f"{name}.{attr}" if name else attr
+                out[key] = out[key] + delta
     return out
 
 

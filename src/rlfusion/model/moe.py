@@ -20,6 +20,8 @@ from rlfusion.model.routes import NO_ROUTE, Routes
 
 
 class Router(nn.Module):
+    lora_scale, lora_merged = None, False  # a LoRA adapter's (`lora.add_router_adapter`), none by default
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
@@ -39,7 +41,7 @@ class Router(nn.Module):
         router's scores of the experts routed to, so its gradient flows either way. The top-k
         it chose by itself is kept as `own_NK` (until the next call)."""
         logits_NE = F.linear(x_ND.float(), self.weight.float())
-        if getattr(self, "lora_A", None) is not None and not self.lora_merged and lora.active():
+        if self.lora_scale is not None and not self.lora_merged and lora.active():
             logits_NE = logits_NE + F.linear(F.linear(x_ND.float(), self.lora_A.float()),
                                              self.lora_B.float()) * self.lora_scale
         scores_NE = logits_NE.softmax(-1) if self.score_func == "softmax" else logits_NE.sigmoid()
@@ -78,14 +80,6 @@ class Router(nn.Module):
         frac_E = counts_E.float() / counts_E.sum()
         return self.aux_loss_coef * self.num_experts * (frac_E * probs_NE.mean(0)).sum()
 
-    def add_adapter(self, rank: int, scale: float, generator: torch.Generator) -> None:
-        """A LoRA adapter on the router's scores (`optim.lora_targets=router`)."""
-        E, D = self.weight.shape
-        A = lora.init_a(torch.empty(rank, D), generator)
-        self.lora_A = nn.Parameter(A.to(self.weight.device, self.weight.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(E, rank, device=self.weight.device, dtype=self.weight.dtype))
-        self.lora_scale, self.lora_merged = scale, False
-
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
@@ -112,6 +106,7 @@ class GroupedExperts(nn.Module):
     what a decode step of a small model costs. Large batches sort tokens by expert."""
 
     dense_max_tokens = 16
+    lora_scale, lora_merged = None, False  # LoRA adapters' (`lora.add_expert_adapters`), none by default
 
     def __init__(self, num_experts: int, dim: int, ffn_dim: int):
         super().__init__()

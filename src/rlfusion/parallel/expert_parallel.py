@@ -267,6 +267,8 @@ class ExpertParallelExperts(nn.Module):
     backward autograd runs the same interleaving in reverse (each transfer's gradient is issued
     where its forward was waited for and waited for where it was issued)."""
 
+    lora_scale, lora_merged = None, False  # this rank's experts' LoRA adapters, when they have them
+
     def __init__(self, experts: GroupedExperts, mesh: ParallelMesh):
         super().__init__()
         num_experts = experts.w_gate_EDF.shape[0]

@@ -167,23 +167,15 @@ def _checkpointed(module: nn.Module, forward, *args, **kwargs):
 
     def contexts():
         record = PairingRecord()  # (Adaptive Pipe: the replay splits its all-to-all as the forward did)
-        return record, _ReplayAll(_Replay(routers), PairingReplay(record))
+        return record, _replay(_Replay(routers), PairingReplay(record))
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
-class _ReplayAll:
-    """Several contexts around a replay, entered in order, left in reverse."""
-
-    def __init__(self, *contexts):
-        self.stack = contextlib.ExitStack()
-        self.contexts = contexts
-
-    def __enter__(self) -> None:
-        for c in self.contexts:
-            self.stack.enter_context(c)
-
-    def __exit__(self, *exc) -> None:
-        self.stack.__exit__(*exc)
+@contextlib.contextmanager
+def _replay(routers: "_Replay", pairing: PairingReplay):
+    """The contexts around a replay: the routers replay their choices, the all-to-alls their split."""
+    with routers, pairing:
+        yield
 
 
 def _swapped(pool: HostPool, forward, *args, **kwargs):

@@ -82,10 +82,9 @@ def _place_adapters(block: Block, plan: dict, tp_mesh: DeviceMesh) -> None:
         column = isinstance(style, ColwiseParallel)
         for attr, placement in (("lora_A", Replicate() if column else Shard(1)),
                                 ("lora_B", Shard(0) if column else Replicate())):
-            t = getattr(module, attr)
-            t = t.redistribute(tp_mesh, [placement]) if isinstance(t, DTensor) else distribute_tensor(
-                t.detach(), tp_mesh, [placement])
-            module.register_parameter(attr, nn.Parameter(t.detach() if isinstance(t, DTensor) else t))
+            t = getattr(module, attr).detach()
+            t = t.redistribute(tp_mesh, [placement]) if isinstance(t, DTensor) else distribute_tensor(t, tp_mesh, [placement])
+            module.register_parameter(attr, nn.Parameter(t))
 
 
 def apply_tensor_parallel(block: Block, tp_mesh: DeviceMesh) -> None:

@@ -22,7 +22,6 @@ import torch
 
 from rlfusion.model import lora
 from rlfusion.model.files import load_weights_into
-
 from rlfusion.obs.metrics import NumberUnpacker
 from rlfusion.obs.timeline import unpack_spans
 from rlfusion.queue import DistQueue

@@ -29,7 +29,6 @@ from rlfusion.errors import RunError
 from rlfusion.model.flops import causal_positions, forward_flops
 from rlfusion.model import lora
 from rlfusion.model.files import load_weights_into
-from rlfusion.model.lora import trained_parameters
 from rlfusion.model.transformer import MoETransformer
 from rlfusion.obs.metrics import NumberPacker
 from rlfusion.parallel.seq_balance import SeqCost
@@ -60,7 +59,7 @@ class Learner:
         cfg, plan = ctx.cfg, ctx.plan
         self.ctx, self.policy, self.model_config, self.peak_flops = ctx, policy, model.config, peak_flops
         # a checkpoint's optimizer state is keyed by the plain model's order of trained parameters
-        param_index = {name: i for i, (name, _) in enumerate(trained_parameters(model))}
+        param_index = {name: i for i, (name, _) in enumerate(lora.trained_parameters(model))}
         # how the update's rows are split over data-parallel ranks (`optim.dp_balance`)
         self.split_cost = SeqCost.from_config(model.config) if cfg.optim.dp_balance == "cost" else None
         self.train_group = self.dp_group = train_group if len(plan.train) > 1 else None

@@ -33,7 +33,8 @@ from safetensors import SafetensorError
 
 from rlfusion.errors import RunError
 from rlfusion.model import lora
-from rlfusion.model.checkpoint import load_checkpoint, save_checkpoint
+from rlfusion.model.checkpoint import (CONFIG, load_adapters_into, load_checkpoint, lora_spec_of, lora_table,
+                                       save_checkpoint)
 from rlfusion.model.files import load_weights_into
 from rlfusion.obs.files import fresh_dir, refuse_links, replace_dir
 from rlfusion.rl.problem import Problem
@@ -121,12 +122,16 @@ def load(trainer) -> None:
         path = trainer.run_dir / "checkpoint.old"  # killed between the two renames of a save
     if not (path / STATE).is_file():
         raise FileNotFoundError(no_state_message(trainer.run_dir))
-    model, _, _ = load_checkpoint(path)
-    saved, now = _lora_settings(model), _lora_settings(trainer.model)
+    info = lora_table(path)  # a LoRA run's: its adapters onto the run's base, which is loaded already
+    saved = _lora_settings(lora_spec_of(info, path / CONFIG) if info else None)
+    now = _lora_settings(lora.spec_of(trainer.model))
     if saved != now:
         raise ValueError(f"{path} was written with {saved}, this run has {now}; resume it with the settings "
                          f"it was saved with")
-    load_weights_into(trainer.model, lora.trained_state(model), str(path), part=lora.trained_part(trainer.model))
+    if info:
+        load_adapters_into(trainer.model, path, info)
+    else:
+        load_weights_into(trainer.model, load_checkpoint(path)[0].state_dict(), str(path))
     file = path / STATE
     state = read_state(file)
     try:
@@ -139,8 +144,7 @@ def load(trainer) -> None:
                          f"this version of rlfusion for this run's settings") from None
 
 
-def _lora_settings(model) -> str:
-    spec = lora.spec_of(model)
+def _lora_settings(spec: lora.LoraSpec | None) -> str:
     if spec is None:
         return "optim.lora_rank=0 (full fine-tuning)"
     return f"optim.lora_rank={spec.rank} lora_alpha={spec.alpha:g} lora_targets={','.join(spec.targets)}"

@@ -19,8 +19,8 @@ from rlfusion.rl.tasks.arithmetic import ArithmeticConfig
 from rlfusion.runtime.deployment import PRECISIONS, DeployConfig
 from rlfusion.stalesync.rules import StaleSyncConfig
 
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")
-LORA_ROLLOUT = ("auto", "merged", "unmerged")  # gae: PPO with a critic
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")  # gae: PPO with a critic
+LORA_ROLLOUT = ("auto", "merged", "unmerged")
 LOSS_AGGS = ("token", "seq")
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
@@ -196,8 +196,9 @@ class OptimConfig:
     dp_balance: str = "tokens"
     # LoRA (0 = full fine-tuning): adapters of rank `lora_rank` scaled by `lora_alpha / lora_rank`
     # on `lora_targets` (comma-separated: attn, mlp (dense layers), shared, experts (per expert),
-    # router; "" = those of attn, mlp, shared, experts the model has); the base stays frozen, outside the optimizer, and is the reference policy; only
-    # the adapters are synced to rollout devices and checkpointed (with a pointer to the base).
+    # router; "" = those of attn, mlp, shared, experts the model has); the base stays frozen,
+    # outside the optimizer, and is the reference policy; only the adapters are synced to
+    # rollout devices and checkpointed (with a pointer to the base).
     # `lora_rollout`: how a rollout applies them: "merged" (folded into the weights it generates
     # from, 1.46x the tokens/s of unmerged on the tiny base here; the trained model itself is
     # merged for each rollout and unmerged after it, which rounds its frozen base by an ulp),
@@ -232,7 +233,6 @@ class OptimConfig:
             "expert_balance_source": (self.expert_balance_source in ("trainer", "rollout"), "allowed: trainer, rollout"),
             "dp_balance": (self.dp_balance in DP_BALANCE, f"allowed: {', '.join(DP_BALANCE)}"),
         }, self)
-
 
     def lora_spec(self, seed: int) -> LoraSpec | None:
         """The adapters to put on the base (None: full fine-tuning)."""
