@@ -18,8 +18,8 @@ workers, subprocesses) are its own, as in a run of its own.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
-import io
 import json
 import os
 import runpy
@@ -35,18 +35,21 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def run_script(script: str) -> dict:
-    """`bench/{script} --smoke` as `__main__`: exit code, stdout, stderr, seconds."""
+def run_script(script: str, folder: Path) -> dict:
+    """`bench/{script} --smoke` as `__main__`: exit code, stdout, stderr, seconds. Its output
+    goes to files in `folder` as it is written, so a script that hangs or takes the process down
+    leaves what it printed so far (`Background.collect` reads it back)."""
     import torch
 
     path = BENCH / script
     cwd, environ, path_before, argv = os.getcwd(), dict(os.environ), list(sys.path), sys.argv
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    out, err = io.StringIO(), io.StringIO()
+    out_path, err_path = folder / f"{script}.out", folder / f"{script}.err"
     start = time.perf_counter()
     sys.argv, sys.path = [str(path), "--smoke"], [str(BENCH), *path_before]  # as `python bench/x.py`
     code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with out_path.open("w", buffering=1) as out, err_path.open("w", buffering=1) as err, \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:  # as the interpreter reads `sys.exit(...)`
@@ -69,7 +72,8 @@ def run_script(script: str) -> dict:
         sys.modules["ray"].shutdown()
     gc.unfreeze()
     gc.collect()
-    return {"script": script, "code": code, "out": out.getvalue(), "err": err.getvalue(), "seconds": seconds}
+    return {"script": script, "code": code, "out": out_path.read_text(), "err": err_path.read_text(),
+            "seconds": seconds}
 
 
 class Background:
@@ -83,6 +87,7 @@ class Background:
         self.folder = Path(tempfile.mkdtemp(prefix="bench_smoke_"))
         self.results = self.folder / "runs.jsonl"
         self.results.touch()
+        self.timed_out = False
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with (self.folder / "stdout").open("w") as out, (self.folder / "stderr").open("w") as err:
             self.proc = subprocess.Popen([sys.executable, __file__, str(self.results), *scripts],
@@ -92,30 +97,45 @@ class Background:
     def _lines(self) -> list[str]:
         return self.results.read_text().splitlines()
 
+    def _tail(self, name: str) -> str:
+        path = self.folder / name
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
     def collect(self) -> dict[str, dict]:
         """Each script's result once the process ends: {"code", "out", "err", "seconds"}; one
-        still running TIMEOUT_S after the previous one finished (or the start) has the whole
-        process session killed and "timed_out" set, and a script never reached has "missing"
-        with the runner's own output."""
+        still running TIMEOUT_S after the previous one finished (or the start) has its stacks
+        dumped, the whole process session killed and "timed_out" set; a script never reached,
+        or running when the process died of something else, has "missing" with the output so
+        far."""
         while self.proc.poll() is None:
             time.sleep(0.5)
             if time.time() - self.results.stat().st_mtime > self.TIMEOUT_S:  # written at each script's end
+                self.timed_out = True
                 self.stop()
         lines = self._lines()
         runs = {run["script"]: run for run in map(json.loads, lines)}
-        tail = f"--- runner stdout (end) ---\n{(self.folder / 'stdout').read_text()[-4000:]}\n" \
-               f"--- runner stderr (end) ---\n{(self.folder / 'stderr').read_text()[-4000:]}"
+        code = self.proc.returncode
+        why = f"was killed after {self.TIMEOUT_S} s without a script ending" if self.timed_out else \
+            f"died of signal {signal.Signals(-code).name}, not sent by the tests (the kernel's OOM killer?)" \
+            if code < 0 else f"exited {code}"
+        tail = f"--- runner stdout (end) ---\n{self._tail('stdout')}\n--- runner stderr (end) ---\n{self._tail('stderr')}"
         for i, script in enumerate(self.scripts):
             if script not in runs:
                 reached = i == len(lines)  # the one that was running when the runner ended
-                runs[script] = {"timed_out": reached and self.proc.returncode == -signal.SIGKILL,
-                                "missing": f"the runner exited {self.proc.returncode} "
-                                           f"{'while running it' if reached else 'before it'}\n{tail}"}
+                here = f"--- its stdout so far ---\n{self._tail(script + '.out')}\n--- its stderr so far ---\n" \
+                       f"{self._tail(script + '.err')}\n--- the runner's threads when it was killed ---\n" \
+                       f"{self._tail('stacks')}\n" if reached else ""
+                runs[script] = {"timed_out": reached and self.timed_out,
+                                "missing": f"the runner {why} {'while running it' if reached else 'before it'}\n"
+                                           f"{here}{tail}"}
         return runs
 
     def stop(self) -> None:
-        """Kill the runner and everything it started (a no-op once it ended)."""
+        """Kill the runner and everything it started (a no-op once it ended), its threads'
+        stacks written to `stacks` first."""
         if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)  # faulthandler: every thread's stack
+            time.sleep(2.0)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
@@ -126,9 +146,11 @@ class Background:
 
 def main() -> None:
     out_path, scripts = Path(sys.argv[1]), sys.argv[2:]
+    stacks = (out_path.parent / "stacks").open("w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # Background.stop asks before a kill
     with out_path.open("w") as f:
         for script in scripts:
-            f.write(json.dumps(run_script(script)) + "\n")
+            f.write(json.dumps(run_script(script, out_path.parent)) + "\n")
             f.flush()  # what finished is read back even if a later script takes the process down
 
 
