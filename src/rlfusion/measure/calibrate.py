@@ -51,6 +51,8 @@ LONG_CONTEXT = 1280  # the longest context priced (the replay workload's: prompt
 #                      the base decodes past its own context with the same weights (rotary positions)
 CONTEXT_ROWS = 32  # rows of the long-context decode passes: a replay device's share (64 samples / 2)
 BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
+PAIR_JOIN_S = 120  # the two broadcast processes' rendezvous and each collective, at most
+PAIR_DEADLINE_S = 900  # their whole run (about a minute on 2 busy cores), at most
 
 
 @dataclass(frozen=True)
@@ -379,12 +381,16 @@ def measure_advantage(tokenizer, vocab: int, quick: bool, n: int = 256) -> float
 
 # ---- two processes: weight broadcast bandwidth; two Ray actors: contention -----------------------------------
 
-def _pair_worker(rank: int, setup: Setup, init: str, out) -> None:
+def _pair_worker(rank: int, setup: Setup, port: int, out) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     model, tokenizer = load_base_model(setup)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=PAIR_JOIN_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PAIR_JOIN_S))
     params = [p.data for p in model.parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in params)
     limit = int(BUCKET_MB * 2**20)
@@ -452,26 +458,37 @@ def _stop_sums_while_decoding(model, tokenizer, rank: int, quick: bool) -> float
 
 
 def measure_pair(setup: Setup) -> dict:
+    """Two spawned processes: the weight broadcast and the stop-rule sums (`_pair_worker`). This
+    process holds their rendezvous store (a port the OS gives it, never one another process can
+    take first); a process that dies, or the two not done in `PAIR_DEADLINE_S`, is an error."""
+    import datetime
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=PAIR_JOIN_S))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_pair_worker, args=(r, setup, f"tcp://127.0.0.1:{port}", out),
-                         daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_pair_worker, args=(r, setup, store.port, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
-    results = []
-    while len(results) < len(procs):
-        try:
-            results.append(out.get(timeout=1.0))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"a broadcast benchmark process died (exit code {dead[0]})")
+    results, deadline = [], time.monotonic() + PAIR_DEADLINE_S
+    try:
+        while len(results) < len(procs):
+            try:
+                results.append(out.get(timeout=1.0))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a broadcast benchmark process died (exit code {dead[0]})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the broadcast benchmark's two processes did not finish in "
+                                       f"{PAIR_DEADLINE_S} s ({len(results)} of 2 reported)")
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     results.sort()
     for p in procs:
         p.join(timeout=60)

@@ -41,6 +41,7 @@ PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 promp
 PARTS = ("decode", "context", "train")  # the kinds of work timed apart (Calibration.speed)
 CONTEXT_SHORT = 64  # the context part: passes at `LONG_CONTEXT` less passes at this (about the decode table's)
 CONTEXT_PASSES = 12  # passes at each of the two contexts per run of the workload
+CALL_TIMEOUT_S = 600  # one call of both workers (a warm run of the workload takes seconds), at most
 
 
 def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[str, float]:
@@ -139,10 +140,10 @@ def contention_workers(setup: Setup) -> list:
     workers = [cls.options(num_cpus=setup.threads, runtime_env=env).remote(setup, r)
                for r in range(2)]
     try:
-        port = ray.get(workers[0].address.remote())
-        ray.get([w.connect.remote(port, r) for r, w in enumerate(workers)])
-        ray.get([w.work.remote() for w in workers])  # load + warm-up
-        ray.get([w.work.remote(lockstep=True) for w in workers])
+        port = _get(workers[0].address.remote(), "start")
+        _get([w.connect.remote(port, r) for r, w in enumerate(workers)], "join their gloo world")
+        _get([w.work.remote() for w in workers], "warm up")  # load + warm-up
+        _get([w.work.remote(lockstep=True) for w in workers], "warm up in lock-step")
     except BaseException:
         for w in workers:  # they hold CPUs of the caller's Ray cluster and a gloo store
             ray.kill(w)
@@ -153,14 +154,23 @@ def contention_workers(setup: Setup) -> list:
 def contention_probe(workers: list, reps: int = 1) -> tuple[list[dict], list[dict], list[dict]]:
     """(alone, together, in lock-step): the seconds of the workload's parts (`work`) of each
     worker alone, then both independently, then both in lock-step."""
-    import ray
-
     alone, together, lockstep = [], [], []
     for _ in range(reps):
-        alone += [ray.get(w.work.remote()) for w in workers]
-        together += ray.get([w.work.remote() for w in workers])
-        lockstep += ray.get([w.work.remote(lockstep=True) for w in workers])
+        alone += [_get(w.work.remote(), "run alone") for w in workers]
+        together += _get([w.work.remote() for w in workers], "run at once")
+        lockstep += _get([w.work.remote(lockstep=True) for w in workers], "run in lock-step")
     return alone, together, lockstep
+
+
+def _get(refs, what: str):
+    """`ray.get` of the workers' calls, an error naming the step where they are not done in
+    `CALL_TIMEOUT_S` (an actor Ray cannot place or start, a world that never forms)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=CALL_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the contention probe's Ray workers did not {what} in {CALL_TIMEOUT_S} s") from None
 
 
 def concurrent_speed(alone: list[dict], together: list[dict], part: str = "total") -> float:
