@@ -243,19 +243,19 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
 
 
 @pytest.mark.parametrize("layout, pick", [
+    # (each layout's plain form is a part of a case below: expert parallelism's of its
+    # hierarchical, micro-batched and recomputed cases, FSDP's of its own, 1F1B's of the
+    # micro-batched pipeline's)
     ({"deploy.train_tp": 2}, None),
-    ({"deploy.train_ep": 2}, None),
     # one device per node: the expert all-to-all goes node by node (hierarchical)
     ({"deploy.train_ep": 2, "deploy.ranks_per_node": 1}, None),
     # the three longest samples in 64-token micro-batches: one data-parallel rank gets two
     # (two micro-batches), the other one, which joins the first's second expert all-to-alls
     # with a pass that contributes nothing
     ({"deploy.train_ep": 2, "optim.microbatch_tokens": 64}, "3 longest"),
-    ({"deploy.train_fsdp": "true"}, None),
-    # the expert all-to-all overlapped with computation, in chunks; with a rank that joins the
+    # the expert all-to-all overlapped with computation, in chunks: with a rank that joins the
     # other's second micro-batch with a pass that contributes nothing; with whole layers
     # recomputed (the replay issues the chunks' transfers again)
-    ({"deploy.train_ep": 2, "deploy.train_a2a_chunks": 2}, None),
     ({"deploy.train_ep": 2, "deploy.train_a2a_chunks": 3, "optim.microbatch_tokens": 64}, "3 longest"),
     ({"deploy.train_ep": 2, "deploy.train_a2a_chunks": 2, "optim.recompute": "full"}, None),
     # FSDP's all-gathers and reduce-scatters are collectives too: the rank with one micro-batch
@@ -265,12 +265,11 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
     # off-policy minibatches (a proximal no-grad pass first) and the routers' bias update
     ({"deploy.train_fsdp": "true", "algo.minibatches": 2, "algo.ppo_epochs": 2,
       "optim.router_bias_update": "true"}, None),
-    # pipeline stages: 1F1B on two devices (the loss's per-token inputs reach the last stage
-    # beside the rows); interleaved (two model chunks per stage) with each layer's attention
-    # recomputed; 64-token micro-batches (several per step) with off-policy minibatches (a
-    # forward-only pipeline pass for the proximal logprobs) and the routers' bias update
-    # (padding tokens are not counted)
-    ({"deploy.train_pp": 2}, None),
+    # pipeline stages on two devices (the loss's per-token inputs reach the last stage beside
+    # the rows): interleaved (two model chunks per stage) with each layer's attention
+    # recomputed; 1F1B over 64-token micro-batches (several per step) with off-policy
+    # minibatches (a forward-only pipeline pass for the proximal logprobs) and the routers'
+    # bias update (padding tokens are not counted)
     ({"deploy.train_pp": 2, "deploy.train_vpp": 2, "optim.recompute": "selective"}, None),
     ({"deploy.train_pp": 2, "optim.microbatch_tokens": 64, "algo.minibatches": 2, "algo.ppo_epochs": 2,
       "optim.router_bias_update": "true"}, None),
