@@ -255,11 +255,14 @@ def test_the_python_environment_runs_calls_in_the_sandbox():
 
 def test_stalesync_resumes_episodes_paused_mid_rollout(model):
     """`run_groups` with episodes: a quota ends the rollout early, the paused episodes resume in
-    the next with a newer version, and each sample's oldest version is that of a sampled token."""
+    the next with a newer version, and each sample's oldest version is that of a sampled token.
+    Each answer is taken at the step after its call (`deterministic`): which episodes the quota
+    pauses, and where, does not hang on how fast the environment's workers answer."""
     from rlfusion.runtime.rollout_stage import RolloutStage
 
     cfg = dataclasses.replace(TrainConfig().rollout, group_size=2, max_new_tokens=40, min_prefill_batch=1)
-    stage = RolloutStage(model, TOK, cfg, seed=0, env=EnvConfig("env_fns:ScriptedEnv", workers=2))
+    stage = RolloutStage(model, TOK, cfg, seed=0, env=EnvConfig("env_fns:ScriptedEnv", workers=2),
+                         deterministic=True)
     probs = problems(6, seed=3)
     try:
         first = stage.run_groups([(g, p, []) for g, p in enumerate(probs)], version=0, quota=2, must_finish=set())
@@ -277,7 +280,10 @@ def test_stalesync_resumes_episodes_paused_mid_rollout(model):
     for t in first["finished"] + resumed:
         sampled = [v for v, m in zip(t.versions, t.sampled) if m]
         assert min(t.versions) == min(sampled) and t.response_mask is not None
-        assert t.env_reward == 0.25 * sum(1 for a, b in segments(t.sampled)[1:])  # one reward per answered turn
+        # one reward per step the environment answered: each observation's, and the last turn's
+        # where its answer did not fit the token budget (the episode ends there, without it)
+        answers = len(segments(t.sampled)) - 1 + (t.finish_reason == "length" and t.response_ids[-1] == TOK.encode(STOP)[0])
+        assert t.env_reward == 0.25 * answers
     assert stats["env_failures"] == 0
 
 
