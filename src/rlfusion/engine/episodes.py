@@ -15,9 +15,9 @@ An episode ends on the end token, at its token budget (`params.max_new_tokens` c
 response token, observations too; an answer that does not fit ends the episode without its
 observation, its reward counted: the environment took the step), after `max_turns` turns,
 when the environment says done, or when it fails: a step that raised, hung past its timeout,
-killed its worker or returned something unusable. A failed episode keeps its tokens and gets reward 0 (`Trajectory.env_failed`);
-more than `failure_limit` of the last `FAILURE_WINDOW` episodes failing stops the run (`EnvError`;
-judged once `MIN_JUDGED` episodes ended).
+killed its worker or returned something unusable. A failed episode keeps its tokens and gets
+reward 0 (`Trajectory.env_failed`); more than `failure_limit` of the last `FAILURE_WINDOW`
+episodes failing stops the run (`EnvError`; judged once `MIN_JUDGED` episodes ended).
 `abort` waits for the aborted episodes' pending calls (each bounded by the timeout), so a paused
 episode is paused between turns with its observation in place, or inside a turn.
 """
