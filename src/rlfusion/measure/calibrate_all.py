@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 from rlfusion.measure.calibrate import (CONTEXT_ROWS, LONG_CONTEXT, default_setup, load_base_model, measure_advantage,
-                                        measure_engine, measure_pair, measure_train_and_reference)
+                                        measure_engine, measure_train_and_reference)
 from rlfusion.measure.contention import measure_contention, speeds_line
+from rlfusion.measure.pair import measure_pair
 from rlfusion.sim.calibration import Calibration, save_calibration
 
 
