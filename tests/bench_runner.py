@@ -1,7 +1,9 @@
 """Runs several `bench/` scripts with `--smoke` one after another in this one process, as
 `python bench/NAME.py --smoke` would run each, and writes one JSON line per script to OUT:
 {"script", "code", "out", "err", "seconds"}. One process pays the interpreter's start and the
-imports (torch, Ray, rlfusion) once instead of once per script.
+imports (torch, Ray, rlfusion) once instead of once per script. Each script's output also goes
+to `SCRIPT.out` / `SCRIPT.err` beside OUT as it is printed, and SIGUSR1 writes every thread's
+stack to `stacks` there: what a script that hangs or takes the process down leaves behind.
 
     python tests/bench_runner.py OUT.jsonl SCRIPT.py ...
 
