@@ -118,7 +118,7 @@ class Background:
         runs = {run["script"]: run for run in map(json.loads, lines)}
         code = self.proc.returncode
         why = f"was killed after {self.TIMEOUT_S} s without a script ending" if self.timed_out else \
-            f"died of signal {signal.Signals(-code).name}, not sent by the tests (the kernel's OOM killer?)" \
+            f"died of signal {_signal_name(-code)}, not sent by the tests (the kernel's OOM killer?)" \
             if code < 0 else f"exited {code}"
         tail = f"--- runner stdout (end) ---\n{self._tail('stdout')}\n--- runner stderr (end) ---\n{self._tail('stderr')}"
         for i, script in enumerate(self.scripts):
@@ -144,6 +144,13 @@ class Background:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # (a real-time signal has no name)
+        return str(number)
 
 
 def main() -> None:

@@ -244,8 +244,8 @@ def test_plan_puts_pipeline_stages_first_and_groups_a_data_parallel_rank():
 
 @pytest.mark.parametrize("layout, pick", [
     # (each layout's plain form is a part of a case below: expert parallelism's of its
-    # hierarchical, micro-batched and recomputed cases, FSDP's of its own, 1F1B's of the
-    # micro-batched pipeline's)
+    # hierarchical, micro-batched and recomputed cases, FSDP's of its own, plain 1F1B's of the
+    # separated pipeline and the pipeline x tensor parallel cases)
     ({"deploy.train_tp": 2}, None),
     # one device per node: the expert all-to-all goes node by node (hierarchical)
     ({"deploy.train_ep": 2, "deploy.ranks_per_node": 1}, None),

@@ -41,7 +41,7 @@ PROBE_SAMPLES = 128  # a colocated device's share of the default batch (32 promp
 PARTS = ("decode", "context", "train")  # the kinds of work timed apart (Calibration.speed)
 CONTEXT_SHORT = 64  # the context part: passes at `LONG_CONTEXT` less passes at this (about the decode table's)
 CONTEXT_PASSES = 12  # passes at each of the two contexts per run of the workload
-CALL_TIMEOUT_S = 600  # one call of both workers (a warm run of the workload takes seconds), at most
+CALL_TIMEOUT_S = 300  # one call of both workers (a warm run of the workload takes seconds), at most
 
 
 def _mixed_workload(model, tokenizer, actor, trajs, context, meet=None) -> dict[str, float]:

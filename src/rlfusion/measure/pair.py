@@ -14,7 +14,7 @@ from rlfusion.measure.calibrate import Setup, load_base_model, median_time, task
 
 BUCKET_MB = 4.0  # the weight-sync bucket (DeployConfig.bucket_mb)
 PAIR_JOIN_S = 120  # the two processes' rendezvous and each collective, at most
-PAIR_DEADLINE_S = 900  # their whole run (about a minute on 2 busy cores), at most
+PAIR_DEADLINE_S = 300  # their whole run (about a minute on 2 busy cores, seconds in a smoke run), at most
 
 
 def _pair_worker(rank: int, setup: Setup, port: int, out) -> None:
@@ -121,13 +121,13 @@ def measure_pair(setup: Setup) -> dict:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the broadcast benchmark's two processes did not finish in "
                                        f"{PAIR_DEADLINE_S} s ({len(results)} of 2 reported)")
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
+    finally:
+        for p in procs:  # done after their results; killed if one failed or the time ran out
+            p.join(timeout=60 if len(results) == len(procs) else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
     results.sort()
-    for p in procs:
-        p.join(timeout=60)
     nbytes = results[0][1]
     bcast_s = max(r[2] for r in results)
     return {"transfer_GBps": nbytes / bcast_s / 1e9, "weight_GB": nbytes / 1e9,
