@@ -221,3 +221,14 @@ def test_lora_keys_without_a_rank_are_one_line():
     for over in ("optim.lora_rollout=merged", "optim.lora_rollout=unmerged", "optim.lora_targets=attn"):
         with pytest.raises(ValueError, match=r"invalid with optim.lora_rank=0"):
             load_config(TrainConfig, None, [over])
+
+
+@pytest.mark.parametrize("drop, field", [("fingerprint", "'fingerprint'"), ("base", "'base'"), ("rank", "rank")])
+def test_a_lora_table_missing_a_field_is_one_line(tmp_path, drop, field):
+    from rlfusion.model.checkpoint import lora_spec_of
+
+    info = {"rank": 4, "alpha": 8.0, "targets": ["attn"], "seed": 0, "base": "/b", "fingerprint": "f"}
+    with pytest.raises(ValueError, match="bad 'lora' table") as e:
+        lora_spec_of({k: v for k, v in info.items() if k != drop}, tmp_path / "config.json")
+    assert field in str(e.value) and "\n" not in str(e.value)
+    assert lora_spec_of(info, tmp_path / "config.json").rank == 4

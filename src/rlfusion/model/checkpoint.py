@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from rlfusion.model import lora
-from rlfusion.model.config import ModelConfig, config_from_dict, config_to_dict
+from rlfusion.model.config import config_from_dict, config_to_dict
 from rlfusion.model.files import first_line, load_weights_into, read_json_file, read_safetensors_file
 from rlfusion.model.hf_tokenizer import tokenizer_from_dict
 from rlfusion.model.tokenizer import Tokenizer
@@ -108,13 +108,16 @@ def lora_table(path: str | Path) -> dict | None:
 
 
 def lora_spec_of(info: dict, where: Path) -> lora.LoraSpec:
+    """The adapters' spec of a checkpoint's `lora` table (`where`: its file, for the message);
+    one line where the table lacks a field or holds a bad one."""
     try:
-        spec = lora.LoraSpec.from_dict(info)
-        str(info["base"]), str(info["fingerprint"])
+        missing = [key for key in ("base", "fingerprint") if key not in info]
+        if missing:
+            raise KeyError(missing[0])
+        return lora.LoraSpec.from_dict(info)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: bad 'lora' table ({first_line(e)}); expected rank, alpha, targets, base, "
                          f"fingerprint") from None
-    return spec
 
 
 def load_adapters_into(model: MoETransformer, path: str | Path, info: dict) -> None:
